@@ -1,0 +1,26 @@
+# Two commands on a fresh machine: `make demo` (the equivalence matrix) and `make test`.
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test clean
+
+install: $(STAMP)
+
+# The pinned CPU torch goes in first: with no torch installed, an open range pulls a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check "$(TORCH)"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	touch $@
+
+demo: install
+	$(BIN)/equivcheck run
+
+test: install
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,38 @@
+"""Negative control: BatchNorm normalises by the statistics of whatever batch it sees.
+
+Micro-batches see other statistics than the global batch, so accumulation and sample-by-sample
+training must be reported as mismatches. Retained-graph and detached-partial accumulation run the
+BatchNorm trunk once on the global batch, so they stay exact: the harness must say both.
+"""
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import equivcheck as ec
+
+
+def model():
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 5))
+
+
+def data():
+    return torch.randn(24, 1, 6, 6), torch.randint(0, 5, (24,))
+
+
+batchnorm_cnn = ec.register_case(ec.Case(
+    name="batchnorm_cnn",
+    model=model,
+    data=data,
+    loss=partial(F.cross_entropy, reduction="none"),
+    batch_size=12,
+    steps=2,
+    split=lambda m: (m[:4], m[4]),
+    expect_mismatch={
+        "sample_by_sample": "BatchNorm normalises each sample by its own statistics",
+        "accumulate": "BatchNorm normalises each micro-batch by its own statistics",
+    },
+    description="negative control: BatchNorm2d under accumulation",
+))

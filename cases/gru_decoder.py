@@ -1,0 +1,52 @@
+"""Seed 002: a GRU decoder stepped token by token, trained with full back-propagation through time.
+
+The hidden state carries the graph from token to token (nothing is detached), so the gradient
+reaches every earlier step: what per-token detaching would silently truncate.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import equivcheck as ec
+
+VOCAB, HIDDEN, LENGTH = 12, 10, 5
+
+
+class Recurrence(nn.Module):
+    """Embedding and a GRU cell unrolled one token at a time: the hidden state of every token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, HIDDEN)
+        self.cell = nn.GRUCell(HIDDEN, HIDDEN)
+
+    def forward(self, tokens):
+        hidden = tokens.new_zeros((len(tokens), HIDDEN), dtype=self.embedding.weight.dtype)
+        states = []
+        for t in range(tokens.shape[1]):  # teacher forcing: the input of step t is the true token t
+            hidden = self.cell(self.embedding(tokens[:, t]), hidden)
+            states.append(hidden)
+        return torch.stack(states, dim=1)
+
+
+def model():
+    return nn.Sequential(Recurrence(), nn.Linear(HIDDEN, VOCAB))
+
+
+def data():
+    sequences = torch.randint(1, VOCAB, (24, LENGTH + 1))
+    return sequences[:, :-1], sequences[:, 1:]
+
+
+gru_decoder = ec.register_case(ec.Case(
+    name="gru_decoder",
+    model=model,
+    data=data,
+    loss=lambda logits, targets: F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), reduction="none"),
+    items=lambda targets: targets.numel(),
+    batch_size=12,
+    steps=2,
+    split=lambda m: (m[0], m[1]),
+    description="seed 002's decoder: GRU cell stepped per token, full BPTT, loss over every token",
+))

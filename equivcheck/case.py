@@ -1,0 +1,140 @@
+"""A case: what is trained (model, data, loss, optimizer, steps), independent of how.
+
+The regimes decide *how* one optimizer step is computed; a case only says what the step is for.
+Its loss returns one loss per item (``reduction='none'``), leaving out the items that don't count
+(padding), so the harness can normalise every regime by the item count of the whole global batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from functools import cached_property
+
+import torch
+from torch import Tensor, nn
+
+from .errors import InvalidArgument, expect_callable, expect_int
+
+ModelFactory = Callable[[], nn.Module]
+DataFactory = Callable[[], "tuple[Tensor, Tensor]"]
+LossFn = Callable[[Tensor, Tensor], Tensor]
+Split = Callable[[nn.Module], "tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]"]
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
+def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """SGD with momentum: unlike Adam, it does not normalise away a gradient scale bug."""
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def count_samples(targets: Tensor) -> int:
+    """The default item count: one loss item per sample."""
+    return len(targets)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A small deterministic training problem that every regime must solve identically.
+
+    ``model`` and ``data`` are factories, called after the harness seeds the RNG, so every regime
+    starts from the same weights and data. ``data`` holds exactly ``steps * batch_size`` samples.
+    ``items`` counts the loss items in a batch of targets (default: one per sample; a token model
+    counts its real tokens). ``split`` maps a model to ``(trunk, head)`` for ``detached_partial``.
+    ``expect_mismatch`` maps a regime name (``accumulate``) or exact spec (``accumulate:chunks=5``)
+    to the reason it must *not* match: a case that demonstrates a pitfall.
+    ``regimes`` lists the specs this case is checked under by default (``None``: the defaults).
+    """
+
+    name: str
+    model: ModelFactory
+    data: DataFactory
+    loss: LossFn
+    batch_size: int
+    steps: int = 1
+    optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = default_optimizer
+    split: Split | None = None
+    items: Callable[[Tensor], int] = count_samples
+    expect_mismatch: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    regimes: tuple[str, ...] | None = None
+    dtype: torch.dtype = torch.float64
+    rtol: float | None = None
+    atol: float | None = None
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip() or any(c in self.name for c in " ,:="):
+            raise InvalidArgument.value("name", self.name, "a non-empty string without spaces, ',', ':' or '='")
+        for argument in ("model", "data", "loss", "optimizer", "items"):
+            expect_callable(argument, getattr(self, argument))
+        if self.split is not None:
+            expect_callable("split", self.split)
+        expect_int("batch_size", self.batch_size)
+        expect_int("steps", self.steps)
+        if self.dtype not in DTYPES.values():
+            raise InvalidArgument.value("dtype", self.dtype, "torch.float64 or torch.float32")
+        if (self.rtol is None) != (self.atol is None):
+            raise InvalidArgument.value("rtol", self.rtol, f"rtol and atol given together (atol={self.atol!r})")
+        if not isinstance(self.expect_mismatch, Mapping):
+            raise InvalidArgument.type("expect_mismatch", self.expect_mismatch, "a mapping of regime -> reason")
+        if self.regimes is not None:
+            object.__setattr__(self, "regimes", tuple(self.regimes))
+
+    @property
+    def samples(self) -> int:
+        return self.steps * self.batch_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One global batch: the data of one optimizer step, and how to count its loss items."""
+
+    inputs: Tensor
+    targets: Tensor
+    count: Callable[[Tensor], int] = dataclasses.field(repr=False)
+
+    @cached_property
+    def items(self) -> int:
+        """Loss items in this batch: the normaliser of a mean over the batch."""
+        return int(self.count(self.targets))
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def split(self, chunks: int) -> list[Batch]:
+        """``chunks`` micro-batches of near-equal size (12 samples in 5 chunks: 3, 3, 2, 2, 2)."""
+        return [
+            Batch(inputs, targets, self.count)
+            for inputs, targets in zip(self.inputs.tensor_split(chunks), self.targets.tensor_split(chunks))
+        ]
+
+
+class Objective:
+    """What a regime may use of a case: its loss, checked to return one loss per item, and its split."""
+
+    def __init__(self, case: Case) -> None:
+        self._case = case
+
+    def item_losses(self, output: Tensor, targets: Tensor) -> Tensor:
+        losses = self._case.loss(output, targets)
+        expected = int(self._case.items(targets))
+        if not isinstance(losses, Tensor) or losses.dim() != 1 or len(losses) != expected:
+            shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
+            raise InvalidArgument(
+                f"loss of case {self._case.name!r} returned shape {shape} for {len(targets)} samples holding "
+                f"{expected} items: expected a 1-D tensor of one loss per item (reduction='none'), "
+                "leaving out only the items that don't count"
+            )
+        return losses
+
+    def sum(self, output: Tensor, targets: Tensor) -> Tensor:
+        return self.item_losses(output, targets).sum()
+
+    def mean(self, output: Tensor, targets: Tensor) -> Tensor:
+        return self.item_losses(output, targets).mean()
+
+    def split(self, model: nn.Module) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
+        """The case's ``(trunk, head)`` of ``model``; regimes that need it validate its presence first."""
+        assert self._case.split is not None
+        return self._case.split(model)

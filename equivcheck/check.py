@@ -1,0 +1,176 @@
+"""Checking a case: run the reference twice, every regime once, and turn comparisons into verdicts."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+import traceback
+from collections.abc import Iterable, Sequence
+
+from .case import Case
+from .compare import Comparison, compare
+from .errors import InvalidArgument, NotEquivalent
+from .regimes import DEFAULT_REGIMES, REGIMES, DetachedPartial, Regime, parse_regime
+from .registry import all_cases, resolve_case
+from .result import RunResult
+from .runner import run
+from .seeding import DEFAULT_SEED
+
+
+class Verdict(str, enum.Enum):
+    EQUIVALENT = "equivalent"
+    MISMATCH = "mismatch"
+    EXPECTED_MISMATCH = "expected_mismatch"
+    UNEXPECTED_MATCH = "unexpected_match"
+    NONDETERMINISTIC = "nondeterministic"
+    SKIPPED = "skipped"
+    ERROR = "error"
+
+    @property
+    def as_expected(self) -> bool:
+        return self in (Verdict.EQUIVALENT, Verdict.EXPECTED_MISMATCH, Verdict.SKIPPED)
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """The verdict on one (case, regime) pair, with the comparison behind it."""
+
+    case: str
+    regime: str
+    verdict: Verdict
+    comparison: Comparison | None = None
+    reason: str = ""
+    seconds: float = 0.0
+    result: RunResult | None = dataclasses.field(default=None, repr=False)
+    details: str = dataclasses.field(default="", repr=False)  # the traceback of an error
+
+    def describe(self) -> str:
+        head = f"{self.case} under {self.regime}: {self.verdict.value}"
+        if self.reason:
+            head += f" ({self.reason})"
+        if self.comparison is not None and self.verdict is not Verdict.EQUIVALENT:
+            head += "\n" + self.comparison.describe()
+        return head
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """The outcomes of one or more checks, in the order they ran."""
+
+    outcomes: tuple[Outcome, ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(o.verdict.as_expected for o in self.outcomes)
+
+    @property
+    def failures(self) -> tuple[Outcome, ...]:
+        return tuple(o for o in self.outcomes if not o.verdict.as_expected)
+
+    def outcome(self, case: str, regime: str) -> Outcome:
+        spec = str(parse_regime(regime))
+        for o in self.outcomes:
+            if o.case == case and o.regime == spec:
+                return o
+        raise InvalidArgument.unknown("outcome", f"{case} under {spec}", (f"{o.case} under {o.regime}" for o in self.outcomes))
+
+    def assert_equivalent(self) -> None:
+        """Raise :class:`NotEquivalent` describing every outcome that is not as expected."""
+        if not self.ok:
+            details = "\n\n".join(o.describe() for o in self.failures)
+            raise NotEquivalent(f"{len(self.failures)} of {len(self.outcomes)} checks failed:\n\n{details}")
+
+    def __add__(self, other: Report) -> Report:
+        return Report(self.outcomes + other.outcomes)
+
+
+def regimes_for(case: Case) -> tuple[str, ...]:
+    """The specs a case is checked under by default: its own list, else the defaults that apply."""
+    if case.regimes is not None:
+        return case.regimes
+    return tuple(s for s in DEFAULT_REGIMES if case.split is not None or not s.startswith(DetachedPartial.name))
+
+
+def expected_mismatch(case: Case, regime: Regime) -> str | None:
+    """The reason ``case`` declares that ``regime`` must mismatch, by exact spec or by regime name."""
+    return case.expect_mismatch.get(str(regime), case.expect_mismatch.get(regime.name))
+
+
+def check(
+    case: Case | str,
+    regimes: Iterable[str | Regime] | None = None,
+    *,
+    reference: str | Regime = "full_batch",
+    rtol: float | None = None,
+    atol: float | None = None,
+    seed: int = DEFAULT_SEED,
+) -> Report:
+    """Check ``case`` under each regime against ``reference`` (run twice, to prove it deterministic)."""
+    case = resolve_case(case)
+    reference = parse_regime(reference)
+    specs = [parse_regime(r) for r in (regimes_for(case) if regimes is None else regimes)]
+    _validate(case, [reference, *specs])
+    rtol, atol = (case.rtol, case.atol) if rtol is None and atol is None else (rtol, atol)
+
+    started = time.perf_counter()
+    ref = run(case, reference, seed=seed)
+    rerun = run(case, reference, seed=seed)
+    self_check = compare(ref, rerun, rtol=rtol, atol=atol)
+    ref_seconds = time.perf_counter() - started
+    if not self_check.ok:
+        why = f"the reference {reference} disagrees with itself from run to run"
+        return Report(tuple(Outcome(case.name, str(s), Verdict.NONDETERMINISTIC, self_check, why) for s in specs))
+
+    outcomes = []
+    for spec in specs:
+        if spec == reference:
+            outcomes.append(_judge(case, spec, self_check, ref_seconds / 2, rerun))
+            continue
+        started = time.perf_counter()
+        try:
+            result = run(case, spec, seed=seed)
+        except InvalidArgument:
+            raise
+        except Exception as error:  # a regime that crashes is a verdict, not the end of the report
+            reason = f"{type(error).__name__}: {error}"
+            seconds = time.perf_counter() - started
+            outcomes.append(Outcome(case.name, str(spec), Verdict.ERROR, None, reason, seconds,
+                                    details=traceback.format_exc()))
+            continue
+        comparison = compare(ref, result, rtol=rtol, atol=atol)
+        outcomes.append(_judge(case, spec, comparison, time.perf_counter() - started, result))
+    return Report(tuple(outcomes))
+
+
+def check_all(
+    cases: Sequence[Case | str] | None = None, regimes: Iterable[str | Regime] | None = None, **options
+) -> Report:
+    """Check several cases (default: every registered one) and merge their reports."""
+    chosen = [resolve_case(c) for c in cases] if cases is not None else list(all_cases().values())
+    specs = None if regimes is None else list(regimes)
+    report = Report(())
+    for case in chosen:
+        report += check(case, specs, **options)
+    return report
+
+
+def _validate(case: Case, specs: Sequence[Regime]) -> None:
+    """Every usage error surfaces before anything runs."""
+    for key in case.expect_mismatch:
+        if ":" in key:
+            parse_regime(key)
+        elif key not in REGIMES:
+            raise InvalidArgument.unknown("regime", key, REGIMES)
+    for spec in specs:
+        spec.validate(case)
+
+
+def _judge(case: Case, spec: Regime, comparison: Comparison, seconds: float, result: RunResult) -> Outcome:
+    reason = expected_mismatch(case, spec)
+    if reason is None:
+        verdict = Verdict.EQUIVALENT if comparison.ok else Verdict.MISMATCH
+        reason = ""
+    else:
+        verdict = Verdict.EXPECTED_MISMATCH if not comparison.ok else Verdict.UNEXPECTED_MATCH
+    return Outcome(case.name, str(spec), verdict, comparison, reason, seconds, result)

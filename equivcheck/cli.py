@@ -1,0 +1,71 @@
+"""The command line: ``equivcheck list`` and ``equivcheck run``. Exit 0 as expected, 1 not, 2 usage."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from collections.abc import Sequence
+
+from . import report as render
+from .check import check_all, regimes_for
+from .errors import InvalidArgument
+from .regimes import REGIMES
+from .registry import all_cases, load_cases_from
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="equivcheck", description="Prove that ways of training agree with full-batch training.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    listing = commands.add_parser("list", help="list the cases and regimes")
+    running = commands.add_parser("run", help="check cases under regimes and print the matrix")
+    for sub in (listing, running):
+        sub.add_argument("--cases-from", action="append", default=[], metavar="FILE_OR_MODULE",
+                         help="import a .py file or module that registers cases (repeatable)")
+    running.add_argument("--case", action="append", metavar="NAME", help="a case to check (repeatable; default: all)")
+    running.add_argument("--regime", action="append", metavar="SPEC",
+                         help="a regime spec such as accumulate:chunks=4 (repeatable; default: each case's own list)")
+    running.add_argument("--json", metavar="PATH", help="also write the outcomes as JSON rows to PATH")
+    running.add_argument("--rtol", type=float, help="relative tolerance (with --atol)")
+    running.add_argument("--atol", type=float, help="absolute tolerance (with --rtol)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        for source in args.cases_from:
+            load_cases_from(source)
+        return _list() if args.command == "list" else _run(args)
+    except InvalidArgument as error:
+        print(f"equivcheck: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _list() -> int:
+    print("cases:")
+    for case in all_cases().values():
+        shape = f"{case.steps} x {case.batch_size}"
+        print(f"  {case.name:<28} {shape:<8} {case.description}")
+    print("\nregimes:")
+    for name, cls in REGIMES.items():
+        params = ",".join(f"{f.name}=K" for f in dataclasses.fields(cls))
+        spec = f"{name}:{params}" if params else name
+        print(f"  {spec:<32} {cls.summary}")
+    print("\ndefault regimes per case: " + "; ".join(f"{c.name}: {', '.join(regimes_for(c))}"
+                                                     for c in all_cases().values() if c.regimes is not None))
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    report = check_all(args.case, args.regime, rtol=args.rtol, atol=args.atol)
+    print(render.render_matrix(report))
+    print(render.LEGEND)
+    if report.failures:
+        print("\n" + render.render_failures(report))
+    if args.json:
+        render.write_json(report, args.json)
+    print("\n" + render.render_summary(report, time.perf_counter() - started))
+    return 0 if report.ok else 1

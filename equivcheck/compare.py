@@ -1,0 +1,196 @@
+"""The comparator: every parameter's gradient at every step, the final weights, buffers and losses.
+
+An element matches when ``|actual - expected| <= atol + rtol * |expected|`` (torch.testing's rule).
+Its *margin* is the left side over the right: below 1 it matches, and 1 / margin is the headroom.
+Every mismatched quantity is reported, not only the first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import Tensor
+
+from .errors import InvalidArgument
+from .result import RunResult
+
+# torch.testing.assert_close's defaults for these dtypes.
+DEFAULT_TOLERANCES = {torch.float64: (1e-7, 1e-7), torch.float32: (1.3e-6, 1e-5)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    rtol: float
+    atol: float
+
+    @classmethod
+    def resolve(cls, dtype: torch.dtype, rtol: float | None = None, atol: float | None = None) -> Tolerance:
+        """The call's override if given, else the dtype's default; rtol and atol go together."""
+        if (rtol is None) != (atol is None):
+            raise InvalidArgument.value("rtol", rtol, f"rtol and atol given together (atol={atol!r})")
+        if rtol is None:
+            rtol, atol = DEFAULT_TOLERANCES[dtype]
+        for name, value in (("rtol", rtol), ("atol", atol)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise InvalidArgument.value(name, value, "a number >= 0")
+        if rtol == 0 and atol == 0:
+            raise InvalidArgument.value("atol", atol, "rtol or atol above 0 (a zero tolerance has no margin)")
+        return cls(float(rtol), float(atol))
+
+    def __str__(self) -> str:
+        return f"rtol={self.rtol:g}, atol={self.atol:g}"
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorDiff:
+    """How one actual tensor differs from the expected one (torch.testing.assert_close's figures)."""
+
+    mismatched: int
+    total: int
+    max_abs: float
+    abs_index: tuple[int, ...]
+    abs_allowed: float
+    max_rel: float
+    rel_index: tuple[int, ...]
+    margin: float
+
+    @classmethod
+    def of(cls, actual: Tensor, expected: Tensor, tol: Tolerance) -> TensorDiff:
+        abs_diff = (actual - expected).abs()
+        allowed = tol.atol + tol.rtol * expected.abs()
+        ratio = torch.nan_to_num(abs_diff / allowed, nan=math.inf)
+        rel_diff = torch.nan_to_num(abs_diff / expected.abs(), nan=0.0)  # 0/0: no difference
+        rel_diff = torch.where(abs_diff.isnan(), math.inf, rel_diff)
+        abs_at = int(torch.nan_to_num(abs_diff, nan=math.inf).argmax())
+        rel_at = int(rel_diff.argmax())
+        return cls(
+            mismatched=int((ratio > 1).sum()),
+            total=ratio.numel(),
+            max_abs=float(abs_diff.reshape(-1)[abs_at]),
+            abs_index=_index(abs_at, expected.shape),
+            abs_allowed=float(allowed.reshape(-1)[abs_at]),
+            max_rel=float(rel_diff.reshape(-1)[rel_at]),
+            rel_index=_index(rel_at, expected.shape),
+            margin=float(ratio.max()) if ratio.numel() else 0.0,
+        )
+
+
+def _index(flat: int, shape: torch.Size) -> tuple[int, ...]:
+    return tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), shape)) if len(shape) else ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Mismatch:
+    """One quantity that differs: ``grad`` or ``weight`` of a parameter, a ``buffer``, or the ``loss``.
+
+    ``first_step`` is the first optimizer step where it diverged (None for final weights and
+    buffers); ``diff`` is taken at ``worst_step``, the step with the greatest margin.
+    """
+
+    kind: str
+    name: str
+    first_step: int | None
+    worst_step: int | None
+    diff: TensorDiff
+
+    def describe(self, tol: Tolerance) -> str:
+        d = self.diff
+        where = "final" if self.first_step is None else f"from step {self.first_step} (worst at step {self.worst_step})"
+        index = lambda i: f" at index {i}" if i else ""  # noqa: E731
+        return (
+            f"{self.kind} of {self.name!r} mismatched {where}:\n"
+            f"  Mismatched elements: {d.mismatched} / {d.total} ({d.mismatched / d.total:.1%})\n"
+            f"  Greatest absolute difference: {d.max_abs:.3g}{index(d.abs_index)} (up to {d.abs_allowed:.3g} allowed)\n"
+            f"  Greatest relative difference: {d.max_rel:.3g}{index(d.rel_index)} (up to {tol.rtol:g} allowed)\n"
+            f"  Margin: {d.margin:.3g} (error / allowed error)"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """The verdict of one candidate run against the reference, with every mismatch found."""
+
+    tolerance: Tolerance
+    mismatches: tuple[Mismatch, ...]
+    problems: tuple[str, ...]  # structural differences: step counts, parameter names or shapes
+    max_abs: float
+    max_rel: float
+    margin: float
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches and not self.problems
+
+    @property
+    def first_divergent_step(self) -> int | None:
+        steps = [m.first_step for m in self.mismatches if m.first_step is not None]
+        return min(steps) if steps else None
+
+    def describe(self) -> str:
+        if self.ok:
+            return f"equivalent: margin {self.margin:.3g} ({self.tolerance})"
+        lines = [f"not equivalent ({self.tolerance}): margin {self.margin:.3g}, max abs {self.max_abs:.3g}"]
+        lines += self.problems
+        lines += [m.describe(self.tolerance) for m in self.mismatches]
+        return "\n".join(lines)
+
+
+def compare(
+    reference: RunResult, candidate: RunResult, *, rtol: float | None = None, atol: float | None = None
+) -> Comparison:
+    """Compare ``candidate`` against ``reference`` everywhere; the tolerance follows the dtype."""
+    dtype = next(iter(reference.weights.values())).dtype
+    tol = Tolerance.resolve(dtype, rtol, atol)
+    problems: list[str] = []
+    if reference.optimizer_steps != candidate.optimizer_steps:
+        problems.append(
+            f"optimizer steps: the reference took {reference.optimizer_steps}, "
+            f"the candidate {candidate.optimizer_steps}"
+        )
+    # A quantity maps to one diff per step; steps beyond the shorter run are covered by the problem above.
+    series: dict[tuple[str, str], list[tuple[int | None, Tensor, Tensor]]] = {}
+    for step, (ref_grads, cand_grads) in enumerate(zip(reference.grads, candidate.grads)):
+        for name, expected in ref_grads.items():
+            series.setdefault(("grad", name), []).append((step, cand_grads.get(name), expected))
+    for kind, ref_map, cand_map in (
+        ("weight", reference.weights, candidate.weights),
+        ("buffer", reference.buffers, candidate.buffers),
+    ):
+        if ref_map.keys() != cand_map.keys():
+            problems.append(f"{kind} names differ: {sorted(ref_map.keys() ^ cand_map.keys())}")
+        for name, expected in ref_map.items():
+            series[(kind, name)] = [(None, cand_map.get(name), expected)]
+    losses = [(r, c) for r, c in zip(reference.losses, candidate.losses) if r is not None and c is not None]
+    if losses:
+        ref_l, cand_l = zip(*losses)
+        series[("loss", "loss")] = [(None, torch.tensor(cand_l, dtype=torch.float64), torch.tensor(ref_l, dtype=torch.float64))]
+
+    mismatches, max_abs, max_rel, margin = [], 0.0, 0.0, 0.0
+    for (kind, name), entries in series.items():
+        first = worst = None
+        for step, actual, expected in entries:
+            if actual is None or actual.shape != expected.shape:
+                problems.append(f"{kind} of {name!r}: candidate has {None if actual is None else tuple(actual.shape)}, "
+                                f"reference {tuple(expected.shape)}")
+                break
+            diff = TensorDiff.of(actual.to(expected.dtype), expected, tol)
+            max_abs, max_rel, margin = max(max_abs, diff.max_abs), max(max_rel, diff.max_rel), max(margin, diff.margin)
+            if diff.margin > 1:
+                if first is None:
+                    first = (step, diff)
+                if worst is None or diff.margin > worst[1].margin:
+                    worst = (step, diff)
+        if first is not None:
+            if kind == "loss":  # the loss series is one tensor over steps: its first step is its first bad index
+                mismatches.append(Mismatch(kind, name, _first_bad(entries[0], tol), None, worst[1]))
+            else:
+                mismatches.append(Mismatch(kind, name, first[0], worst[0], worst[1]))
+    return Comparison(tol, tuple(mismatches), tuple(problems), max_abs, max_rel, margin)
+
+
+def _first_bad(entry: tuple[int | None, Tensor, Tensor], tol: Tolerance) -> int:
+    _, actual, expected = entry
+    bad = (actual - expected).abs() > tol.atol + tol.rtol * expected.abs()
+    return int(bad.nonzero()[0, 0]) if bad.any() else 0

@@ -1,0 +1,211 @@
+"""Regimes: the ways of computing one optimizer step on one global batch.
+
+Each regime is a frozen dataclass parsed from a short spec (``accumulate:chunks=4``). Its
+``train_step`` performs exactly one optimizer step on the global batch the way a training loop
+would, and returns the batch loss. Faithful regimes normalise by the item count of the *global*
+batch, so they reproduce ``full_batch`` up to rounding; pitfall regimes reproduce a known bug,
+and equivcheck must report them as mismatches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from .case import Batch, Case, Objective
+from .errors import InvalidArgument, expect_int
+
+
+@dataclasses.dataclass(frozen=True)
+class Regime:
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    pitfall: ClassVar[bool] = False
+
+    def __str__(self) -> str:
+        params = ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+        return f"{self.name}:{params}" if params else self.name
+
+    def validate(self, case: Case) -> None:
+        """Raise :class:`InvalidArgument` if this regime cannot run ``case``."""
+
+    def train_step(self, model: nn.Module, optimizer: Optimizer, batch: Batch, objective: Objective) -> Tensor:
+        raise NotImplementedError
+
+
+def finish_step(optimizer: Optimizer) -> None:
+    """One optimizer step, then clear the gradients for the next global batch."""
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def accumulate(model: nn.Module, micro_batches: list[Batch], objective: Objective, items: int) -> Tensor:
+    """Back-propagate each micro-batch's loss sum over the global item count: exact accumulation."""
+    total = 0.0
+    for micro in micro_batches:
+        part = objective.sum(model(micro.inputs), micro.targets) / items
+        part.backward()
+        total = total + part.detach()
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class FullBatch(Regime):
+    name = "full_batch"
+    summary = "one forward and one backward on the global batch (the reference)"
+
+    def train_step(self, model, optimizer, batch, objective):
+        loss = objective.sum(model(batch.inputs), batch.targets) / batch.items
+        loss.backward()
+        finish_step(optimizer)
+        return loss.detach()
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleBySample(Regime):
+    name = "sample_by_sample"
+    summary = "one forward and backward per sample, each weighted by 1/items of the global batch"
+
+    def train_step(self, model, optimizer, batch, objective):
+        loss = accumulate(model, batch.split(len(batch)), objective, batch.items)
+        finish_step(optimizer)
+        return loss
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunked(Regime):
+    """A regime that cuts the global batch into ``chunks`` micro-batches (possibly uneven)."""
+
+    chunks: int
+
+    def __post_init__(self) -> None:
+        expect_int("chunks", self.chunks)
+
+    def validate(self, case: Case) -> None:
+        if self.chunks > case.batch_size:
+            raise InvalidArgument(
+                f"regime {str(self)!r} on case {case.name!r}: chunks={self.chunks} is not allowed: expected an "
+                f"integer from 1 to {case.batch_size} (the case's batch_size)"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class Accumulate(Chunked):
+    name = "accumulate"
+    summary = "K micro-batches, each loss sum / global item count, one optimizer step"
+
+    def train_step(self, model, optimizer, batch, objective):
+        loss = accumulate(model, batch.split(self.chunks), objective, batch.items)
+        finish_step(optimizer)
+        return loss
+
+
+@dataclasses.dataclass(frozen=True)
+class RetainedGraph(Chunked):
+    name = "retained_graph"
+    summary = "forward once, backward(retain_graph=True) per loss part: same gradients, no memory saved"
+
+    def train_step(self, model, optimizer, batch, objective):
+        output = model(batch.inputs)
+        total = 0.0
+        for out, targets in zip(output.tensor_split(self.chunks), batch.targets.tensor_split(self.chunks)):
+            part = objective.sum(out, targets) / batch.items
+            part.backward(retain_graph=True)
+            total = total + part.detach()
+        finish_step(optimizer)
+        return total
+
+
+@dataclasses.dataclass(frozen=True)
+class DetachedPartial(Chunked):
+    name = "detached_partial"
+    summary = "trunk forward once, head accumulated per chunk on its detached output, trunk backward once"
+
+    def validate(self, case: Case) -> None:
+        super().validate(case)
+        if case.split is None:
+            raise InvalidArgument(
+                f"regime {str(self)!r} on case {case.name!r}: split=None is not allowed: expected a function "
+                "model -> (trunk, head) with head(trunk(x)) == model(x)"
+            )
+
+    def train_step(self, model, optimizer, batch, objective):
+        trunk, head = objective.split(model)
+        features = trunk(batch.inputs)
+        detached = features.detach().requires_grad_()
+        total = 0.0
+        for feats, targets in zip(detached.tensor_split(self.chunks), batch.targets.tensor_split(self.chunks)):
+            part = objective.sum(head(feats), targets) / batch.items
+            part.backward()
+            total = total + part.detach()
+        features.backward(detached.grad)
+        finish_step(optimizer)
+        return total
+
+
+@dataclasses.dataclass(frozen=True)
+class NaiveAccumulate(Chunked):
+    name = "naive_accumulate"
+    summary = "PITFALL: micro-batch mean / K; wrong whenever chunks or their item counts are uneven"
+    pitfall = True
+
+    def train_step(self, model, optimizer, batch, objective):
+        total = 0.0
+        for micro in batch.split(self.chunks):
+            part = objective.mean(model(micro.inputs), micro.targets) / self.chunks
+            part.backward()
+            total = total + part.detach()
+        finish_step(optimizer)
+        return total
+
+
+REGIMES: dict[str, type[Regime]] = {
+    cls.name: cls for cls in (FullBatch, SampleBySample, Accumulate, RetainedGraph, DetachedPartial, NaiveAccumulate)
+}
+DEFAULT_REGIMES = (
+    "full_batch",
+    "sample_by_sample",
+    "accumulate:chunks=5",
+    "retained_graph:chunks=5",
+    "detached_partial:chunks=5",
+)
+
+_FIELD_TYPES = {"int": int, "str": str}
+
+
+def parse_regime(spec: str | Regime) -> Regime:
+    """``'accumulate:chunks=4'`` -> ``Accumulate(chunks=4)``; a Regime passes through."""
+    if isinstance(spec, Regime):
+        return spec
+    if not isinstance(spec, str):
+        raise InvalidArgument.type("regime", spec, "a regime spec str such as 'accumulate:chunks=4'")
+    name, _, params_text = spec.strip().partition(":")
+    if name not in REGIMES:
+        raise InvalidArgument.unknown("regime", name, REGIMES)
+    cls = REGIMES[name]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, object] = {}
+    for item in filter(None, params_text.split(",")):
+        key, eq, raw = item.partition("=")
+        key = key.strip()
+        if key not in fields or not eq:
+            allowed = ", ".join(f"{k}=..." for k in fields) or "no parameters"
+            raise InvalidArgument(f"regime spec {spec!r}: {item!r} is not allowed: {name} takes {allowed}")
+        kwargs[key] = _convert(key, raw.strip(), _FIELD_TYPES[str(fields[key].type)])
+    missing = [k for k, f in fields.items() if k not in kwargs and f.default is dataclasses.MISSING]
+    if missing:
+        example = ",".join(f"{k}=2" for k in missing)
+        raise InvalidArgument(f"regime spec {spec!r}: {name} needs {', '.join(missing)} (e.g. '{name}:{example}')")
+    return cls(**kwargs)
+
+
+def _convert(key: str, raw: str, kind: type) -> object:
+    if kind is int:
+        try:
+            return int(raw)
+        except ValueError:
+            raise InvalidArgument.type(key, raw, "int") from None
+    return raw

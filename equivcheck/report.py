@@ -1,0 +1,91 @@
+"""One report format, in two renderings: a text matrix for people and JSON rows for machines."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from .check import Outcome, Report, Verdict
+
+LABELS = {
+    Verdict.EQUIVALENT: "ok",
+    Verdict.EXPECTED_MISMATCH: "caught",
+    Verdict.MISMATCH: "MISMATCH",
+    Verdict.UNEXPECTED_MATCH: "MISSED",
+    Verdict.NONDETERMINISTIC: "NONDET",
+    Verdict.SKIPPED: "skipped",
+    Verdict.ERROR: "ERROR",
+}
+LEGEND = (
+    "cell: verdict and margin (greatest error / allowed error; below 1 matches). ok = equivalent, "
+    "caught = declared pitfall reported, MISMATCH = not equivalent, MISSED = declared pitfall not seen, "
+    "NONDET = reference disagrees with itself"
+)
+
+
+def cell(outcome: Outcome) -> str:
+    label = LABELS[outcome.verdict]
+    if outcome.comparison is None:
+        return label
+    return f"{label} {outcome.comparison.margin:.0e}"
+
+
+def render_matrix(report: Report) -> str:
+    """Rows are cases, columns regimes, in the order they ran; '.' where a pair was not checked."""
+    cases = list(dict.fromkeys(o.case for o in report.outcomes))
+    regimes = list(dict.fromkeys(o.regime for o in report.outcomes))
+    cells = {(o.case, o.regime): cell(o) for o in report.outcomes}
+    table = [["case", *regimes]] + [[c, *(cells.get((c, r), ".") for r in regimes)] for c in cases]
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    lines = ["  ".join(text.ljust(w) for text, w in zip(row, widths)).rstrip() for row in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def render_failures(report: Report) -> str:
+    return "\n\n".join(f"FAILED {o.describe()}" + (f"\n{o.details}" if o.details else "") for o in report.failures)
+
+
+def render_summary(report: Report, seconds: float) -> str:
+    counts: dict[str, int] = {}
+    for o in report.outcomes:
+        counts[o.verdict.value] = counts.get(o.verdict.value, 0) + 1
+    tally = ", ".join(f"{n} {verdict}" for verdict, n in counts.items())
+    status = "all as expected" if report.ok else f"{len(report.failures)} not as expected"
+    return f"{len(report.outcomes)} checks: {tally}; {status} in {seconds:.1f} s"
+
+
+def to_rows(report: Report) -> list[dict]:
+    return [_row(o) for o in report.outcomes]
+
+
+def write_json(report: Report, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(to_rows(report), indent=2) + "\n")
+
+
+def _row(o: Outcome) -> dict:
+    c = o.comparison
+    return {
+        "case": o.case,
+        "regime": o.regime,
+        "verdict": o.verdict.value,
+        "max_abs": _number(c.max_abs) if c else None,
+        "max_rel": _number(c.max_rel) if c else None,
+        "margin": _number(c.margin) if c else None,
+        "first_divergent_step": c.first_divergent_step if c else None,
+        "reason": o.reason,
+        "seconds": round(o.seconds, 6),
+        "optimizer_steps": o.result.optimizer_steps if o.result else None,
+        "problems": list(c.problems) if c else [],
+        "mismatches": [
+            {"kind": m.kind, "name": m.name, "first_step": m.first_step, "max_abs": _number(m.diff.max_abs),
+             "margin": _number(m.diff.margin)}
+            for m in (c.mismatches if c else ())
+        ],
+    }
+
+
+def _number(value: float) -> float | str:
+    """JSON has no infinity or NaN: those become the strings 'inf' and 'nan'."""
+    return value if math.isfinite(value) else str(value)

@@ -1,0 +1,150 @@
+"""check(): verdicts, their twins, and the guard against a nondeterministic reference."""
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+import equivcheck as ec
+from equivcheck import Verdict
+from equivcheck.regimes import Chunked, finish_step
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPerMicroBatch(Chunked):
+    name = "step_per_micro_batch"
+    summary = "test bug: optimizer.step after every micro-batch"
+
+    def train_step(self, model, optimizer, batch, objective):
+        for micro in batch.split(self.chunks):
+            (objective.sum(model(micro.inputs), micro.targets) / batch.items).backward()
+            finish_step(optimizer)
+        return torch.tensor(0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroGradInside(Chunked):
+    name = "zero_grad_inside"
+    summary = "test bug: zero_grad inside the accumulation loop"
+
+    def train_step(self, model, optimizer, batch, objective):
+        total = 0.0
+        for micro in batch.split(self.chunks):
+            optimizer.zero_grad()
+            part = objective.sum(model(micro.inputs), micro.targets) / batch.items
+            part.backward()
+            total = total + part.detach()
+        finish_step(optimizer)
+        return total
+
+
+def test_faithful_accumulation_is_equivalent_and_its_buggy_twins_are_not():
+    report = ec.check("mlp", ["accumulate:chunks=4", StepPerMicroBatch(4), ZeroGradInside(4)])
+    accumulate, stepped, zeroed = report.outcomes
+    assert accumulate.verdict is Verdict.EQUIVALENT
+    assert stepped.verdict is Verdict.MISMATCH
+    assert "optimizer steps: the reference took 3, the candidate 12" in stepped.comparison.problems
+    assert zeroed.verdict is Verdict.MISMATCH
+    assert zeroed.comparison.first_divergent_step == 0 and zeroed.comparison.margin > 100
+    assert not report.ok
+    with pytest.raises(ec.NotEquivalent) as raised:
+        report.assert_equivalent()
+    message = str(raised.value)
+    assert "2 of 3 checks failed" in message
+    assert "mlp under zero_grad_inside:chunks=4: mismatch" in message
+    assert "grad of '0.weight' mismatched from step 0" in message
+    assert isinstance(raised.value, AssertionError)
+
+
+def test_a_declared_pitfall_that_matches_is_a_failure():
+    case = dataclasses.replace(ec.get_case("mlp"), name="mlp_wrongly_declared",
+                               expect_mismatch={"accumulate": "declared by mistake"})
+    (outcome,) = ec.check(case, ["accumulate:chunks=3"]).outcomes
+    assert outcome.verdict is Verdict.UNEXPECTED_MATCH and outcome.reason == "declared by mistake"
+    with pytest.raises(ec.NotEquivalent, match="unexpected_match"):
+        ec.check(case, ["accumulate:chunks=3"]).assert_equivalent()
+
+
+def test_naive_scaling_with_even_chunks_and_sample_counts_is_exact():
+    """The pitfall needs uneven chunks: with 4 chunks of 3 samples mean / K is right, and equivcheck says so."""
+    (outcome,) = ec.check("mlp", ["naive_accumulate:chunks=4"]).outcomes
+    assert outcome.verdict is Verdict.EQUIVALENT
+
+
+def test_nondeterministic_reference_is_reported_as_such():
+    draws = itertools.count()
+    base = ec.get_case("mlp")
+
+    def drifting_data():  # a data pipeline with hidden state: different data on every call
+        inputs, targets = base.data()
+        return inputs + next(draws), targets
+
+    case = dataclasses.replace(base, name="drifting", data=drifting_data)
+    report = ec.check(case, ["full_batch", "accumulate:chunks=4"])
+    assert [o.verdict for o in report.outcomes] == [Verdict.NONDETERMINISTIC] * 2
+    assert "disagrees with itself" in report.outcomes[0].reason
+    assert not report.ok
+
+
+class FailsOnSmallBatches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(6, 3)
+
+    def forward(self, x):
+        if len(x) < 12:
+            raise RuntimeError("this model needs the whole batch")
+        return self.linear(x)
+
+
+def test_a_crashing_regime_becomes_an_error_verdict_and_the_rest_still_runs():
+    case = dataclasses.replace(ec.get_case("mlp"), name="fragile", model=FailsOnSmallBatches, split=None)
+    report = ec.check(case, ["accumulate:chunks=2", "retained_graph:chunks=2"])
+    crashed, fine = report.outcomes
+    assert crashed.verdict is Verdict.ERROR
+    assert crashed.reason == "RuntimeError: this model needs the whole batch"
+    assert "Traceback" in crashed.details
+    assert fine.verdict is Verdict.EQUIVALENT
+
+
+def test_runs_are_reproducible_and_leave_the_callers_rng_alone():
+    torch.manual_seed(1234)
+    before = torch.rand(3)
+    torch.manual_seed(1234)
+    first = ec.run("gru_decoder", "accumulate:chunks=3")
+    second = ec.run("gru_decoder", "accumulate:chunks=3")
+    assert torch.equal(torch.rand(3), before)
+    assert first.losses == second.losses
+    for name in first.weights:
+        assert torch.equal(first.weights[name], second.weights[name])
+    other_seed = ec.run("gru_decoder", "accumulate:chunks=3", seed=1)
+    assert other_seed.losses != first.losses
+
+
+def test_case_tolerance_and_call_override():
+    loose = dataclasses.replace(ec.get_case("naive_scaling_uneven_chunks"), name="loose", rtol=1.0, atol=1.0)
+    (outcome,) = ec.check(loose, ["naive_accumulate:chunks=5"]).outcomes
+    assert outcome.verdict is Verdict.UNEXPECTED_MATCH  # a tolerance that wide hides the pitfall
+    (outcome,) = ec.check(loose, ["naive_accumulate:chunks=5"], rtol=1e-7, atol=1e-7).outcomes
+    assert outcome.verdict is Verdict.EXPECTED_MISMATCH
+
+
+def test_float32_case_uses_float32_tolerance():
+    case = dataclasses.replace(ec.get_case("mlp"), name="mlp32", dtype=torch.float32)
+    report = ec.check(case, ["accumulate:chunks=5", "naive_accumulate:chunks=5"])
+    assert report.outcomes[0].comparison.tolerance == ec.Tolerance(1.3e-6, 1e-5)
+    assert report.outcomes[0].result.weights["0.weight"].dtype == torch.float32
+    assert [o.verdict for o in report.outcomes] == [Verdict.EQUIVALENT, Verdict.MISMATCH]
+
+
+def test_register_case_as_decorator_and_duplicate_names():
+    @ec.register_case
+    def tiny_case():
+        return dataclasses.replace(ec.get_case("mlp"), name="tiny_registered")
+
+    assert ec.get_case("tiny_registered").batch_size == 12
+    assert callable(tiny_case)
+    with pytest.raises(ec.InvalidArgument, match="name='mlp'"):
+        ec.register_case(dataclasses.replace(ec.get_case("mlp")))

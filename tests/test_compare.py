@@ -1,0 +1,99 @@
+"""The comparator: it reports every mismatched quantity, where it started and by how much."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import equivcheck as ec
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return ec.run("mlp", "full_batch")
+
+
+def moved(tensor, index, delta):
+    tensor = tensor.clone()
+    tensor[index] += delta
+    return tensor
+
+
+def perturbed(result, *, step=0, name="2.weight", index=(1, 4), delta=1e-3, kind="grads"):
+    """A copy of ``result`` with one element of one gradient (from ``step`` on) or final weight moved."""
+    if kind == "grads":
+        grads = tuple(
+            {n: moved(g, index, delta) if n == name and s >= step else g for n, g in step_grads.items()}
+            for s, step_grads in enumerate(result.grads)
+        )
+        return dataclasses.replace(result, grads=grads)
+    return dataclasses.replace(result, weights={**result.weights, name: moved(result.weights[name], index, delta)})
+
+
+def test_identical_runs_match_with_zero_margin(reference):
+    cmp = ec.compare(reference, ec.run("mlp", "full_batch"))
+    assert cmp.ok and cmp.margin == 0 and cmp.mismatches == () and cmp.first_divergent_step is None
+
+
+def test_one_bad_element_is_located(reference):
+    cmp = ec.compare(reference, perturbed(reference, step=1))
+    assert not cmp.ok
+    (mismatch,) = cmp.mismatches
+    assert (mismatch.kind, mismatch.name, mismatch.first_step) == ("grad", "2.weight", 1)
+    assert mismatch.diff.mismatched == 1 and mismatch.diff.total == 30
+    assert mismatch.diff.abs_index == (1, 4)
+    assert mismatch.diff.max_abs == pytest.approx(1e-3, rel=1e-6)
+    expected = reference.grads[mismatch.worst_step]["2.weight"][1, 4]
+    allowed = 1e-7 + 1e-7 * abs(float(expected))
+    assert mismatch.diff.abs_allowed == pytest.approx(allowed)
+    assert mismatch.diff.margin == pytest.approx(1e-3 / allowed, rel=1e-6)
+    assert cmp.first_divergent_step == 1
+    text = cmp.describe()
+    for fragment in ("grad of '2.weight' mismatched from step 1", "Mismatched elements: 1 / 30",
+                     "Greatest absolute difference: 0.001 at index (1, 4)", "Margin:"):
+        assert fragment in text
+
+
+def test_every_mismatched_parameter_is_reported(reference):
+    bad = perturbed(perturbed(reference, step=2, name="0.bias", index=(3,), delta=1.0), step=0)
+    bad = perturbed(bad, kind="weights", name="0.weight", index=(0, 0))
+    names = {(m.kind, m.name, m.first_step) for m in ec.compare(reference, bad).mismatches}
+    assert names == {("grad", "2.weight", 0), ("grad", "0.bias", 2), ("weight", "0.weight", None)}
+
+
+def test_error_inside_tolerance_matches(reference):
+    cmp = ec.compare(reference, perturbed(reference, step=0, delta=1e-9))
+    assert cmp.ok and 0 < cmp.margin < 1
+
+
+def test_tolerance_override_and_dtype_default(reference):
+    bad = perturbed(reference, step=0, delta=1e-4)
+    assert not ec.compare(reference, bad).ok
+    assert ec.compare(reference, bad, rtol=0.0, atol=1e-3).ok
+    assert ec.compare(reference, bad).tolerance == ec.Tolerance(1e-7, 1e-7)
+
+
+def test_step_count_difference_is_a_problem(reference):
+    extra = dataclasses.replace(reference, grads=reference.grads + reference.grads[-1:])
+    cmp = ec.compare(reference, extra)
+    assert not cmp.ok
+    assert cmp.problems == ("optimizer steps: the reference took 3, the candidate 4",)
+
+
+def test_nan_is_never_equivalent(reference):
+    cmp = ec.compare(reference, perturbed(reference, step=2, delta=math.nan))
+    assert not cmp.ok and cmp.margin == math.inf
+
+
+def test_loss_mismatch_reports_its_step(reference):
+    losses = list(reference.losses)
+    losses[2] += 1.0
+    (mismatch,) = ec.compare(reference, dataclasses.replace(reference, losses=tuple(losses))).mismatches
+    assert (mismatch.kind, mismatch.first_step) == ("loss", 2)
+
+
+@pytest.mark.parametrize(("rtol", "atol"), [(1e-7, None), (None, 1e-7), (-1.0, 1.0), ("0.1", 1.0), (0.0, 0.0)])
+def test_bad_tolerances_are_named(reference, rtol, atol):
+    with pytest.raises(ec.InvalidArgument, match="rtol|atol"):
+        ec.compare(reference, reference, rtol=rtol, atol=atol)

@@ -1,0 +1,46 @@
+"""Regime specs and the mathematics of each regime, including uneven chunkings drawn by hypothesis."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import equivcheck as ec
+from equivcheck.regimes import Accumulate, DetachedPartial
+
+
+@pytest.mark.parametrize("spec", ["full_batch", "sample_by_sample", "accumulate:chunks=4", "retained_graph:chunks=1",
+                                  "detached_partial:chunks=12", "naive_accumulate:chunks=5"])
+def test_specs_round_trip(spec):
+    regime = ec.parse_regime(spec)
+    assert str(regime) == spec and ec.parse_regime(str(regime)) == regime
+
+
+def test_specs_parse_to_frozen_dataclasses():
+    assert ec.parse_regime(" accumulate:chunks=04 ") == Accumulate(chunks=4)
+    assert ec.parse_regime("accumulate:chunks=4") != DetachedPartial(chunks=4)
+    with pytest.raises(AttributeError):
+        Accumulate(chunks=4).chunks = 5
+
+
+def test_uneven_chunks_keep_every_sample_once():
+    case = ec.get_case("mlp")
+    from equivcheck.runner import load_batches
+
+    with ec.seeding.seeded():
+        batch = load_batches(case)[0]
+    sizes = [len(micro) for micro in batch.split(5)]
+    assert sizes == [3, 3, 2, 2, 2]
+
+
+@given(case=st.sampled_from(["mlp", "tokens", "gru_decoder", "seed000_embedding_head", "cnn"]),
+       kind=st.sampled_from(["accumulate", "retained_graph", "detached_partial"]),
+       chunks=st.integers(1, 12))
+def test_faithful_regimes_hold_for_every_chunking(case, kind, chunks):
+    (outcome,) = ec.check(case, [f"{kind}:chunks={chunks}"]).outcomes
+    assert outcome.verdict is ec.Verdict.EQUIVALENT, outcome.describe()
+
+
+@given(chunks=st.integers(2, 12).filter(lambda k: 12 % k != 0))
+def test_naive_scaling_is_caught_for_every_uneven_chunking(chunks):
+    (outcome,) = ec.check("naive_scaling_uneven_chunks", [f"naive_accumulate:chunks={chunks}"]).outcomes
+    assert outcome.verdict is ec.Verdict.EXPECTED_MISMATCH and outcome.comparison.margin > 100
