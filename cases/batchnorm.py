@@ -7,19 +7,16 @@ BatchNorm trunk once on the global batch, so they stay exact: the harness must s
 
 from functools import partial
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 
 import equivcheck as ec
 
+from .cnn import data
+
 
 def model():
     return nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 5))
-
-
-def data():
-    return torch.randn(24, 1, 6, 6), torch.randint(0, 5, (24,))
 
 
 batchnorm_cnn = ec.register_case(ec.Case(

@@ -102,13 +102,6 @@ class Batch:
     def __len__(self) -> int:
         return len(self.targets)
 
-    def split(self, chunks: int) -> list[Batch]:
-        """``chunks`` micro-batches of near-equal size (12 samples in 5 chunks: 3, 3, 2, 2, 2)."""
-        return [
-            Batch(inputs, targets, self.count)
-            for inputs, targets in zip(self.inputs.tensor_split(chunks), self.targets.tensor_split(chunks))
-        ]
-
 
 class Objective:
     """What a regime may use of a case: its loss, checked to return one loss per item, and its split."""

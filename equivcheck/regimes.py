@@ -10,6 +10,7 @@ and equivcheck must report them as mismatches.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import ClassVar
 
 from torch import Tensor, nn
@@ -42,14 +43,27 @@ def finish_step(optimizer: Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def accumulate(model: nn.Module, micro_batches: list[Batch], objective: Objective, items: int) -> Tensor:
-    """Back-propagate each micro-batch's loss sum over the global item count: exact accumulation."""
+def backward_chunks(
+    forward: Callable[[Tensor], Tensor],
+    inputs: Tensor,
+    targets: Tensor,
+    chunks: int,
+    part_loss: Callable[[Tensor, Tensor], Tensor],
+    *,
+    retain_graph: bool = False,
+) -> Tensor:
+    """Back-propagate ``part_loss(forward(x), y)`` for each of ``chunks`` slices; return their sum."""
     total = 0.0
-    for micro in micro_batches:
-        part = objective.sum(model(micro.inputs), micro.targets) / items
-        part.backward()
+    for x, y in zip(inputs.tensor_split(chunks), targets.tensor_split(chunks)):
+        part = part_loss(forward(x), y)
+        part.backward(retain_graph=retain_graph)
         total = total + part.detach()
     return total
+
+
+def global_mean_part(objective: Objective, batch: Batch) -> Callable[[Tensor, Tensor], Tensor]:
+    """A chunk's share of the global mean: its loss sum over the item count of the whole batch."""
+    return lambda output, targets: objective.sum(output, targets) / batch.items
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +84,7 @@ class SampleBySample(Regime):
     summary = "one forward and backward per sample, each weighted by 1/items of the global batch"
 
     def train_step(self, model, optimizer, batch, objective):
-        loss = accumulate(model, batch.split(len(batch)), objective, batch.items)
+        loss = backward_chunks(model, batch.inputs, batch.targets, len(batch), global_mean_part(objective, batch))
         finish_step(optimizer)
         return loss
 
@@ -98,7 +112,7 @@ class Accumulate(Chunked):
     summary = "K micro-batches, each loss sum / global item count, one optimizer step"
 
     def train_step(self, model, optimizer, batch, objective):
-        loss = accumulate(model, batch.split(self.chunks), objective, batch.items)
+        loss = backward_chunks(model, batch.inputs, batch.targets, self.chunks, global_mean_part(objective, batch))
         finish_step(optimizer)
         return loss
 
@@ -110,11 +124,8 @@ class RetainedGraph(Chunked):
 
     def train_step(self, model, optimizer, batch, objective):
         output = model(batch.inputs)
-        total = 0.0
-        for out, targets in zip(output.tensor_split(self.chunks), batch.targets.tensor_split(self.chunks)):
-            part = objective.sum(out, targets) / batch.items
-            part.backward(retain_graph=True)
-            total = total + part.detach()
+        total = backward_chunks(lambda out: out, output, batch.targets, self.chunks,
+                                global_mean_part(objective, batch), retain_graph=True)
         finish_step(optimizer)
         return total
 
@@ -136,11 +147,7 @@ class DetachedPartial(Chunked):
         trunk, head = objective.split(model)
         features = trunk(batch.inputs)
         detached = features.detach().requires_grad_()
-        total = 0.0
-        for feats, targets in zip(detached.tensor_split(self.chunks), batch.targets.tensor_split(self.chunks)):
-            part = objective.sum(head(feats), targets) / batch.items
-            part.backward()
-            total = total + part.detach()
+        total = backward_chunks(head, detached, batch.targets, self.chunks, global_mean_part(objective, batch))
         features.backward(detached.grad)
         finish_step(optimizer)
         return total
@@ -153,11 +160,8 @@ class NaiveAccumulate(Chunked):
     pitfall = True
 
     def train_step(self, model, optimizer, batch, objective):
-        total = 0.0
-        for micro in batch.split(self.chunks):
-            part = objective.mean(model(micro.inputs), micro.targets) / self.chunks
-            part.backward()
-            total = total + part.detach()
+        total = backward_chunks(model, batch.inputs, batch.targets, self.chunks,
+                                lambda output, targets: objective.mean(output, targets) / self.chunks)
         finish_step(optimizer)
         return total
 

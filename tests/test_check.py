@@ -9,7 +9,7 @@ from torch import nn
 
 import equivcheck as ec
 from equivcheck import Verdict
-from equivcheck.regimes import Chunked, finish_step
+from equivcheck.regimes import Chunked, backward_chunks, finish_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,8 +18,8 @@ class StepPerMicroBatch(Chunked):
     summary = "test bug: optimizer.step after every micro-batch"
 
     def train_step(self, model, optimizer, batch, objective):
-        for micro in batch.split(self.chunks):
-            (objective.sum(model(micro.inputs), micro.targets) / batch.items).backward()
+        for x, y in zip(batch.inputs.tensor_split(self.chunks), batch.targets.tensor_split(self.chunks)):
+            (objective.sum(model(x), y) / batch.items).backward()
             finish_step(optimizer)
         return torch.tensor(0.0)
 
@@ -30,14 +30,13 @@ class ZeroGradInside(Chunked):
     summary = "test bug: zero_grad inside the accumulation loop"
 
     def train_step(self, model, optimizer, batch, objective):
-        total = 0.0
-        for micro in batch.split(self.chunks):
-            optimizer.zero_grad()
-            part = objective.sum(model(micro.inputs), micro.targets) / batch.items
-            part.backward()
-            total = total + part.detach()
+        def zeroing_part(output, targets):
+            optimizer.zero_grad()  # the bug: earlier micro-batches' gradients are thrown away
+            return objective.sum(output, targets) / batch.items
+
+        loss = backward_chunks(model, batch.inputs, batch.targets, self.chunks, zeroing_part)
         finish_step(optimizer)
-        return total
+        return loss
 
 
 def test_faithful_accumulation_is_equivalent_and_its_buggy_twins_are_not():

@@ -28,7 +28,7 @@ def test_uneven_chunks_keep_every_sample_once():
 
     with ec.seeding.seeded():
         batch = load_batches(case)[0]
-    sizes = [len(micro) for micro in batch.split(5)]
+    sizes = [len(chunk) for chunk in batch.targets.tensor_split(5)]
     assert sizes == [3, 3, 2, 2, 2]
 
 
