@@ -4,7 +4,8 @@ Each rank takes its contiguous shard of every global batch (12 samples over 5 ra
 DDP averages gradients over ranks equally, so the faithful loss of a rank is its loss *sum* times
 the world size over the item count of the whole global batch: the average of those is the global
 mean, however unevenly the items fall. These regimes run inside a process group: equivcheck's
-worker pool, or a launcher's (torchrun).
+worker pool, or a launcher's (torchrun). A rank's ``train_step`` returns its *share* of the global
+loss; the runner adds the ranks' shares up, so no extra collective is spent on reporting.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .case import Batch, Case
@@ -28,13 +29,6 @@ BACKENDS = ("auto", "gloo", "nccl")
 def shard(batch: Batch, rank: int, world_size: int) -> Batch:
     """This rank's contiguous slice of the global batch."""
     return Batch(batch.inputs.tensor_split(world_size)[rank], batch.targets.tensor_split(world_size)[rank], batch.count)
-
-
-def global_loss(local_share: Tensor) -> Tensor:
-    """The global batch loss from each rank's share of it (one small all-reduce, not a gradient sync)."""
-    total = local_share.detach().clone()
-    dist.all_reduce(total)
-    return total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +93,7 @@ class Ddp(Distributed):
         local = objective.sum(model(mine.inputs), mine.targets) * self.world_size / batch.items
         local.backward()
         finish_step(optimizer)
-        return global_loss(local / self.world_size)
+        return local.detach() / self.world_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +130,7 @@ class Accumulating(Distributed):
                 part.backward()
             total = total + part.detach()
         finish_step(optimizer)
-        return global_loss(total / self.world_size)
+        return total / self.world_size
 
 
 @register_regime
@@ -189,7 +183,7 @@ class DdpMeanLoss(Distributed):
         local = objective.mean(model(mine.inputs), mine.targets)
         local.backward()
         finish_step(optimizer)
-        return global_loss(local / self.world_size)
+        return local.detach() / self.world_size
 
 
 @register_regime

@@ -46,7 +46,8 @@ def run(case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED, tim
     else:
         replies = pool.run_job(backend, regime.world_size, job, timeout)
     results = [RunResult.from_plain(reply) for reply in replies]
-    return dataclasses.replace(results[0], rank_spread=_spread(results))
+    losses = tuple(sum(shares) for shares in zip(*(r.losses for r in results)))  # each rank returns its share
+    return dataclasses.replace(results[0], losses=losses, rank_spread=_spread(results))
 
 
 def _spread(results: list[RunResult]) -> float:

@@ -32,14 +32,16 @@ def ensure_group(backend: str) -> None:
 
 
 def run_job(backend: str, world_size: int, job: dict) -> list[dict]:
-    """Run ``job`` on this rank; its world size must be the launcher's. Returns this rank's reply only."""
+    """Run ``job`` on this rank; its world size must be the launcher's. Returns every rank's reply."""
     launched = int(os.environ["WORLD_SIZE"])
     if world_size != launched:
         raise Unavailable(f"the launcher started {launched} ranks; this regime needs world_size={world_size}")
     ensure_group(backend)
     if dist.get_backend() != backend:
         raise Unavailable(f"the launcher's process group uses {dist.get_backend()}; this regime asks for {backend}")
-    return [execute(job)]
+    replies: list[dict | None] = [None] * world_size
+    dist.all_gather_object(replies, execute(job))
+    return replies
 
 
 def leave_group() -> None:
