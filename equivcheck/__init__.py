@@ -6,7 +6,7 @@ from .check import Outcome, Report, Verdict, check, check_all, regimes_for
 from .compare import Comparison, Mismatch, Tolerance, compare
 from .errors import EquivcheckError, InvalidArgument, NotEquivalent, Unavailable, WorkerError
 from .regimes import DEFAULT_REGIMES, REGIMES, Regime, parse_regime
-from .registry import all_cases, get_case, load_cases_from, register_case
+from .registry import all_cases, builtin_cases, get_case, load_cases_from, register_case
 from .result import RunResult
 from .execute import run
 from .seeding import DEFAULT_SEED
@@ -14,6 +14,6 @@ from .seeding import DEFAULT_SEED
 __all__ = [
     "DEFAULT_REGIMES", "DEFAULT_SEED", "REGIMES", "Batch", "Case", "Comparison", "EquivcheckError",
     "InvalidArgument", "Mismatch", "NotEquivalent", "Objective", "Outcome", "Regime", "Report", "RunResult",
-    "Tolerance", "Unavailable", "Verdict", "WorkerError", "all_cases", "check", "check_all", "compare", "default_optimizer", "get_case",
+    "Tolerance", "Unavailable", "Verdict", "WorkerError", "all_cases", "builtin_cases", "check", "check_all", "compare", "default_optimizer", "get_case",
     "load_cases_from", "parse_regime", "regimes_for", "register_case", "run",
 ]

@@ -59,6 +59,12 @@ def all_cases() -> dict[str, Case]:
     return dict(_cases)
 
 
+def builtin_cases() -> dict[str, Case]:
+    """The cases that ship with equivcheck (the ``equivcheck_cases`` package), by name."""
+    return {name: case for name, case in all_cases().items()
+            if _sources[name][0].partition(".")[0] == BUILTIN_PACKAGE}
+
+
 def get_case(name: str) -> Case:
     cases = all_cases()
     if name not in cases:

@@ -9,7 +9,7 @@ import pytest
 import equivcheck as ec
 from equivcheck import Verdict
 
-CASES = list(ec.all_cases())
+CASES = list(ec.builtin_cases())
 
 
 @pytest.fixture(scope="module")
