@@ -23,6 +23,7 @@ class RunResult:
     weights: dict[str, Tensor]
     buffers: dict[str, Tensor]
     seconds: float
+    precision: str = ""  # the precision mode's name (equivcheck.precision); "" means the weights' dtype
 
     @property
     def optimizer_steps(self) -> int:
