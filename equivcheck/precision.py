@@ -71,7 +71,7 @@ class Precision:
 PRECISIONS: dict[str, Precision] = {p.name: p for p in (
     Precision("float64", torch.float64, rtol=1e-7, atol=1e-7, description="the default; torch.testing's float64 tolerance"),
     Precision("float32", torch.float32, rtol=1.3e-6, atol=1e-5, description="torch.testing's float32 tolerance"),
-    Precision("bf16-autocast", torch.float32, rtol=1.6e-2, atol=1e-3, autocast=torch.bfloat16,
+    Precision("bf16-autocast", torch.float32, rtol=1.6e-2, atol=2**-8, autocast=torch.bfloat16,
               description="float32 weights, bfloat16 autocast on CPU"),
     Precision("fp16-autocast", torch.float32, rtol=1e-3, atol=1e-4, autocast=torch.float16, device="cuda",
               grad_scaler=True, description="float32 weights, float16 autocast and GradScaler on CUDA"),

@@ -36,7 +36,11 @@ def render_matrix(report: Report) -> str:
     cases = list(dict.fromkeys(o.case for o in report.outcomes))
     regimes = list(dict.fromkeys(o.regime for o in report.outcomes))
     cells = {(o.case, o.regime): cell(o) for o in report.outcomes}
-    table = [["case", *regimes]] + [[c, *(cells.get((c, r), ".") for r in regimes)] for c in cases]
+    return render_columns([["case", *regimes]] + [[c, *(cells.get((c, r), ".") for r in regimes)] for c in cases])
+
+
+def render_columns(table: list[list[str]]) -> str:
+    """Left-aligned columns under a ruled header row."""
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     lines = ["  ".join(text.ljust(w) for text, w in zip(row, widths)).rstrip() for row in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -45,6 +49,12 @@ def render_matrix(report: Report) -> str:
 
 def render_failures(report: Report) -> str:
     return "\n\n".join(f"FAILED {o.describe()}" + (f"\n{o.details}" if o.details else "") for o in report.failures)
+
+
+def render_skips(report: Report) -> str:
+    """Each distinct reason a check was skipped, once."""
+    reasons = dict.fromkeys(o.reason for o in report.outcomes if o.verdict is Verdict.SKIPPED)
+    return "\n".join(f"skipped: {reason}" for reason in reasons)
 
 
 def render_summary(report: Report, seconds: float) -> str:
@@ -70,22 +80,23 @@ def _row(o: Outcome) -> dict:
         "case": o.case,
         "regime": o.regime,
         "verdict": o.verdict.value,
-        "max_abs": _number(c.max_abs) if c else None,
-        "max_rel": _number(c.max_rel) if c else None,
-        "margin": _number(c.margin) if c else None,
+        "max_abs": json_number(c.max_abs) if c else None,
+        "max_rel": json_number(c.max_rel) if c else None,
+        "margin": json_number(c.margin) if c else None,
         "first_divergent_step": c.first_divergent_step if c else None,
+        "hint": c.hint if c else "",
         "reason": o.reason,
         "seconds": round(o.seconds, 6),
         "optimizer_steps": o.result.optimizer_steps if o.result else None,
         "problems": list(c.problems) if c else [],
         "mismatches": [
-            {"kind": m.kind, "name": m.name, "first_step": m.first_step, "max_abs": _number(m.diff.max_abs),
-             "margin": _number(m.diff.margin)}
+            {"kind": m.kind, "name": m.name, "first_step": m.first_step, "max_abs": json_number(m.diff.max_abs),
+             "margin": json_number(m.diff.margin)}
             for m in (c.mismatches if c else ())
         ],
     }
 
 
-def _number(value: float) -> float | str:
+def json_number(value: float) -> float | str:
     """JSON has no infinity or NaN: those become the strings 'inf' and 'nan'."""
     return value if math.isfinite(value) else str(value)
