@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -25,6 +25,17 @@ def chunk_pairs(batch: Batch, chunks: int) -> Iterator[tuple[Tensor, Tensor]]:
     return zip(batch.inputs.tensor_split(chunks), batch.targets.tensor_split(chunks))
 
 
+def meddling_part(meddle: Callable[[], object], objective: Objective, batch: Batch) -> Callable[[Tensor, Tensor], Tensor]:
+    """A micro-batch's share of the global mean, taken after ``meddle()`` touched the gradients so far."""
+    share = global_mean_part(objective, batch)
+
+    def part(output: Tensor, targets: Tensor) -> Tensor:
+        meddle()
+        return share(output, targets)
+
+    return part
+
+
 # --- the accumulation loop itself -------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -34,11 +45,8 @@ class ZeroGradInside(Chunked):
     pitfall = True
 
     def train_step(self, model, optimizer, batch, objective):
-        def zeroing_part(output, targets):
-            optimizer.zero_grad()  # the bug: earlier micro-batches' gradients are thrown away
-            return objective.sum(output, targets) / batch.items
-
-        loss = backward_chunks(model, batch.inputs, batch.targets, self.chunks, zeroing_part, objective=objective)
+        zeroing = meddling_part(optimizer.zero_grad, objective, batch)  # the bug: earlier parts thrown away
+        loss = backward_chunks(model, batch.inputs, batch.targets, self.chunks, zeroing, objective=objective)
         finish_step(optimizer, objective)
         return loss
 
@@ -74,11 +82,9 @@ class ClipPerMicroBatch(Chunked):
             raise InvalidArgument.value("max_norm", self.max_norm, "a number > 0")
 
     def train_step(self, model, optimizer, batch, objective):
-        def clipping_part(output, targets):
-            nn.utils.clip_grad_norm_(model.parameters(), self.max_norm)  # the bug: clips a partial sum
-            return objective.sum(output, targets) / batch.items
-
-        loss = backward_chunks(model, batch.inputs, batch.targets, self.chunks, clipping_part, objective=objective)
+        clipping = meddling_part(lambda: nn.utils.clip_grad_norm_(model.parameters(), self.max_norm), objective,
+                                 batch)  # the bug: clips each partial sum
+        loss = backward_chunks(model, batch.inputs, batch.targets, self.chunks, clipping, objective=objective)
         finish_step(optimizer, objective)
         return loss
 
@@ -139,13 +145,13 @@ class ScalerUnscalePerMicroBatch(Chunked):
     def train_step(self, model, optimizer, batch, objective):
         objective = scaled(objective, model)
 
-        def unscaling_part(output, targets):
+        def unscale_so_far():
             if any(p.grad is not None for p in model.parameters()):
                 objective.scaler.unscale_(optimizer)  # the bug: unscales the partial sum so far...
                 objective.scaler.update()  # ...and update() lets unscale_ run again on the next one
-            return objective.sum(output, targets) / batch.items
 
-        loss = backward_chunks(model, batch.inputs, batch.targets, self.chunks, unscaling_part, objective=objective)
+        unscaling = meddling_part(unscale_so_far, objective, batch)
+        loss = backward_chunks(model, batch.inputs, batch.targets, self.chunks, unscaling, objective=objective)
         finish_step(optimizer, objective)  # step() unscales everything once more
         return loss
 
