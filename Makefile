@@ -1,4 +1,4 @@
-# Two commands on a fresh machine: `make demo` (the equivalence matrix) and `make test`.
+# Two commands on a fresh machine: `make demo` (the equivalence matrix and the pitfall catalogue) and `make test`.
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 VENV := .venv
@@ -20,6 +20,7 @@ $(STAMP): pyproject.toml
 
 demo: install
 	$(BIN)/equivcheck run
+	$(BIN)/equivcheck catalogue
 
 test: install
 	$(BIN)/python -m pytest -q

@@ -7,6 +7,7 @@ training must be reported as mismatches. Retained-graph and detached-partial acc
 BatchNorm trunk once on the global batch, so they stay exact: the harness must say both.
 """
 
+import dataclasses
 from functools import partial
 
 import torch.nn.functional as F
@@ -36,4 +37,17 @@ batchnorm_cnn = ec.register_case(ec.Case(
         "ddp_no_sync": "BatchNorm normalises each rank's micro-batches by their own statistics",
     },
     description="negative control: BatchNorm2d under accumulation",
+))
+
+
+def groupnorm_model():
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.GroupNorm(2, 4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 5))
+
+
+groupnorm_cnn = ec.register_case(dataclasses.replace(
+    batchnorm_cnn,
+    name="groupnorm_cnn",
+    model=groupnorm_model,
+    expect_mismatch={},
+    description="twin of batchnorm_cnn: GroupNorm normalises each sample by its own statistics",
 ))

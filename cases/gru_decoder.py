@@ -4,6 +4,8 @@ The hidden state carries the graph from token to token (nothing is detached), so
 reaches every earlier step: what per-token detaching would silently truncate.
 """
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,11 +23,18 @@ class Recurrence(nn.Module):
         self.embedding = nn.Embedding(VOCAB, HIDDEN)
         self.cell = nn.GRUCell(HIDDEN, HIDDEN)
 
+    def initial_hidden(self, tokens):
+        return tokens.new_zeros((len(tokens), HIDDEN), dtype=self.embedding.weight.dtype)
+
+    def step(self, token, hidden):
+        """One token: the per_token regimes drive the decoder through this, as seed 002's loop does."""
+        return self.cell(self.embedding(token), hidden)
+
     def forward(self, tokens):
-        hidden = tokens.new_zeros((len(tokens), HIDDEN), dtype=self.embedding.weight.dtype)
+        hidden = self.initial_hidden(tokens)
         states = []
         for t in range(tokens.shape[1]):  # teacher forcing: the input of step t is the true token t
-            hidden = self.cell(self.embedding(tokens[:, t]), hidden)
+            hidden = self.step(tokens[:, t], hidden)
             states.append(hidden)
         return torch.stack(states, dim=1)
 
@@ -49,4 +58,13 @@ gru_decoder = ec.register_case(ec.Case(
     steps=2,
     split=lambda m: (m[0], m[1]),
     description="seed 002's decoder: GRU cell stepped per token, full BPTT, loss over every token",
+))
+
+gru_detached_hidden = ec.register_case(dataclasses.replace(
+    gru_decoder,
+    name="gru_detached_hidden",
+    regimes=("full_batch", "per_token:detach=0", "per_token:detach=1"),
+    expect_mismatch={"per_token:detach=1": "seed 002: the hidden state detached after each token's backward "
+                                           "truncates back-propagation through time"},
+    description="pitfall: per-token backward with the hidden state detached (seed 002) vs full BPTT",
 ))

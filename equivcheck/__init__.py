@@ -5,7 +5,9 @@ from .case import Batch, Case, Objective, default_optimizer
 from .check import Outcome, Report, Verdict, check, check_all, regimes_for
 from .compare import Comparison, Mismatch, Tolerance, compare
 from .errors import EquivcheckError, InvalidArgument, NotEquivalent, Unavailable, WorkerError
+from .precision import PRECISIONS, Precision
 from .regimes import DEFAULT_REGIMES, REGIMES, Regime, parse_regime
+from . import pitfalls  # noqa: E402,F401  (registers the pitfall regimes into REGIMES)
 from .registry import all_cases, builtin_cases, get_case, load_cases_from, register_case
 from .result import RunResult
 from .execute import run
@@ -13,7 +15,8 @@ from .seeding import DEFAULT_SEED
 
 __all__ = [
     "DEFAULT_REGIMES", "DEFAULT_SEED", "REGIMES", "Batch", "Case", "Comparison", "EquivcheckError",
-    "InvalidArgument", "Mismatch", "NotEquivalent", "Objective", "Outcome", "Regime", "Report", "RunResult",
-    "Tolerance", "Unavailable", "Verdict", "WorkerError", "all_cases", "builtin_cases", "check", "check_all", "compare", "default_optimizer", "get_case",
+    "InvalidArgument", "Mismatch", "NotEquivalent", "Objective", "Outcome", "PRECISIONS", "Precision", "Regime",
+    "Report", "RunResult", "Tolerance", "Unavailable", "Verdict", "WorkerError", "all_cases", "builtin_cases",
+    "check", "check_all", "compare", "default_optimizer", "get_case",
     "load_cases_from", "parse_regime", "regimes_for", "register_case", "run",
 ]

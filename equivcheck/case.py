@@ -15,14 +15,12 @@ import torch
 from torch import Tensor, nn
 
 from .errors import InvalidArgument, expect_callable, expect_int
+from .precision import NAMES_OF_DTYPES, Precision, resolve_precision
 
 ModelFactory = Callable[[], nn.Module]
 DataFactory = Callable[[], "tuple[Tensor, Tensor]"]
 LossFn = Callable[[Tensor, Tensor], Tensor]
 Split = Callable[[nn.Module], "tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]"]
-
-DTYPES = {"float64": torch.float64, "float32": torch.float32}
-
 
 def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     """SGD with momentum: unlike Adam, it does not normalise away a gradient scale bug."""
@@ -72,7 +70,7 @@ class Case:
             expect_callable("split", self.split)
         expect_int("batch_size", self.batch_size)
         expect_int("steps", self.steps)
-        if self.dtype not in DTYPES.values():
+        if self.dtype not in NAMES_OF_DTYPES:
             raise InvalidArgument.value("dtype", self.dtype, "torch.float64 or torch.float32")
         if (self.rtol is None) != (self.atol is None):
             raise InvalidArgument.value("rtol", self.rtol, f"rtol and atol given together (atol={self.atol!r})")
@@ -104,13 +102,29 @@ class Batch:
 
 
 class Objective:
-    """What a regime may use of a case: its loss, checked to return one loss per item, and its split."""
+    """What a regime may use of a case: its loss, checked to return one loss per item, and its split.
 
-    def __init__(self, case: Case) -> None:
+    Under a precision mode it also carries the mode's loss autocast and its GradScaler (``scaler``,
+    disabled unless the mode uses one): regimes back-propagate through :meth:`backward` and step
+    through :meth:`step`, the AMP recipe, which is plain ``backward()`` and ``step()`` when disabled.
+    """
+
+    def __init__(self, case: Case, precision: Precision | None = None) -> None:
         self._case = case
+        self.precision = resolve_precision(precision, default=case.dtype)
+        self.scaler = self.precision.grad_scaler_for()
+        self._loss = self.precision.autocasting(case.loss)
+
+    def backward(self, loss: Tensor, *, retain_graph: bool = False) -> None:
+        self.scaler.scale(loss).backward(retain_graph=retain_graph)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """One optimizer step (unscaled and skipped on overflow by the scaler, when enabled)."""
+        self.scaler.step(optimizer)
+        self.scaler.update()
 
     def item_losses(self, output: Tensor, targets: Tensor) -> Tensor:
-        losses = self._case.loss(output, targets)
+        losses = self._loss(output, targets)
         expected = int(self._case.items(targets))
         if not isinstance(losses, Tensor) or losses.dim() != 1 or len(losses) != expected:
             shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__

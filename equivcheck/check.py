@@ -8,10 +8,13 @@ import time
 import traceback
 from collections.abc import Iterable, Sequence
 
+import torch
+
 from .case import Case
 from .compare import Comparison, compare
 from .errors import InvalidArgument, NotEquivalent, Unavailable
 from .execute import DEFAULT_TIMEOUT, run
+from .precision import Precision, resolve_precision
 from .regimes import DEFAULT_REGIMES, REGIMES, DetachedPartial, Regime, parse_regime
 from .registry import all_cases, resolve_case
 from .result import RunResult
@@ -107,22 +110,29 @@ def check(
     seed: int = DEFAULT_SEED,
     backend: str | None = None,
     timeout: float = DEFAULT_TIMEOUT,
+    dtype: str | torch.dtype | Precision | None = None,
 ) -> Report:
     """Check ``case`` under each regime against ``reference`` (run twice, to prove it deterministic).
 
     ``backend`` (gloo or nccl) applies to distributed regimes whose spec leaves it at auto;
-    ``timeout`` bounds each distributed job in seconds.
+    ``timeout`` bounds each distributed job in seconds. ``dtype`` picks the precision mode
+    (``'float64'``, ``'float32'``, ``'bf16-autocast'``, ``'fp16-autocast'``; default: the case's
+    dtype); a mode this machine cannot run is skipped.
     """
     case = resolve_case(case)
     reference = parse_regime(reference)
     specs = [with_backend(parse_regime(r), backend)
              for r in (regimes_for(case) if regimes is None else regimes)]
+    precision = resolve_precision(dtype, default=case.dtype)
     _validate(case, [reference, *specs])
     rtol, atol = (case.rtol, case.atol) if rtol is None and atol is None else (rtol, atol)
+    missing = precision.unavailable()
+    if missing:
+        return Report(tuple(Outcome(case.name, str(s), Verdict.SKIPPED, reason=missing) for s in specs))
 
     started = time.perf_counter()
-    ref = run(case, reference, seed=seed)
-    rerun = run(case, reference, seed=seed)
+    ref = run(case, reference, seed=seed, dtype=precision)
+    rerun = run(case, reference, seed=seed, dtype=precision)
     self_check = compare(ref, rerun, rtol=rtol, atol=atol)
     ref_seconds = time.perf_counter() - started
     if not self_check.ok:
@@ -136,7 +146,7 @@ def check(
             continue
         started = time.perf_counter()
         try:
-            result = run(case, spec, seed=seed, timeout=timeout)
+            result = run(case, spec, seed=seed, timeout=timeout, dtype=precision)
         except InvalidArgument:
             raise
         except Unavailable as why:

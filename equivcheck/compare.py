@@ -14,10 +14,9 @@ import torch
 from torch import Tensor
 
 from .errors import InvalidArgument
+from .hints import diagnose
+from .precision import PRECISIONS, Precision, resolve_precision
 from .result import RunResult
-
-# torch.testing.assert_close's defaults for these dtypes.
-DEFAULT_TOLERANCES = {torch.float64: (1e-7, 1e-7), torch.float32: (1.3e-6, 1e-5)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,12 +25,15 @@ class Tolerance:
     atol: float
 
     @classmethod
-    def resolve(cls, dtype: torch.dtype, rtol: float | None = None, atol: float | None = None) -> Tolerance:
-        """The call's override if given, else the dtype's default; rtol and atol go together."""
+    def resolve(
+        cls, dtype: torch.dtype | Precision, rtol: float | None = None, atol: float | None = None
+    ) -> Tolerance:
+        """The call's override if given, else the precision mode's stated tolerance; rtol and atol go together."""
         if (rtol is None) != (atol is None):
             raise InvalidArgument.value("rtol", rtol, f"rtol and atol given together (atol={atol!r})")
         if rtol is None:
-            rtol, atol = DEFAULT_TOLERANCES[dtype]
+            precision = resolve_precision(dtype)
+            rtol, atol = precision.rtol, precision.atol
         for name, value in (("rtol", rtol), ("atol", atol)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise InvalidArgument.value(name, value, "a number >= 0")
@@ -118,6 +120,7 @@ class Comparison:
     max_abs: float
     max_rel: float
     margin: float
+    hint: str = ""  # the likely pitfall, where the pattern of mismatches is recognisable (hints.py)
 
     @property
     def ok(self) -> bool:
@@ -132,6 +135,8 @@ class Comparison:
         if self.ok:
             return f"equivalent: margin {self.margin:.3g} ({self.tolerance})"
         lines = [f"not equivalent ({self.tolerance}): margin {self.margin:.3g}, max abs {self.max_abs:.3g}"]
+        if self.hint:
+            lines.append(f"hint: {self.hint}")
         lines += self.problems
         lines += [m.describe(self.tolerance) for m in self.mismatches]
         return "\n".join(lines)
@@ -140,9 +145,9 @@ class Comparison:
 def compare(
     reference: RunResult, candidate: RunResult, *, rtol: float | None = None, atol: float | None = None
 ) -> Comparison:
-    """Compare ``candidate`` against ``reference`` everywhere; the tolerance follows the dtype."""
-    dtype = next(iter(reference.weights.values())).dtype
-    tol = Tolerance.resolve(dtype, rtol, atol)
+    """Compare ``candidate`` against ``reference`` everywhere; the tolerance follows the precision mode."""
+    mode = PRECISIONS.get(reference.precision) or next(iter(reference.weights.values())).dtype
+    tol = Tolerance.resolve(mode, rtol, atol)
     problems: list[str] = []
     if reference.optimizer_steps != candidate.optimizer_steps:
         problems.append(
@@ -187,7 +192,8 @@ def compare(
                 mismatches.append(Mismatch(kind, name, _first_bad(entries[0], tol), None, worst[1]))
             else:
                 mismatches.append(Mismatch(kind, name, first[0], worst[0], worst[1]))
-    return Comparison(tol, tuple(mismatches), tuple(problems), max_abs, max_rel, margin)
+    hint = diagnose(reference, candidate, mismatches, problems) if mismatches or problems else ""
+    return Comparison(tol, tuple(mismatches), tuple(problems), max_abs, max_rel, margin, hint)
 
 
 def _first_bad(entry: tuple[int | None, Tensor, Tensor], tol: Tolerance) -> int:

@@ -7,6 +7,7 @@ import dataclasses
 from .case import Case
 from .distributed import launcher, pool
 from .errors import InvalidArgument, Unavailable
+from .precision import Precision, registered_name
 from .regimes import Regime, parse_regime
 from .registry import all_cases, case_source, resolve_case
 from .result import RunResult
@@ -38,6 +39,8 @@ def run(case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED, tim
             f"case={case.name!r} is not allowed here: worker processes import cases themselves, so distributed "
             "regimes need a case registered with equivcheck.register_case at the top level of a module or file"
         )
+    if isinstance(options.get("dtype"), Precision):  # workers look precision modes up by name
+        options["dtype"] = registered_name(options["dtype"])
     job = {"case": case.name, "source": case_source(case.name), "regime": str(regime), "seed": seed,
            "options": options}
     backend = regime.resolved_backend

@@ -54,9 +54,12 @@ class Regime:
         raise NotImplementedError
 
 
-def finish_step(optimizer: Optimizer) -> None:
-    """One optimizer step, then clear the gradients for the next global batch."""
-    optimizer.step()
+def finish_step(optimizer: Optimizer, objective: Objective | None = None) -> None:
+    """One optimizer step (through the objective's GradScaler if given), then clear the gradients."""
+    if objective is None:
+        optimizer.step()
+    else:
+        objective.step(optimizer)
     optimizer.zero_grad(set_to_none=True)
 
 
@@ -68,12 +71,19 @@ def backward_chunks(
     part_loss: Callable[[Tensor, Tensor], Tensor],
     *,
     retain_graph: bool = False,
+    objective: Objective | None = None,
 ) -> Tensor:
-    """Back-propagate ``part_loss(forward(x), y)`` for each of ``chunks`` slices; return their sum."""
+    """Back-propagate ``part_loss(forward(x), y)`` for each of ``chunks`` slices; return their sum.
+
+    With ``objective``, each backward goes through its GradScaler (a no-op unless the precision uses one).
+    """
     total = 0.0
     for x, y in zip(inputs.tensor_split(chunks), targets.tensor_split(chunks)):
         part = part_loss(forward(x), y)
-        part.backward(retain_graph=retain_graph)
+        if objective is None:
+            part.backward(retain_graph=retain_graph)
+        else:
+            objective.backward(part, retain_graph=retain_graph)
         total = total + part.detach()
     return total
 
@@ -90,8 +100,8 @@ class FullBatch(Regime):
 
     def train_step(self, model, optimizer, batch, objective):
         loss = objective.sum(model(batch.inputs), batch.targets) / batch.items
-        loss.backward()
-        finish_step(optimizer)
+        objective.backward(loss)
+        finish_step(optimizer, objective)
         return loss.detach()
 
 
@@ -101,8 +111,9 @@ class SampleBySample(Regime):
     summary = "one forward and backward per sample, each weighted by 1/items of the global batch"
 
     def train_step(self, model, optimizer, batch, objective):
-        loss = backward_chunks(model, batch.inputs, batch.targets, len(batch), global_mean_part(objective, batch))
-        finish_step(optimizer)
+        loss = backward_chunks(model, batch.inputs, batch.targets, len(batch), global_mean_part(objective, batch),
+                               objective=objective)
+        finish_step(optimizer, objective)
         return loss
 
 
@@ -129,8 +140,9 @@ class Accumulate(Chunked):
     summary = "K micro-batches, each loss sum / global item count, one optimizer step"
 
     def train_step(self, model, optimizer, batch, objective):
-        loss = backward_chunks(model, batch.inputs, batch.targets, self.chunks, global_mean_part(objective, batch))
-        finish_step(optimizer)
+        loss = backward_chunks(model, batch.inputs, batch.targets, self.chunks, global_mean_part(objective, batch),
+                               objective=objective)
+        finish_step(optimizer, objective)
         return loss
 
 
@@ -142,8 +154,9 @@ class RetainedGraph(Chunked):
     def train_step(self, model, optimizer, batch, objective):
         output = model(batch.inputs)
         total = backward_chunks(lambda out: out, output, batch.targets, self.chunks,
-                                global_mean_part(objective, batch), retain_graph=True)
-        finish_step(optimizer)
+                                global_mean_part(objective, batch), retain_graph=True,
+                                objective=objective)
+        finish_step(optimizer, objective)
         return total
 
 
@@ -164,9 +177,10 @@ class DetachedPartial(Chunked):
         trunk, head = objective.split(model)
         features = trunk(batch.inputs)
         detached = features.detach().requires_grad_()
-        total = backward_chunks(head, detached, batch.targets, self.chunks, global_mean_part(objective, batch))
-        features.backward(detached.grad)
-        finish_step(optimizer)
+        total = backward_chunks(head, detached, batch.targets, self.chunks, global_mean_part(objective, batch),
+                                objective=objective)
+        features.backward(detached.grad)  # already scaled: the head's backward went through the scaler
+        finish_step(optimizer, objective)
         return total
 
 
@@ -178,8 +192,9 @@ class NaiveAccumulate(Chunked):
 
     def train_step(self, model, optimizer, batch, objective):
         total = backward_chunks(model, batch.inputs, batch.targets, self.chunks,
-                                lambda output, targets: objective.mean(output, targets) / self.chunks)
-        finish_step(optimizer)
+                                lambda output, targets: objective.mean(output, targets) / self.chunks,
+                                objective=objective)
+        finish_step(optimizer, objective)
         return total
 
 
@@ -207,7 +222,7 @@ DEFAULT_REGIMES = (
     "data_parallel",
 )
 
-_FIELD_TYPES = {"int": int, "str": str, "bool": bool}
+_FIELD_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 
 
 def parse_regime(spec: str | Regime) -> Regime:
@@ -237,11 +252,11 @@ def parse_regime(spec: str | Regime) -> Regime:
 
 
 def _convert(key: str, raw: str, kind: type) -> object:
-    if kind is int:
+    if kind in (int, float):
         try:
-            return int(raw)
+            return kind(raw)
         except ValueError:
-            raise InvalidArgument.type(key, raw, "int") from None
+            raise InvalidArgument.type(key, raw, kind.__name__) from None
     if kind is bool:
         if raw not in ("0", "1", "true", "false"):
             raise InvalidArgument.value(key, raw, "one of 0, 1, true, false")

@@ -52,12 +52,16 @@ def render_matrix(report: Report, width: int = 120) -> str:
             used = case_width
         panels[-1].append(regime)
         used += 2 + column_width[regime]
-    return "\n\n".join(_panel([c for c in cases if any((c, r) in cells for r in panel)], panel, cells,
-                               [case_width] + [column_width[r] for r in panel]) for panel in panels)
+    return "\n\n".join(
+        render_columns([["case", *panel]] + [[c, *(cells.get((c, r), ".") for r in panel)]
+                                             for c in cases if any((c, r) in cells for r in panel)])
+        for panel in panels
+    )
 
 
-def _panel(cases: list[str], regimes: list[str], cells: dict, widths: list[int]) -> str:
-    table = [["case", *regimes]] + [[c, *(cells.get((c, r), ".") for r in regimes)] for c in cases]
+def render_columns(table: list[list[str]]) -> str:
+    """Left-aligned columns under a ruled header row."""
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     lines = ["  ".join(text.ljust(w) for text, w in zip(row, widths)).rstrip() for row in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
@@ -65,6 +69,12 @@ def _panel(cases: list[str], regimes: list[str], cells: dict, widths: list[int])
 
 def render_failures(report: Report) -> str:
     return "\n\n".join(f"FAILED {o.describe()}" + (f"\n{o.details}" if o.details else "") for o in report.failures)
+
+
+def render_skips(report: Report) -> str:
+    """Each distinct reason a check was skipped, once."""
+    reasons = dict.fromkeys(o.reason for o in report.outcomes if o.verdict is Verdict.SKIPPED)
+    return "\n".join(f"skipped: {reason}" for reason in reasons)
 
 
 def render_summary(report: Report, seconds: float) -> str:
@@ -90,22 +100,23 @@ def _row(o: Outcome) -> dict:
         "case": o.case,
         "regime": o.regime,
         "verdict": o.verdict.value,
-        "max_abs": _number(c.max_abs) if c else None,
-        "max_rel": _number(c.max_rel) if c else None,
-        "margin": _number(c.margin) if c else None,
+        "max_abs": json_number(c.max_abs) if c else None,
+        "max_rel": json_number(c.max_rel) if c else None,
+        "margin": json_number(c.margin) if c else None,
         "first_divergent_step": c.first_divergent_step if c else None,
+        "hint": c.hint if c else "",
         "reason": o.reason,
         "seconds": round(o.seconds, 6),
         "optimizer_steps": o.result.optimizer_steps if o.result else None,
         "problems": list(c.problems) if c else [],
         "mismatches": [
-            {"kind": m.kind, "name": m.name, "first_step": m.first_step, "max_abs": _number(m.diff.max_abs),
-             "margin": _number(m.diff.margin)}
+            {"kind": m.kind, "name": m.name, "first_step": m.first_step, "max_abs": json_number(m.diff.max_abs),
+             "margin": json_number(m.diff.margin)}
             for m in (c.mismatches if c else ())
         ],
     }
 
 
-def _number(value: float) -> float | str:
+def json_number(value: float) -> float | str:
     """JSON has no infinity or NaN: those become the strings 'inf' and 'nan'."""
     return value if math.isfinite(value) else str(value)

@@ -32,6 +32,7 @@ class RunResult:
     syncs: tuple[int, ...] | None = None
     sync_bytes: tuple[int, ...] | None = None
     rank_spread: float | None = None
+    precision: str = ""  # the precision mode's name (equivcheck.precision); "" means the weights' dtype
 
     @property
     def optimizer_steps(self) -> int:

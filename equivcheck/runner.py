@@ -11,25 +11,32 @@ from torch.optim import Optimizer
 
 from .case import Batch, Case, Objective
 from .communication import CommCounter
-from .errors import InvalidArgument
+from .errors import InvalidArgument, Unavailable
+from .precision import Precision, resolve_precision
 from .regimes import Regime, parse_regime
 from .registry import resolve_case
 from .result import RunResult
 from .seeding import DEFAULT_SEED, default_dtype, seeded
 
 
-def run(case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED) -> RunResult:
-    """Train ``case`` for its steps under ``regime`` and return what it produced."""
+def run(
+    case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED, dtype: str | torch.dtype | Precision | None = None
+) -> RunResult:
+    """Train ``case`` for its steps under ``regime`` in precision ``dtype`` (default: the case's dtype)."""
     case = resolve_case(case)
     regime = parse_regime(regime)
+    precision = resolve_precision(dtype, default=case.dtype)
     regime.validate(case)
+    missing = precision.unavailable()
+    if missing:
+        raise Unavailable(f"dtype={precision.name!r} cannot run here: {missing}")
     started = time.perf_counter()
-    device = regime.device()
-    with seeded(seed), default_dtype(case.dtype):
-        model = build_model(case).to(device)
-        batches = load_batches(case, device)
+    device = regime.device() if regime.device().type != "cpu" else torch.device(precision.device)
+    with seeded(seed), default_dtype(precision.dtype):
+        model = build_model(case, precision, device)
+        batches = load_batches(case, precision, device)
         optimizer = case.optimizer(model.parameters())
-        objective = Objective(case)
+        objective = Objective(case, precision)
         module = regime.wrap(model)
         counter = CommCounter.attach(module) if isinstance(module, DistributedDataParallel) else None
         with GradRecorder(model, optimizer, counter) as recorder:
@@ -44,20 +51,23 @@ def run(case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED) -> 
         seconds=time.perf_counter() - started,
         syncs=None if counter is None else tuple(recorder.syncs),
         sync_bytes=None if counter is None else tuple(recorder.sync_bytes),
+        precision=precision.name,
     )
 
 
-def build_model(case: Case) -> nn.Module:
+def build_model(case: Case, precision: Precision | None = None, device: torch.device | None = None) -> nn.Module:
+    precision = precision or resolve_precision(None, default=case.dtype)
     model = case.model()
     if not isinstance(model, nn.Module):
         raise InvalidArgument.type("model", model, "a factory returning a torch.nn.Module")
     if not any(p.requires_grad for p in model.parameters()):
         raise InvalidArgument(f"model of case {case.name!r} has no trainable parameters: expected at least one")
-    return model.to(case.dtype).train()
+    return precision.prepare(model, device).train()
 
 
-def load_batches(case: Case, device: torch.device = torch.device("cpu")) -> list[Batch]:
+def load_batches(case: Case, precision: Precision | None = None, device: torch.device | None = None) -> list[Batch]:
     """The case's data cut into ``steps`` global batches; wrong sizes are errors, never truncated."""
+    precision = precision or resolve_precision(None, default=case.dtype)
     data = case.data()
     if not (isinstance(data, tuple) and len(data) == 2 and all(isinstance(t, Tensor) for t in data)):
         raise InvalidArgument.type("data", data, "a factory returning a tuple (inputs, targets) of tensors")
@@ -72,8 +82,9 @@ def load_batches(case: Case, device: torch.device = torch.device("cpu")) -> list
             f"data of case {case.name!r} holds {len(inputs)} samples: expected exactly steps * batch_size = "
             f"{case.steps} * {case.batch_size} = {case.samples} (nothing is truncated or padded)"
         )
-    inputs = inputs.to(device, case.dtype if inputs.is_floating_point() else None)
-    targets = targets.to(device, case.dtype if targets.is_floating_point() else None)
+    device = device or torch.device(precision.device)
+    inputs, targets = (t.to(device=device, dtype=precision.dtype) if t.is_floating_point()
+                       else t.to(device) for t in (inputs, targets))
     return [Batch(inputs[i : i + case.batch_size], targets[i : i + case.batch_size], case.items)
             for i in range(0, case.samples, case.batch_size)]
 
@@ -106,13 +117,9 @@ class GradRecorder:
 
     def _snapshot(self) -> dict[str, Tensor]:
         # A parameter that took no part in the step has no gradient: mathematically a zero one.
-        return {n: _cpu_copy(p.grad) if p.grad is not None else torch.zeros_like(p, device="cpu")
-                for n, p in self._named}
+        return snapshot((n, p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self._named)
 
 
 def snapshot(named) -> dict[str, Tensor]:
-    return {name: _cpu_copy(tensor) for name, tensor in named}
-
-
-def _cpu_copy(tensor: Tensor) -> Tensor:
-    return tensor.detach().to("cpu", copy=True)
+    """Plain CPU copies, whatever device the run used."""
+    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in named}

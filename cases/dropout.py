@@ -1,0 +1,49 @@
+"""Dropout under accumulation: which masks do micro-batches draw?
+
+Measured on CPU: one dropout layer draws its micro-batch masks from the same stream in the same order
+as the global batch, so plain accumulation matches (the case ``dropout_one_layer``). With two layers
+the draws interleave (layer 1 of chunk 1, layer 2 of chunk 1, layer 1 of chunk 2, ...) and every
+micro-batch gets other masks: ``dropout_two_layers`` catches that, and ``replayed_dropout`` fixes it
+by applying each micro-batch's rows of the masks the global batch draws.
+"""
+
+import dataclasses
+from functools import partial
+
+import torch.nn.functional as F
+from torch import nn
+
+import equivcheck as ec
+
+from .mlp import data
+
+
+def two_layers():
+    return nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Dropout(0.5), nn.Linear(10, 10), nn.Tanh(), nn.Dropout(0.5),
+                         nn.Linear(10, 3))
+
+
+def one_layer():
+    return nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Dropout(0.5), nn.Linear(10, 3))
+
+
+dropout_two_layers = ec.register_case(ec.Case(
+    name="dropout_two_layers",
+    model=two_layers,
+    data=data,
+    loss=partial(F.cross_entropy, reduction="none"),
+    batch_size=12,
+    steps=3,
+    regimes=("full_batch", "replayed_dropout:chunks=4", "accumulate:chunks=4"),
+    expect_mismatch={"accumulate": "two dropout layers: micro-batches interleave their draws and get other masks"},
+    description="pitfall: dropout masks differ per micro-batch; twin: replay the global batch's masks",
+))
+
+dropout_one_layer = ec.register_case(dataclasses.replace(
+    dropout_two_layers,
+    name="dropout_one_layer",
+    model=one_layer,
+    regimes=("full_batch", "accumulate:chunks=4", "replayed_dropout:chunks=4"),
+    expect_mismatch={},
+    description="one dropout layer on CPU: micro-batches draw the global batch's masks in order (measured)",
+))

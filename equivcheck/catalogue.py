@@ -1,0 +1,249 @@
+"""The pitfall catalogue: every known way accumulation goes wrong, next to the faithful way, measured.
+
+An entry names a registered case that declares the pitfall regime an expected mismatch, and the
+faithful twin that does the same job right. Running the catalogue checks both in each precision mode
+and holds them to the targets: a pitfall caught with a margin (error / allowed error) of at least
+``PITFALL_MARGIN[mode]``, a twin passing with a headroom (allowed / error) of at least
+``TWIN_HEADROOM[mode]``. Entries run through :func:`check`, so an entry whose regime runs elsewhere
+(a DDP regime) joins with :func:`add_entry` and nothing else changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+from .check import Outcome, Verdict, check
+from .compare import Tolerance
+from .errors import InvalidArgument
+from .precision import PRECISIONS, resolve_precision
+from .regimes import parse_regime
+from .registry import get_case
+from .report import json_number, render_columns
+from .seeding import DEFAULT_SEED
+
+# Targets per mode (issue 5). A mode without a pitfall target reports caught or not and holds no line.
+PITFALL_MARGIN = {"float64": 100.0, "float32": 10.0}
+TWIN_HEADROOM = {"float64": 100.0}
+DEFAULT_DTYPES = ("float64", "float32", "bf16-autocast", "fp16-autocast")
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One pitfall: ``regime`` on ``case`` must be caught; ``twin`` on ``twin_case`` (default ``case``) must pass."""
+
+    pitfall: str
+    case: str
+    regime: str
+    twin: str
+    twin_case: str | None = None
+    reference: str = "full_batch"
+
+    def __post_init__(self) -> None:
+        for argument in ("regime", "twin", "reference"):
+            object.__setattr__(self, argument, str(parse_regime(getattr(self, argument))))
+
+    @property
+    def fixed_case(self) -> str:
+        return self.twin_case or self.case
+
+
+CATALOGUE: list[Entry] = [
+    Entry("naive scaling: micro-batch mean / K, uneven chunks", "naive_scaling_uneven_chunks",
+          "naive_accumulate:chunks=5", "accumulate:chunks=5"),
+    Entry("naive scaling: micro-batch mean / K, uneven token counts", "naive_scaling_uneven_tokens",
+          "naive_accumulate:chunks=4", "accumulate:chunks=4"),
+    Entry("BatchNorm under accumulation", "batchnorm_cnn", "accumulate:chunks=5", "accumulate:chunks=5",
+          twin_case="groupnorm_cnn"),
+    Entry("dropout masks drawn per micro-batch", "dropout_two_layers", "accumulate:chunks=4",
+          "replayed_dropout:chunks=4"),
+    Entry("RNN hidden state detached per token (seed 002)", "gru_detached_hidden", "per_token:detach=1",
+          "per_token:detach=0"),
+    Entry("gradient clipping per micro-batch", "clip_per_micro_batch", "clip_per_micro_batch:chunks=5,max_norm=0.1",
+          "accumulate:chunks=5"),
+    Entry("zero_grad inside the accumulation loop", "zero_grad_inside_loop", "zero_grad_inside:chunks=5",
+          "accumulate:chunks=5"),
+    Entry("optimizer.step per micro-batch", "step_per_micro_batch", "step_per_micro_batch:chunks=5",
+          "accumulate:chunks=5"),
+    Entry("GradScaler unscale_ per micro-batch", "scaler_unscale_per_micro_batch",
+          "scaler_unscale_per_micro_batch:chunks=5", "scaler_accumulate:chunks=5"),
+    Entry("GradScaler step per micro-batch", "scaler_step_per_micro_batch", "scaler_step_per_micro_batch:chunks=5",
+          "scaler_accumulate:chunks=5"),
+    Entry("sampler pads by repeating samples", "sampler_pad", "sampler_pad:chunks=5", "accumulate:chunks=5"),
+    Entry("sampler drops the remainder", "sampler_drop", "sampler_drop:chunks=5", "accumulate:chunks=5"),
+    Entry("BatchNorm under DDP", "batchnorm_cnn", "ddp:world_size=2", "ddp:world_size=2", twin_case="groupnorm_cnn"),
+    Entry("DDP per-rank mean loss, uneven shards", "ddp_uneven_shards", "ddp_mean_loss:world_size=2",
+          "ddp:world_size=2"),
+    Entry("DDP per-rank mean loss, uneven token counts", "ddp_mean_loss_uneven_tokens", "ddp_mean_loss:world_size=2",
+          "ddp:world_size=2"),
+    Entry("DDP sampler pads shards by repeating samples", "ddp_uneven_shards", "ddp_padded_sampler:world_size=2",
+          "ddp:world_size=2"),
+]
+
+
+def add_entry(entry: Entry) -> Entry:
+    """Add a row (the DDP pool adds its own); its case must declare the pitfall regime a mismatch."""
+    if not isinstance(entry, Entry):
+        raise InvalidArgument.type("entry", entry, "an equivcheck.catalogue.Entry")
+    if any(e.pitfall == entry.pitfall for e in CATALOGUE):
+        raise InvalidArgument.value("pitfall", entry.pitfall, "a pitfall not in the catalogue yet")
+    CATALOGUE.append(entry)
+    return entry
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One entry measured in one precision mode: the pitfall's outcome and the twin's."""
+
+    entry: Entry
+    dtype: str
+    pitfall: Outcome
+    twin: Outcome
+
+    @property
+    def skipped(self) -> bool:
+        return Verdict.SKIPPED in (self.pitfall.verdict, self.twin.verdict)
+
+    @property
+    def caught(self) -> bool:
+        return self.pitfall.comparison is not None and not self.pitfall.comparison.ok
+
+    @property
+    def margin(self) -> float | None:
+        return self.pitfall.comparison.margin if self.pitfall.comparison else None
+
+    @property
+    def twin_passes(self) -> bool:
+        return self.twin.verdict is Verdict.EQUIVALENT
+
+    @property
+    def headroom(self) -> float | None:
+        c = self.twin.comparison
+        return None if c is None else (float("inf") if c.margin == 0 else 1 / c.margin)
+
+    @property
+    def tolerance(self) -> Tolerance | None:
+        c = self.pitfall.comparison or self.twin.comparison
+        return c.tolerance if c else None
+
+    @property
+    def shortfalls(self) -> tuple[str, ...]:
+        """What keeps this row from its targets (empty: met, or skipped with its reason shown)."""
+        if self.skipped:
+            return ()
+        missing = []
+        if not self.twin_passes:
+            missing.append(f"twin {self.entry.twin} is {self.twin.verdict.value}, not equivalent")
+        elif self.dtype in TWIN_HEADROOM and self.headroom < TWIN_HEADROOM[self.dtype]:
+            missing.append(f"twin headroom {self.headroom:.3g} < {TWIN_HEADROOM[self.dtype]:g}")
+        if self.pitfall.verdict is Verdict.ERROR or (self.dtype in PITFALL_MARGIN and not self.caught):
+            missing.append(f"pitfall {self.entry.regime} not caught ({self.pitfall.verdict.value})")
+        elif self.dtype in PITFALL_MARGIN and self.margin < PITFALL_MARGIN[self.dtype]:
+            missing.append(f"pitfall margin {self.margin:.3g} < {PITFALL_MARGIN[self.dtype]:g}")
+        return tuple(missing)
+
+
+def run_catalogue(
+    dtypes: Iterable[str] = DEFAULT_DTYPES, entries: Sequence[Entry] | None = None, *, seed: int = DEFAULT_SEED
+) -> list[Row]:
+    """Measure every entry in every precision mode; the rows come grouped by mode."""
+    modes = [resolve_precision(d).name for d in dtypes]
+    entries = list(CATALOGUE if entries is None else entries)
+    for entry in entries:  # usage errors before anything runs
+        for name, spec in ((entry.case, entry.regime), (entry.fixed_case, entry.twin)):
+            parse_regime(spec).validate(get_case(name))
+        if entry.regime not in _declared(entry):
+            raise InvalidArgument(f"catalogue entry {entry.pitfall!r}: case {entry.case!r} does not declare "
+                                  f"{entry.regime!r} in expect_mismatch: expected the pitfall declared by its case")
+    rows = []
+    for mode in modes:
+        for entry in entries:
+            if entry.twin_case is None:
+                twin, pitfall = check(entry.case, [entry.twin, entry.regime], reference=entry.reference, dtype=mode,
+                                      seed=seed).outcomes
+            else:
+                (pitfall,) = check(entry.case, [entry.regime], reference=entry.reference, dtype=mode, seed=seed).outcomes
+                (twin,) = check(entry.twin_case, [entry.twin], reference=entry.reference, dtype=mode, seed=seed).outcomes
+            rows.append(Row(entry, mode, pitfall, twin))
+    return rows
+
+
+def _declared(entry: Entry) -> set[str]:
+    """The exact specs the case declares, and the spec itself when its regime name is declared."""
+    declared = get_case(entry.case).expect_mismatch
+    name = parse_regime(entry.regime).name
+    return {str(parse_regime(k)) for k in declared if ":" in k} | ({entry.regime} if name in declared else set())
+
+
+def targets_met(rows: Iterable[Row]) -> bool:
+    return not any(row.shortfalls for row in rows)
+
+
+def render_catalogue(rows: Sequence[Row]) -> str:
+    """One block per precision mode: its tolerance and targets, then a line per pitfall."""
+    blocks = []
+    for mode in dict.fromkeys(row.dtype for row in rows):
+        block = [row for row in rows if row.dtype == mode]
+        header = _mode_header(mode, block)
+        if all(row.skipped for row in block):
+            blocks.append(f"{header}\n  skipped: {block[0].pitfall.reason or block[0].twin.reason}")
+            continue
+        table = [["pitfall", "pitfall regime", "max abs err", "margin", "caught", "faithful twin", "max abs err",
+                  "headroom", "passes", "targets"]]
+        for row in block:
+            table.append([
+                row.entry.pitfall, _spec(row.entry.case, row.entry.regime), _err(row.pitfall), _num(row.margin),
+                "yes" if row.caught else "NO", _spec(row.entry.fixed_case, row.entry.twin), _err(row.twin),
+                _num(row.headroom), "yes" if row.twin_passes else "NO",
+                "met" if not row.shortfalls else "MISSED: " + "; ".join(row.shortfalls),
+            ])
+        blocks.append(header + "\n" + render_columns(table))
+    return "\n\n".join(blocks)
+
+
+CATALOGUE_LEGEND = (
+    "margin = greatest error / allowed error (above 1: caught); headroom = allowed error / greatest error of the "
+    "twin (above 1: passes); allowed error of an element = atol + rtol * |reference|; max abs err = greatest "
+    "absolute difference from full-batch training over every gradient, weight, buffer and loss"
+)
+
+
+def _mode_header(mode: str, block: Sequence[Row]) -> str:
+    tol = next((row.tolerance for row in block if row.tolerance), None)
+    allowed = f"allowed error {tol.atol:g} + {tol.rtol:g} * |reference|" if tol else "tolerance n/a"
+    wants = []
+    if mode in PITFALL_MARGIN:
+        wants.append(f"pitfall margin >= {PITFALL_MARGIN[mode]:g}")
+    wants.append(f"twin headroom >= {TWIN_HEADROOM[mode]:g}" if mode in TWIN_HEADROOM else "twin passes")
+    return f"{mode} ({PRECISIONS[mode].description}; {allowed}; targets: {', '.join(wants)})"
+
+
+def _spec(case: str, regime: str) -> str:
+    return f"{regime} on {case}"
+
+
+def _err(outcome: Outcome) -> str:
+    return "-" if outcome.comparison is None else f"{outcome.comparison.max_abs:.1e}"
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0e}"
+
+
+def to_rows(rows: Iterable[Row]) -> list[dict]:
+    """JSON-ready records, one per entry and mode."""
+    return [{
+        "pitfall": row.entry.pitfall, "dtype": row.dtype, "case": row.entry.case, "regime": row.entry.regime,
+        "twin_case": row.entry.fixed_case, "twin": row.entry.twin, "skipped": row.skipped,
+        "reason": row.pitfall.reason if row.skipped else "",
+        "rtol": row.tolerance.rtol if row.tolerance else None, "atol": row.tolerance.atol if row.tolerance else None,
+        "pitfall_max_abs": _json(row.pitfall.comparison.max_abs) if row.pitfall.comparison else None,
+        "pitfall_margin": _json(row.margin), "caught": row.caught,
+        "hint": row.pitfall.comparison.hint if row.pitfall.comparison else "",
+        "twin_max_abs": _json(row.twin.comparison.max_abs) if row.twin.comparison else None,
+        "twin_headroom": _json(row.headroom), "twin_passes": row.twin_passes, "shortfalls": list(row.shortfalls),
+    } for row in rows]
+
+
+def _json(value: float | None) -> float | str | None:
+    return None if value is None else json_number(value)

@@ -1,0 +1,78 @@
+"""Diagnosis: one line naming the likely pitfall behind a pattern of mismatches.
+
+Each known pitfall leaves a recognisable trace in what differs first: the step count (stepping per
+micro-batch), one factor across every gradient (loss scaling), the running statistics (BatchNorm),
+the step-0 loss (a forward that differs: dropout masks, batch statistics, mean / K), gradients of the
+early layers only (a cut backward: a detached hidden state), or every gradient while the loss is
+equal (the sum of micro-batch gradients altered: zero_grad, clipping or unscaling per micro-batch).
+The rules run in that order and the first that fits speaks; a hint says "likely", never "is".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from .result import RunResult
+
+if TYPE_CHECKING:
+    from .compare import Mismatch
+
+# A common factor must explain every gradient to this relative residual to count as "one factor".
+FACTOR_RESIDUAL = 1e-3
+
+
+def diagnose(reference: RunResult, candidate: RunResult, mismatches: Sequence[Mismatch], problems: Sequence[str]) -> str:
+    """The hint for a comparison that failed, or "" where no rule fits."""
+    first_grads = {m.name for m in mismatches if m.kind == "grad" and m.first_step == 0}
+    kinds = {m.kind for m in mismatches}
+    loss_first = next((m.first_step for m in mismatches if m.kind == "loss"), None)
+
+    if reference.optimizer_steps != candidate.optimizer_steps:
+        ratio = candidate.optimizer_steps / max(reference.optimizer_steps, 1)
+        per = f" ({ratio:g} per global batch)" if ratio.is_integer() and ratio > 1 else ""
+        return (f"{candidate.optimizer_steps} optimizer steps for the reference's {reference.optimizer_steps}{per}: "
+                "likely optimizer.step() (or GradScaler.step) per micro-batch instead of once per global batch")
+    factor = common_factor(reference, candidate) if first_grads else None
+    if factor is not None:
+        return (f"every gradient is {factor:.6g} x the reference's from step 0: likely loss scaling "
+                "(sum vs mean, a missing or extra / K, or gradients left scaled by a GradScaler)")
+    if "buffer" in kinds:
+        names = ", ".join(sorted(m.name for m in mismatches if m.kind == "buffer"))
+        return (f"running statistics differ ({names}): likely BatchNorm seeing other batch statistics per "
+                "micro-batch or rank; use a layer without batch statistics, or SyncBatchNorm under DDP")
+    if loss_first == 0:
+        return ("the step-0 loss already differs though every run starts from the same weights: the forward or the "
+                "loss weighting differs; likely micro-batch mean / K with uneven chunks or token counts, dropout "
+                "masks drawn differently per micro-batch, or batch statistics")
+    if first_grads and len(first_grads) < len(reference.grads[0]):
+        exact = sorted(set(reference.grads[0]) - first_grads)
+        return (f"at step 0 only some gradients differ ({', '.join(sorted(first_grads))}) while "
+                f"{', '.join(exact)} match: the backward pass was cut upstream; likely a detach between per-token or "
+                "per-chunk backward calls (an RNN hidden state detached = truncated BPTT)")
+    if first_grads:
+        return ("same loss but every gradient differs from step 0: the micro-batch gradients were altered before "
+                "being summed; likely zero_grad, gradient clipping or GradScaler unscale_ inside the accumulation loop")
+    steps = [m.first_step for m in mismatches if m.first_step is not None]
+    if steps:
+        return (f"everything matches at step 0 and diverges from step {min(steps)}: state carried between steps "
+                "differs; likely the RNG stream (dropout), optimizer state, or a learning-rate schedule")
+    return ""
+
+
+def common_factor(reference: RunResult, candidate: RunResult) -> float | None:
+    """The c != 1 with candidate == c * reference for every step-0 gradient, if there is one."""
+    if not reference.grads or not candidate.grads or reference.grads[0].keys() != candidate.grads[0].keys():
+        return None
+    ref = torch.cat([g.reshape(-1).double() for g in reference.grads[0].values()])
+    cand = torch.cat([candidate.grads[0][name].reshape(-1).double() for name in reference.grads[0]])
+    norm = float(ref.dot(ref))
+    if norm == 0.0 or ref.shape != cand.shape:
+        return None
+    factor = float(cand.dot(ref)) / norm
+    residual = float((cand - factor * ref).norm()) / (abs(factor) * norm ** 0.5 or 1.0)
+    if residual > FACTOR_RESIDUAL or abs(factor - 1.0) < 10 * FACTOR_RESIDUAL:
+        return None
+    return factor

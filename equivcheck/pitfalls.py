@@ -1,0 +1,342 @@
+"""Pitfall regimes, each the way a real training loop goes wrong, and the faithful twins that fix them.
+
+Registered into ``REGIMES`` on import. A pitfall regime reproduces a bug people write (a regime's
+``pitfall = True``); the harness must report it as a mismatch wherever the bug changes the
+mathematics. Its twin does the same job the right way and must match full-batch training.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+
+from .case import Batch, Case, Objective, default_optimizer
+from .errors import InvalidArgument
+from .regimes import REGIMES, Chunked, Regime, backward_chunks, finish_step, global_mean_part
+
+
+def chunk_pairs(batch: Batch, chunks: int) -> Iterator[tuple[Tensor, Tensor]]:
+    return zip(batch.inputs.tensor_split(chunks), batch.targets.tensor_split(chunks))
+
+
+def meddling_part(meddle: Callable[[], object], objective: Objective, batch: Batch) -> Callable[[Tensor, Tensor], Tensor]:
+    """A micro-batch's share of the global mean, taken after ``meddle()`` touched the gradients so far."""
+    share = global_mean_part(objective, batch)
+
+    def part(output: Tensor, targets: Tensor) -> Tensor:
+        meddle()
+        return share(output, targets)
+
+    return part
+
+
+# --- the accumulation loop itself -------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ZeroGradInside(Chunked):
+    name = "zero_grad_inside"
+    summary = "PITFALL: optimizer.zero_grad() inside the accumulation loop: only the last micro-batch counts"
+    pitfall = True
+
+    def train_step(self, model, optimizer, batch, objective):
+        zeroing = meddling_part(optimizer.zero_grad, objective, batch)  # the bug: earlier parts thrown away
+        loss = backward_chunks(model, batch.inputs, batch.targets, self.chunks, zeroing, objective=objective)
+        finish_step(optimizer, objective)
+        return loss
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPerMicroBatch(Chunked):
+    name = "step_per_micro_batch"
+    summary = "PITFALL: optimizer.step() after every micro-batch: K small steps instead of one"
+    pitfall = True
+
+    def train_step(self, model, optimizer, batch, objective):
+        total = 0.0
+        for x, y in chunk_pairs(batch, self.chunks):
+            part = objective.sum(model(x), y) / batch.items
+            objective.backward(part)
+            finish_step(optimizer, objective)
+            total = total + part.detach()
+        return total
+
+
+@dataclasses.dataclass(frozen=True)
+class ClipPerMicroBatch(Chunked):
+    """The case's optimizer clips once before each step (see ``clipping_optimizer``); this clips too early."""
+
+    max_norm: float = 1.0
+    name = "clip_per_micro_batch"
+    summary = "PITFALL: clip_grad_norm_ after every micro-batch backward instead of once before the step"
+    pitfall = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.max_norm, bool) or not isinstance(self.max_norm, (int, float)) or not self.max_norm > 0:
+            raise InvalidArgument.value("max_norm", self.max_norm, "a number > 0")
+
+    def train_step(self, model, optimizer, batch, objective):
+        clipping = meddling_part(lambda: nn.utils.clip_grad_norm_(model.parameters(), self.max_norm), objective,
+                                 batch)  # the bug: clips each partial sum
+        loss = backward_chunks(model, batch.inputs, batch.targets, self.chunks, clipping, objective=objective)
+        finish_step(optimizer, objective)
+        return loss
+
+
+def clipping_optimizer(max_norm: float, make=None):
+    """An optimizer factory that clips the gradient norm to ``max_norm`` once, just before every step.
+
+    This is a training loop's ``clip_grad_norm_(...); optimizer.step()``: every regime that steps once
+    per global batch clips the whole accumulated gradient, which is the faithful way.
+    """
+    def build(params):
+        params = list(params)
+        optimizer = (make or default_optimizer)(params)
+        def clip_once(*_) -> None:
+            nn.utils.clip_grad_norm_(params, max_norm)
+
+        optimizer.register_step_pre_hook(clip_once)
+        return optimizer
+
+    return build
+
+
+# --- GradScaler --------------------------------------------------------------------------------------
+
+def scaled(objective: Objective, model: nn.Module) -> Objective:
+    """``objective`` with an enabled GradScaler: the precision's own, else a fresh one on the model's device.
+
+    A fresh scaler starts at its initial scale (2**16) and grows only after 2000 clean steps, so a
+    short run sees one fixed power-of-two scale: exact in float32 and float64.
+    """
+    if objective.scaler.is_enabled():
+        return objective
+    with_scaler = copy.copy(objective)
+    with_scaler.scaler = torch.amp.GradScaler(next(model.parameters()).device.type)
+    return with_scaler
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalerAccumulate(Chunked):
+    name = "scaler_accumulate"
+    summary = "GradScaler done right: scale(loss).backward() per micro-batch, unscale_ + step + update once"
+
+    def train_step(self, model, optimizer, batch, objective):
+        objective = scaled(objective, model)
+        loss = backward_chunks(model, batch.inputs, batch.targets, self.chunks, global_mean_part(objective, batch),
+                               objective=objective)
+        objective.scaler.unscale_(optimizer)  # where a loop would clip: once, on the whole sum
+        finish_step(optimizer, objective)
+        return loss
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalerUnscalePerMicroBatch(Chunked):
+    name = "scaler_unscale_per_micro_batch"
+    summary = "PITFALL: GradScaler.unscale_ (+ update, to be allowed again) per micro-batch: earlier parts unscaled twice"
+    pitfall = True
+
+    def train_step(self, model, optimizer, batch, objective):
+        objective = scaled(objective, model)
+
+        def unscale_so_far():
+            if any(p.grad is not None for p in model.parameters()):
+                objective.scaler.unscale_(optimizer)  # the bug: unscales the partial sum so far...
+                objective.scaler.update()  # ...and update() lets unscale_ run again on the next one
+
+        unscaling = meddling_part(unscale_so_far, objective, batch)
+        loss = backward_chunks(model, batch.inputs, batch.targets, self.chunks, unscaling, objective=objective)
+        finish_step(optimizer, objective)  # step() unscales everything once more
+        return loss
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalerStepPerMicroBatch(StepPerMicroBatch):
+    name = "scaler_step_per_micro_batch"
+    summary = "PITFALL: GradScaler.step + update after every micro-batch: K small steps instead of one"
+
+    def train_step(self, model, optimizer, batch, objective):
+        return super().train_step(model, optimizer, batch, scaled(objective, model))
+
+
+# --- dropout -----------------------------------------------------------------------------------------
+
+DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d)
+
+
+class MaskReplay:
+    """Record the dropout masks a global-batch forward draws, then give each micro-batch its rows.
+
+    Masks depend only on shapes and the RNG stream, so one forward of the global batch without a
+    graph (the first pass of gradient-caching libraries) draws exactly what full-batch training
+    draws. A micro-batch forward then multiplies by its rows of those masks (the batch on dim 0).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.dropouts = [m for m in model.modules() if isinstance(m, DROPOUTS)]
+        self.masks: dict[nn.Module, list[Tensor]] = {m: [] for m in self.dropouts}
+
+    @contextmanager
+    def recording(self) -> Iterator[None]:
+        real_inputs: dict[nn.Module, Tensor] = {}
+
+        def ones_in(module, args):
+            real_inputs[module] = args[0]
+            return (torch.ones_like(args[0]),)  # dropout(ones) is the scaled mask itself
+
+        def keep_mask(module, args, mask):
+            self.masks[module].append(mask)
+            return real_inputs.pop(module) * mask
+
+        with _hooks(self.dropouts, ones_in, keep_mask):
+            yield
+
+    @contextmanager
+    def replaying(self) -> Iterator[None]:
+        state = {"start": 0, "next": 0, "calls": {}}
+
+        def new_micro_batch(module, args):
+            state["start"], state["next"] = state["next"], state["next"] + len(args[0])
+            state["calls"] = {}
+
+        def apply_rows(module, args, _drawn):
+            x = args[0]
+            call = state["calls"][module] = state["calls"].get(module, -1) + 1
+            recorded = self.masks[module]
+            rows = recorded[call][state["start"] : state["start"] + len(x)] if call < len(recorded) else None
+            if rows is None or rows.shape != x.shape:
+                raise InvalidArgument(
+                    f"replayed_dropout: dropout input of shape {tuple(x.shape)} has no matching rows in the recorded "
+                    "global-batch masks: expected every dropout input to hold the batch on dim 0"
+                )
+            return x * rows
+
+        handle = self.model.register_forward_pre_hook(new_micro_batch)
+        try:
+            with _hooks(self.dropouts, None, apply_rows):
+                yield
+        finally:
+            handle.remove()
+
+
+@contextmanager
+def _hooks(modules, pre, post) -> Iterator[None]:
+    handles = [m.register_forward_pre_hook(pre) for m in modules if pre] + [m.register_forward_hook(post) for m in modules]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayedDropout(Chunked):
+    name = "replayed_dropout"
+    summary = "accumulate, each micro-batch applying its rows of the dropout masks the global batch draws"
+
+    def train_step(self, model, optimizer, batch, objective):
+        replay = MaskReplay(model)
+        with torch.no_grad(), replay.recording():
+            model(batch.inputs)
+        device = batch.inputs.device
+        # The micro-batch forwards' own draws are discarded: the stream goes on as after the full batch.
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), replay.replaying():
+            loss = backward_chunks(model, batch.inputs, batch.targets, self.chunks, global_mean_part(objective, batch),
+                                   objective=objective)
+        finish_step(optimizer, objective)
+        return loss
+
+
+# --- recurrent models stepped token by token --------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class PerToken(Regime):
+    """Seed 002: a decoder stepped one token at a time, with one backward per token's loss.
+
+    The case's trunk must offer ``initial_hidden(inputs)`` and ``step(inputs[:, t], hidden)``, and its
+    head maps a hidden state to the logits of one token.
+    """
+
+    detach: int = 0
+    name = "per_token"
+    summary = "one backward per token; detach=0 keeps the graph (full BPTT), detach=1 is seed 002's detach"
+
+    @property
+    def pitfall(self) -> bool:  # type: ignore[override]
+        return bool(self.detach)
+
+    def __post_init__(self) -> None:
+        if self.detach not in (0, 1) or isinstance(self.detach, bool):
+            raise InvalidArgument.value("detach", self.detach, "0 (full BPTT) or 1 (hidden state detached per token)")
+
+    def validate(self, case: Case) -> None:
+        if case.split is None:
+            raise InvalidArgument(
+                f"regime {str(self)!r} on case {case.name!r}: split=None is not allowed: expected a function "
+                "model -> (trunk, head) whose trunk steps one token (initial_hidden, step)"
+            )
+
+    def train_step(self, model, optimizer, batch, objective):
+        trunk, head = objective.split(model)
+        for method in ("initial_hidden", "step"):
+            if not callable(getattr(trunk, method, None)):
+                raise InvalidArgument(f"regime {str(self)!r}: the case's trunk {type(trunk).__name__} has no "
+                                      f"{method}(): expected initial_hidden(inputs) and step(inputs[:, t], hidden)")
+        hidden, total = trunk.initial_hidden(batch.inputs), 0.0
+        length = batch.inputs.shape[1]
+        for t in range(length):
+            hidden = trunk.step(batch.inputs[:, t], hidden)
+            part = objective.sum(head(hidden)[:, None], batch.targets[:, t : t + 1]) / batch.items
+            objective.backward(part, retain_graph=not self.detach and t < length - 1)
+            if self.detach:
+                hidden = hidden.detach()  # seed 002's "not sure why I need to detach here"
+            total = total + part.detach()
+        finish_step(optimizer, objective)
+        return total
+
+
+# --- samplers that make shards equal ---------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class SamplerPad(Chunked):
+    name = "sampler_pad"
+    summary = "PITFALL: equal micro-batches made by repeating the first samples (DistributedSampler's padding)"
+    pitfall = True
+
+    def train_step(self, model, optimizer, batch, objective):
+        size = math.ceil(len(batch) / self.chunks)
+        index = torch.arange(size * self.chunks, device=batch.inputs.device) % len(batch)
+        return _accumulate_on(Batch(batch.inputs[index], batch.targets[index], batch.count),
+                              self.chunks, model, optimizer, objective)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerDrop(Chunked):
+    name = "sampler_drop"
+    summary = "PITFALL: equal micro-batches made by dropping the remainder (drop_last=True)"
+    pitfall = True
+
+    def train_step(self, model, optimizer, batch, objective):
+        kept = len(batch) // self.chunks * self.chunks
+        return _accumulate_on(Batch(batch.inputs[:kept], batch.targets[:kept], batch.count),
+                              self.chunks, model, optimizer, objective)
+
+
+def _accumulate_on(batch: Batch, chunks: int, model, optimizer, objective) -> Tensor:
+    """Faithful accumulation of whatever batch the sampler produced: the bug is in the data, not the sum."""
+    loss = backward_chunks(model, batch.inputs, batch.targets, chunks, global_mean_part(objective, batch),
+                           objective=objective)
+    finish_step(optimizer, objective)
+    return loss
+
+
+PITFALL_REGIMES = (ZeroGradInside, StepPerMicroBatch, ClipPerMicroBatch, ScalerAccumulate, ScalerUnscalePerMicroBatch,
+                   ScalerStepPerMicroBatch, ReplayedDropout, PerToken, SamplerPad, SamplerDrop)
+REGIMES.update({cls.name: cls for cls in PITFALL_REGIMES})

@@ -1,0 +1,103 @@
+"""Precision modes: the dtype a case trains in, the autocast around its forward, and the stated tolerance.
+
+A run in one mode is compared only with the reference in the same mode, so each mode's tolerance
+covers the reordering error of that mode (a micro-batch sums in another order than the global batch)
+and nothing else. float64 and float32 use torch.testing's tolerances for their dtype. Autocast modes
+keep float32 master weights and run matmuls and convolutions in a 16-bit type; their gradients are
+sums of 16-bit products, so an element that cancels to near zero still carries the rounding of its
+larger terms: the absolute tolerance is set at that scale (measured: see ``equivcheck catalogue``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .errors import InvalidArgument
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """How a run computes: parameter dtype, device, autocast dtype (forward and loss only), GradScaler."""
+
+    name: str
+    dtype: torch.dtype
+    rtol: float
+    atol: float
+    autocast: torch.dtype | None = None
+    device: str = "cpu"
+    grad_scaler: bool = False
+    description: str = ""
+
+    def unavailable(self) -> str | None:
+        """Why this machine cannot run the mode (None when it can): never faked on other hardware."""
+        if self.device == "cuda" and not torch.cuda.is_available():
+            return f"precision {self.name!r} needs a CUDA device and torch.cuda.is_available() is False here"
+        return None
+
+    def prepare(self, model: nn.Module, device: torch.device | str | None = None) -> nn.Module:
+        """Move ``model`` to this mode's dtype and device; wrap each module's forward in autocast.
+
+        Autocast wraps the forward passes only, never backward or the optimizer step (as AMP asks),
+        and every module's, so a regime that calls a part of the model (a trunk, a head) gets it too.
+        """
+        model = model.to(device=device or self.device, dtype=self.dtype)
+        if self.autocast is not None:
+            for module in model.modules():
+                module.forward = self.autocasting(module.forward)
+        return model
+
+    def autocasting(self, function: Callable) -> Callable:
+        """``function`` run under this mode's autocast (a fresh context per call, so nesting is safe)."""
+        if self.autocast is None:
+            return function
+
+        @functools.wraps(function)
+        def autocast_call(*args, **kwargs):
+            with torch.autocast(self.device, dtype=self.autocast):
+                return function(*args, **kwargs)
+
+        return autocast_call
+
+    def grad_scaler_for(self) -> torch.amp.GradScaler:
+        """The loss scaler every regime goes through: enabled only in modes that need one (float16)."""
+        return torch.amp.GradScaler(self.device, enabled=self.grad_scaler)
+
+
+PRECISIONS: dict[str, Precision] = {p.name: p for p in (
+    Precision("float64", torch.float64, rtol=1e-7, atol=1e-7, description="the default; torch.testing's float64 tolerance"),
+    Precision("float32", torch.float32, rtol=1.3e-6, atol=1e-5, description="torch.testing's float32 tolerance"),
+    Precision("bf16-autocast", torch.float32, rtol=1.6e-2, atol=2**-8, autocast=torch.bfloat16,
+              description="float32 weights, bfloat16 autocast on CPU"),
+    Precision("fp16-autocast", torch.float32, rtol=1e-3, atol=1e-4, autocast=torch.float16, device="cuda",
+              grad_scaler=True, description="float32 weights, float16 autocast and GradScaler on CUDA"),
+)}
+NAMES_OF_DTYPES = {torch.float64: "float64", torch.float32: "float32"}
+
+
+def resolve_precision(dtype: str | torch.dtype | Precision | None, default: torch.dtype = torch.float64) -> Precision:
+    """A mode name (``'bf16-autocast'``), a plain dtype, a Precision, or None for ``default``."""
+    if dtype is None:
+        dtype = default
+    if isinstance(dtype, Precision):
+        return dtype
+    if isinstance(dtype, torch.dtype):
+        if dtype not in NAMES_OF_DTYPES:
+            raise InvalidArgument.value("dtype", dtype, "torch.float64 or torch.float32 (or a mode name)")
+        return PRECISIONS[NAMES_OF_DTYPES[dtype]]
+    if not isinstance(dtype, str):
+        raise InvalidArgument.type("dtype", dtype, f"a precision name ({', '.join(PRECISIONS)}) or a torch.dtype")
+    if dtype not in PRECISIONS:
+        raise InvalidArgument.unknown("dtype", dtype, PRECISIONS)
+    return PRECISIONS[dtype]
+
+
+def registered_name(precision: Precision) -> str:
+    """The name another process can look ``precision`` up by; only registered modes cross processes."""
+    if PRECISIONS.get(precision.name) != precision:
+        raise InvalidArgument.value("dtype", precision.name, f"one of {', '.join(PRECISIONS)} for distributed regimes")
+    return precision.name

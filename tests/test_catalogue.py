@@ -1,0 +1,79 @@
+"""The pitfall catalogue: every pitfall caught and every twin passing, to the issue's targets, per precision."""
+
+import json
+
+import pytest
+import torch
+
+import equivcheck as ec
+from equivcheck.catalogue import CATALOGUE, Entry, add_entry, render_catalogue, run_catalogue, targets_met, to_rows
+from equivcheck.cli import main
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return run_catalogue(["float64", "float32", "bf16-autocast", "fp16-autocast"])
+
+
+def by_mode(rows, mode):
+    return [row for row in rows if row.dtype == mode]
+
+
+def test_every_pitfall_caught_and_every_twin_passes_to_target(rows):
+    assert targets_met(rows), [(r.entry.pitfall, r.dtype, r.shortfalls) for r in rows if r.shortfalls]
+    for row in by_mode(rows, "float64"):
+        assert row.caught and row.margin >= 100, row.entry.pitfall
+        assert row.twin_passes and row.headroom >= 100, row.entry.pitfall
+    for row in by_mode(rows, "float32"):
+        assert row.caught and row.margin >= 10 and row.twin_passes, row.entry.pitfall
+    for row in by_mode(rows, "bf16-autocast"):  # no margin target; measured: every pitfall caught, every twin passes
+        assert row.caught and row.twin_passes, row.entry.pitfall
+
+
+def test_a_row_that_misses_its_target_says_so(rows):
+    row = by_mode(rows, "float64")[0]
+    weak = type(row)(row.entry, "float64", row.twin, row.twin)  # the twin's outcome in the pitfall's place
+    assert weak.shortfalls == (f"pitfall {row.entry.regime} not caught (equivalent)",)
+    assert not targets_met([weak])
+    assert "MISSED: pitfall" in render_catalogue([weak])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip on a machine without CUDA")
+def test_fp16_autocast_is_skipped_with_its_reason_without_cuda(rows):
+    fp16 = by_mode(rows, "fp16-autocast")
+    assert fp16 and all(row.skipped and not row.shortfalls for row in fp16)
+    assert "needs a CUDA device" in fp16[0].pitfall.reason
+    assert "skipped: precision 'fp16-autocast' needs a CUDA device" in render_catalogue(fp16)
+
+
+def test_hints_name_the_pitfall(rows):
+    hints = {row.entry.case: row.pitfall.comparison.hint for row in by_mode(rows, "float64")}
+    assert "optimizer.step() (or GradScaler.step) per micro-batch" in hints["step_per_micro_batch"]
+    assert "running statistics differ (1.running_mean, 1.running_var)" in hints["batchnorm_cnn"]
+    assert "truncated BPTT" in hints["gru_detached_hidden"] and "1.weight match" in hints["gru_detached_hidden"]
+    assert "mean / K" in hints["naive_scaling_uneven_chunks"] and "dropout" in hints["dropout_two_layers"]
+    for case in ("zero_grad_inside_loop", "clip_per_micro_batch", "scaler_unscale_per_micro_batch"):
+        assert "inside the accumulation loop" in hints[case]
+    twin = by_mode(rows, "float64")[0].twin.comparison
+    assert twin.ok and twin.hint == ""
+
+
+def test_json_rows_and_the_command(rows, tmp_path, capsys):
+    records = to_rows(rows)
+    assert len(records) == 4 * len(CATALOGUE)
+    assert {r["dtype"] for r in records if r["skipped"]} <= {"fp16-autocast"}
+    path = tmp_path / "catalogue.json"
+    assert main(["catalogue", "--dtype", "float64", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"{len(CATALOGUE)} rows ({len(CATALOGUE)} pitfalls x 1 precisions); every target met" in out
+    assert "gradient clipping per micro-batch" in out and "headroom" in out
+    assert json.loads(path.read_text())[0]["caught"] is True
+
+
+def test_entries_are_validated_before_anything_runs():
+    with pytest.raises(ec.InvalidArgument, match="does not declare 'accumulate:chunks=5'"):
+        run_catalogue(["float64"], [Entry("not declared", "mlp", "accumulate:chunks=5", "accumulate:chunks=5")])
+    with pytest.raises(ec.InvalidArgument, match="unknown dtype 'float16'"):
+        run_catalogue(["float16"])
+    with pytest.raises(ec.InvalidArgument, match="pitfall='sampler drops the remainder'"):
+        add_entry(Entry("sampler drops the remainder", "sampler_drop", "sampler_drop:chunks=5", "accumulate:chunks=5"))

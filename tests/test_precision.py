@@ -1,0 +1,83 @@
+"""Precision modes: dtype=, autocast that really changes the arithmetic, GradScaler through every regime."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import equivcheck as ec
+from equivcheck import Verdict
+from equivcheck.precision import PRECISIONS, Precision
+from equivcheck.regimes import Chunked, backward_chunks
+
+FLOAT32_SCALED = dataclasses.replace(PRECISIONS["float32"], name="float32-scaled", grad_scaler=True)
+
+
+def test_dtype_picks_the_weights_dtype_and_the_tolerance():
+    result = ec.run("mlp", "full_batch", dtype="float32")
+    assert result.weights["0.weight"].dtype == torch.float32 and result.precision == "float32"
+    (outcome,) = ec.check("mlp", ["accumulate:chunks=5"], dtype="bf16-autocast").outcomes
+    assert outcome.comparison.tolerance == ec.Tolerance(1.6e-2, 2**-8)
+    assert outcome.verdict is Verdict.EQUIVALENT
+
+
+def test_bf16_autocast_really_computes_in_bfloat16():
+    """If autocast were silently off, bf16 and float32 runs would agree to float32 rounding."""
+    bf16, fp32 = ec.run("mlp", "full_batch", dtype="bf16-autocast"), ec.run("mlp", "full_batch", dtype="float32")
+    assert bf16.weights["0.weight"].dtype == torch.float32  # float32 master weights
+    assert ec.compare(fp32, bf16, rtol=1.3e-6, atol=1e-5).margin > 10
+
+
+def test_a_grad_scaler_precision_goes_through_every_regime():
+    """Gradients recorded at the step are unscaled, so a scaled float32 run equals a plain one."""
+    regimes = [ec.parse_regime(r) for r in ec.regimes_for(ec.get_case("mlp"))]
+    in_process = [r for r in regimes if not r.distributed and r.unavailable() is None]
+    report = ec.check("mlp", in_process, dtype=FLOAT32_SCALED)  # a test-only mode cannot cross to worker ranks
+    assert report.ok and all(o.verdict is Verdict.EQUIVALENT for o in report.outcomes)
+    scaled, plain = ec.run("mlp", "accumulate:chunks=5", dtype=FLOAT32_SCALED), ec.run("mlp", "accumulate:chunks=5",
+                                                                                         dtype="float32")
+    assert ec.compare(plain, scaled).ok
+
+
+@dataclasses.dataclass(frozen=True)
+class StepsAroundTheScaler(Chunked):
+    name = "steps_around_the_scaler"
+    summary = "test bug: optimizer.step() called directly, gradients left scaled"
+
+    def train_step(self, model, optimizer, batch, objective):
+        loss = backward_chunks(model, batch.inputs, batch.targets, self.chunks,
+                               lambda out, y: objective.sum(out, y) / batch.items, objective=objective)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+
+def test_stepping_around_the_scaler_is_caught_with_a_scaling_hint():
+    (outcome,) = ec.check("mlp", [StepsAroundTheScaler(5)], dtype=FLOAT32_SCALED).outcomes
+    assert outcome.verdict is Verdict.MISMATCH
+    assert "every gradient is 65536 x the reference's from step 0: likely loss scaling" in outcome.comparison.hint
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip on a machine without CUDA")
+def test_fp16_autocast_is_skipped_here_and_never_faked():
+    report = ec.check("mlp", ["accumulate:chunks=5"], dtype="fp16-autocast")
+    assert [o.verdict for o in report.outcomes] == [Verdict.SKIPPED] and report.ok
+    assert "needs a CUDA device" in report.outcomes[0].reason
+    with pytest.raises(ec.Unavailable, match="dtype='fp16-autocast' cannot run here"):
+        ec.run("mlp", "full_batch", dtype="fp16-autocast")
+
+
+@pytest.mark.parametrize(("dtype", "message"), [
+    ("float16", "unknown dtype 'float16'; known dtypes: bf16-autocast, float32, float64, fp16-autocast"),
+    (torch.float16, "dtype=torch.float16 is not allowed"),
+    (16, "Expected a precision name"),
+])
+def test_bad_dtype(dtype, message):
+    with pytest.raises(ec.InvalidArgument, match=message):
+        ec.check("mlp", ["accumulate:chunks=2"], dtype=dtype)
+
+
+def test_precision_is_a_frozen_value():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        PRECISIONS["float64"].rtol = 1.0
+    assert isinstance(PRECISIONS["bf16-autocast"], Precision)
