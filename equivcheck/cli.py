@@ -75,6 +75,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0 if report.ok else 1  # every rank ran the same checks; rank 0 reports them
     print(render.render_matrix(report))
     print(render.LEGEND)
+    print("\n" + render.render_memory(report))
     if report.failures:
         print("\n" + render.render_failures(report))
     if args.json:

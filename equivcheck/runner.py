@@ -12,14 +12,15 @@ from torch.optim import Optimizer
 from .case import Batch, Case, Objective
 from .communication import CommCounter
 from .errors import InvalidArgument
+from .memory import activation_meter
 from .regimes import Regime, parse_regime
 from .registry import resolve_case
 from .result import RunResult
 from .seeding import DEFAULT_SEED, default_dtype, seeded
 
 
-def run(case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED) -> RunResult:
-    """Train ``case`` for its steps under ``regime`` and return what it produced."""
+def run(case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED, measure_memory: bool = True) -> RunResult:
+    """Train ``case`` for its steps under ``regime`` and return what it produced (and its peak activation memory)."""
     case = resolve_case(case)
     regime = parse_regime(regime)
     regime.validate(case)
@@ -32,7 +33,9 @@ def run(case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED) -> 
         objective = Objective(case)
         module = regime.wrap(model)
         counter = CommCounter.attach(module) if isinstance(module, DistributedDataParallel) else None
-        with GradRecorder(model, optimizer, counter) as recorder:
+        data = [t for batch in batches for t in (batch.inputs, batch.targets)]
+        with GradRecorder(model, optimizer, counter) as recorder, \
+                activation_meter(model, data, enabled=measure_memory) as memory:
             losses = tuple(float(regime.train_step(module, optimizer, batch, objective)) for batch in batches)
     return RunResult(
         case=case.name,
@@ -44,6 +47,8 @@ def run(case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED) -> 
         seconds=time.perf_counter() - started,
         syncs=None if counter is None else tuple(recorder.syncs),
         sync_bytes=None if counter is None else tuple(recorder.sync_bytes),
+        peak_activation_bytes=memory.peak,
+        memory_method=memory.method,
     )
 
 
