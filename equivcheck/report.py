@@ -35,7 +35,7 @@ def cell(outcome: Outcome) -> str:
     return f"{label} {comparison.margin:.0e}"
 
 
-def render_matrix(report: Report, width: int = 120, cell=cell) -> str:
+def render_matrix(report: Report, width: int = 120, *, cell=cell) -> str:
     """Rows are cases, columns regimes, in the order they ran; '.' where a pair was not checked.
 
     Columns that would not fit in ``width`` go on to a further panel, which repeats the case
@@ -75,7 +75,7 @@ def memory_cell(outcome: Outcome) -> str:
 def render_memory(report: Report) -> str:
     """The peak activation memory matrix, its legend, and a line for each regime that saves nothing."""
     methods = sorted({o.memory.method for o in report.outcomes if o.memory and o.memory.method})
-    lines = [render_matrix(report, memory_cell),
+    lines = [render_matrix(report, cell=memory_cell),
              f"cell: peak activation memory ({', '.join(methods) or 'not measured'}) and its ratio to the "
              "reference (full_batch); ! = accumulates gradients but saves no memory"]
     lines += [f"{o.case} under {o.regime} {o.memory.note} (peak {o.memory.ratio:.3f}x the reference's)"
