@@ -96,7 +96,7 @@ def case_table(name: str, repeats: int) -> str:
     _, ref_bytes, ref_seconds, ref_rss = rows[0]
     header = ("regime", "peak activation", "ratio", "wall ms", "wall ratio", "process peak", "vs full_batch")
     table = [header] + [
-        (spec, format_bytes(peak), f"{peak / ref_bytes:.3f}", f"{seconds * 1e3:.1f}", f"{seconds / ref_seconds:.2f}",
+        (spec, format_bytes(peak), f"{peak / ref_bytes:.3f}" if ref_bytes else "-", f"{seconds * 1e3:.1f}", f"{seconds / ref_seconds:.2f}",
          f"{rss / 1024:.1f} MiB", f"{(rss - ref_rss):+d} KiB")
         for spec, peak, seconds, rss in rows
     ]
