@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The cases are tiny: one torch thread per process beats several fighting over 2 cores.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench bench-memory clean
 
 install: $(STAMP)
 
@@ -27,6 +27,10 @@ test: install
 
 bench: install
 	$(BIN)/python bench/bench_pool.py
+
+# Peak activation memory, wall time and process peak per regime, and what measuring costs.
+bench-memory: install
+	$(BIN)/python bench/memory.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

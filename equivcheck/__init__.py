@@ -4,7 +4,7 @@ from . import ddp_regimes  # noqa: F401  (registers the distributed regimes)
 from .case import Batch, Case, Objective, default_optimizer
 from .check import Outcome, Report, Verdict, check, check_all, regimes_for
 from .compare import Comparison, Mismatch, Tolerance, compare
-from .errors import EquivcheckError, InvalidArgument, NotEquivalent, Unavailable, WorkerError
+from .errors import EquivcheckError, InvalidArgument, MemoryNotSaved, NotEquivalent, Unavailable, WorkerError
 from .precision import PRECISIONS, Precision
 from .regimes import DEFAULT_REGIMES, REGIMES, Regime, parse_regime
 from . import pitfalls  # noqa: E402,F401  (registers the pitfall regimes into REGIMES)
@@ -12,11 +12,12 @@ from .registry import all_cases, builtin_cases, get_case, load_cases_from, regis
 from .result import RunResult
 from .execute import run
 from .seeding import DEFAULT_SEED
+from .summed_loss import SummedLoss  # registers the summed_loss regime
 
 __all__ = [
     "DEFAULT_REGIMES", "DEFAULT_SEED", "REGIMES", "Batch", "Case", "Comparison", "EquivcheckError",
-    "InvalidArgument", "Mismatch", "NotEquivalent", "Objective", "Outcome", "PRECISIONS", "Precision", "Regime",
-    "Report", "RunResult", "Tolerance", "Unavailable", "Verdict", "WorkerError", "all_cases", "builtin_cases",
-    "check", "check_all", "compare", "default_optimizer", "get_case",
+    "InvalidArgument", "MemoryNotSaved", "Mismatch", "NotEquivalent", "Objective", "Outcome", "PRECISIONS",
+    "Precision", "Regime", "Report", "RunResult", "SummedLoss", "Tolerance", "Unavailable", "Verdict",
+    "WorkerError", "all_cases", "builtin_cases", "check", "check_all", "compare", "default_optimizer", "get_case",
     "load_cases_from", "parse_regime", "regimes_for", "register_case", "run",
 ]

@@ -12,12 +12,13 @@ import torch
 
 from .case import Case
 from .compare import Comparison, compare
-from .errors import InvalidArgument, NotEquivalent, Unavailable
+from .errors import InvalidArgument, MemoryNotSaved, NotEquivalent, Unavailable
 from .execute import DEFAULT_TIMEOUT, run
 from .precision import Precision, resolve_precision
 from .regimes import DEFAULT_REGIMES, REGIMES, DetachedPartial, Regime, parse_regime
 from .registry import all_cases, resolve_case
 from .result import RunResult
+from .savings import MemoryUse
 from .seeding import DEFAULT_SEED
 
 
@@ -47,6 +48,7 @@ class Outcome:
     seconds: float = 0.0
     result: RunResult | None = dataclasses.field(default=None, repr=False)
     details: str = dataclasses.field(default="", repr=False)  # the traceback of an error
+    memory: MemoryUse | None = None  # peak activation memory beside the reference's
 
     def describe(self) -> str:
         head = f"{self.case} under {self.regime}: {self.verdict.value}"
@@ -83,6 +85,24 @@ class Report:
         if not self.ok:
             details = "\n\n".join(o.describe() for o in self.failures)
             raise NotEquivalent(f"{len(self.failures)} of {len(self.outcomes)} checks failed:\n\n{details}")
+
+    def assert_saves_memory(self, regime: str | Regime, max_ratio: float, *, case: str | None = None) -> None:
+        """Raise :class:`MemoryNotSaved` unless ``regime`` peaks at most ``max_ratio`` of the reference's
+        activation memory in every case checked (or in ``case``)."""
+        if isinstance(max_ratio, bool) or not isinstance(max_ratio, (int, float)) or not max_ratio > 0:
+            raise InvalidArgument.value("max_ratio", max_ratio, "a number > 0 (peak / the reference's peak)")
+        spec = str(parse_regime(regime))
+        chosen = [o for o in self.outcomes if o.regime == spec and case in (None, o.case)]
+        if not chosen:
+            checked = (f"{o.case} under {o.regime}" for o in self.outcomes)
+            raise InvalidArgument.unknown("outcome", f"{case or 'any case'} under {spec}", checked)
+        over = [o for o in chosen if o.memory is None or o.memory.ratio is None or o.memory.ratio > max_ratio]
+        if over:
+            details = "\n".join(f"{o.case} under {o.regime}: "
+                                 + (o.memory.describe() if o.memory else f"not measured ({o.verdict.value})")
+                                 for o in over)
+            raise MemoryNotSaved(f"{len(over)} of {len(chosen)} runs of {spec} peak above {max_ratio:g}x the "
+                                 f"reference's activation memory:\n{details}")
 
     def __add__(self, other: Report) -> Report:
         return Report(self.outcomes + other.outcomes)
@@ -142,7 +162,7 @@ def check(
     outcomes = []
     for spec in specs:
         if spec == reference:
-            outcomes.append(_judge(case, spec, self_check, ref_seconds / 2, rerun))
+            outcomes.append(_judge(case, spec, self_check, ref_seconds / 2, rerun, ref))
             continue
         started = time.perf_counter()
         try:
@@ -164,7 +184,7 @@ def check(
                                         f"{declared}; it crashed: {crash}", seconds, details=details))
             continue
         comparison = compare(ref, result, rtol=rtol, atol=atol)
-        outcomes.append(_judge(case, spec, comparison, time.perf_counter() - started, result))
+        outcomes.append(_judge(case, spec, comparison, time.perf_counter() - started, result, ref))
     return Report(tuple(outcomes))
 
 
@@ -198,7 +218,8 @@ def _validate(case: Case, specs: Sequence[Regime]) -> None:
         spec.validate(case)
 
 
-def _judge(case: Case, spec: Regime, comparison: Comparison, seconds: float, result: RunResult) -> Outcome:
+def _judge(case: Case, spec: Regime, comparison: Comparison, seconds: float, result: RunResult,
+           reference: RunResult) -> Outcome:
     problems = _distributed_problems(spec, result, comparison)
     if problems:
         comparison = dataclasses.replace(comparison, problems=comparison.problems + problems)
@@ -208,7 +229,8 @@ def _judge(case: Case, spec: Regime, comparison: Comparison, seconds: float, res
         reason = ""
     else:
         verdict = Verdict.EXPECTED_MISMATCH if not comparison.ok else Verdict.UNEXPECTED_MATCH
-    return Outcome(case.name, str(spec), verdict, comparison, reason, seconds, result)
+    return Outcome(case.name, str(spec), verdict, comparison, reason, seconds, result,
+                   memory=MemoryUse.of(spec, result, reference))
 
 
 def _distributed_problems(spec: Regime, result: RunResult, comparison: Comparison) -> tuple[str, ...]:

@@ -83,6 +83,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0 if report.ok else 1  # every rank ran the same checks; rank 0 reports them
     print(render.render_matrix(report))
     print(render.LEGEND)
+    print("\n" + render.render_memory(report))
     if render.render_skips(report):
         print(render.render_skips(report))
     if report.failures:

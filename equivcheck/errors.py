@@ -38,6 +38,10 @@ class NotEquivalent(EquivcheckError, AssertionError):
     """A regime did not reproduce the reference (or matched where a mismatch was declared)."""
 
 
+class MemoryNotSaved(EquivcheckError, AssertionError):
+    """A regime's peak activation memory is above the ratio of the reference's that it must stay under."""
+
+
 def expect_int(argument: str, value: object, *, minimum: int = 1, maximum: int | None = None) -> int:
     """Return ``value`` if it is an int within bounds, else raise a message naming ``argument``."""
     if isinstance(value, bool) or not isinstance(value, int):

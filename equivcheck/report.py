@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 from .check import Outcome, Report, Verdict
+from .savings import format_bytes
 
 LABELS = {
     Verdict.EQUIVALENT: "ok",
@@ -34,7 +35,7 @@ def cell(outcome: Outcome) -> str:
     return f"{label} {comparison.margin:.0e}"
 
 
-def render_matrix(report: Report, width: int = 120) -> str:
+def render_matrix(report: Report, width: int = 120, *, cell=cell) -> str:
     """Rows are cases, columns regimes, in the order they ran; '.' where a pair was not checked.
 
     Columns that would not fit in ``width`` go on to a further panel, which repeats the case
@@ -64,6 +65,25 @@ def render_columns(table: list[list[str]]) -> str:
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     lines = ["  ".join(text.ljust(w) for text, w in zip(row, widths)).rstrip() for row in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def memory_cell(outcome: Outcome) -> str:
+    memory = outcome.memory
+    if memory is None or memory.peak_bytes is None:
+        return "-"
+    ratio = "" if memory.ratio is None else f" {memory.ratio:.2f}x"
+    return format_bytes(memory.peak_bytes) + ratio + ("!" if memory.note else "")
+
+
+def render_memory(report: Report) -> str:
+    """The peak activation memory matrix, its legend, and a line for each regime that saves nothing."""
+    methods = sorted({o.memory.method for o in report.outcomes if o.memory and o.memory.method})
+    lines = [render_matrix(report, cell=memory_cell),
+             f"cell: peak activation memory ({', '.join(methods) or 'not measured'}) and its ratio to the "
+             "reference (full_batch); ! = accumulates gradients but saves no memory"]
+    lines += [f"{o.case} under {o.regime} {o.memory.note} (peak {o.memory.ratio:.3f}x the reference's)"
+              for o in report.outcomes if o.memory and o.memory.note]
     return "\n".join(lines)
 
 
@@ -108,6 +128,10 @@ def _row(o: Outcome) -> dict:
         "reason": o.reason,
         "seconds": round(o.seconds, 6),
         "optimizer_steps": o.result.optimizer_steps if o.result else None,
+        "peak_activation_bytes": o.memory.peak_bytes if o.memory else None,
+        "memory_method": o.memory.method if o.memory else None,
+        "memory_ratio": o.memory.ratio if o.memory else None,
+        "memory_note": o.memory.note if o.memory else "",
         "problems": list(c.problems) if c else [],
         "mismatches": [
             {"kind": m.kind, "name": m.name, "first_step": m.first_step, "max_abs": json_number(m.diff.max_abs),

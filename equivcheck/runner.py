@@ -12,6 +12,7 @@ from torch.optim import Optimizer
 from .case import Batch, Case, Objective
 from .communication import CommCounter
 from .errors import InvalidArgument, Unavailable
+from .memory import activation_meter
 from .precision import Precision, resolve_precision
 from .regimes import Regime, parse_regime
 from .registry import resolve_case
@@ -20,9 +21,15 @@ from .seeding import DEFAULT_SEED, default_dtype, seeded
 
 
 def run(
-    case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED, dtype: str | torch.dtype | Precision | None = None
+    case: Case | str,
+    regime: Regime | str,
+    *,
+    seed: int = DEFAULT_SEED,
+    dtype: str | torch.dtype | Precision | None = None,
+    measure_memory: bool = True,
 ) -> RunResult:
-    """Train ``case`` for its steps under ``regime`` in precision ``dtype`` (default: the case's dtype)."""
+    """Train ``case`` for its steps under ``regime`` in precision ``dtype`` (default: the case's dtype)
+    and return what it produced, with its peak activation memory unless ``measure_memory`` is off."""
     case = resolve_case(case)
     regime = parse_regime(regime)
     precision = resolve_precision(dtype, default=case.dtype)
@@ -39,7 +46,9 @@ def run(
         objective = Objective(case, precision)
         module = regime.wrap(model)
         counter = CommCounter.attach(module) if isinstance(module, DistributedDataParallel) else None
-        with GradRecorder(model, optimizer, counter) as recorder:
+        data = [t for batch in batches for t in (batch.inputs, batch.targets)]
+        with GradRecorder(model, optimizer, counter) as recorder, \
+                activation_meter(model, data, enabled=measure_memory) as memory:
             losses = tuple(float(regime.train_step(module, optimizer, batch, objective)) for batch in batches)
     return RunResult(
         case=case.name,
@@ -52,6 +61,8 @@ def run(
         syncs=None if counter is None else tuple(recorder.syncs),
         sync_bytes=None if counter is None else tuple(recorder.sync_bytes),
         precision=precision.name,
+        peak_activation_bytes=memory.peak,
+        memory_method=memory.method,
     )
 
 
