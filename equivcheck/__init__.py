@@ -9,10 +9,11 @@ from .registry import all_cases, get_case, load_cases_from, register_case
 from .result import RunResult
 from .runner import run
 from .seeding import DEFAULT_SEED
+from .step import check_loop, check_step
 
 __all__ = [
     "DEFAULT_REGIMES", "DEFAULT_SEED", "REGIMES", "Batch", "Case", "Comparison", "EquivcheckError",
     "InvalidArgument", "Mismatch", "NotEquivalent", "Objective", "Outcome", "Regime", "Report", "RunResult",
-    "Tolerance", "Verdict", "all_cases", "check", "check_all", "compare", "default_optimizer", "get_case",
+    "Tolerance", "Verdict", "all_cases", "check", "check_all", "check_loop", "check_step", "compare", "default_optimizer", "get_case",
     "load_cases_from", "parse_regime", "regimes_for", "register_case", "run",
 ]

@@ -10,7 +10,7 @@ and equivcheck must report them as mismatches.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 from torch import Tensor, nn
@@ -35,6 +35,13 @@ class Regime:
 
     def train_step(self, model: nn.Module, optimizer: Optimizer, batch: Batch, objective: Objective) -> Tensor:
         raise NotImplementedError
+
+    def train(
+        self, model: nn.Module, optimizer: Optimizer, batches: Sequence[Batch], objective: Objective
+    ) -> Sequence[Tensor | float | None]:
+        """Train on every global batch in turn; the batch losses (None: not reported). A whole-loop
+        regime (a team's own training loop) overrides this instead of ``train_step``."""
+        return [self.train_step(model, optimizer, batch, objective) for batch in batches]
 
 
 def finish_step(optimizer: Optimizer) -> None:

@@ -28,7 +28,8 @@ def run(case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED) -> 
         optimizer = case.optimizer(model.parameters())
         objective = Objective(case)
         with GradRecorder(model, optimizer) as recorder:
-            losses = tuple(float(regime.train_step(model, optimizer, batch, objective)) for batch in batches)
+            losses = tuple(None if loss is None else float(loss)
+                           for loss in regime.train(model, optimizer, batches, objective))
     return RunResult(
         case=case.name,
         regime=str(regime),
