@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from pathlib import Path
 
 from .check import Outcome, Report, Verdict
@@ -32,10 +33,17 @@ def cell(outcome: Outcome) -> str:
 
 
 def render_matrix(report: Report) -> str:
-    """Rows are cases, columns regimes, in the order they ran; '.' where a pair was not checked."""
-    cases = list(dict.fromkeys(o.case for o in report.outcomes))
-    regimes = list(dict.fromkeys(o.regime for o in report.outcomes))
-    cells = {(o.case, o.regime): cell(o) for o in report.outcomes}
+    return render_grid((o.case, o.regime, cell(o)) for o in report.outcomes)
+
+
+def render_grid(cells: Iterable[tuple[str, str, str]]) -> str:
+    """Rows are cases, columns regimes, in the order they ran; '.' where a pair was not checked.
+
+    Takes ``(case, regime, cell text)`` triples, so cells gathered from other processes render too.
+    """
+    cells = {(case, regime): text for case, regime, text in cells}
+    cases = list(dict.fromkeys(case for case, _ in cells))
+    regimes = list(dict.fromkeys(regime for _, regime in cells))
     table = [["case", *regimes]] + [[c, *(cells.get((c, r), ".") for r in regimes)] for c in cases]
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     lines = ["  ".join(text.ljust(w) for text, w in zip(row, widths)).rstrip() for row in table]

@@ -1,0 +1,73 @@
+"""equivcheck's pytest plugin (registered through the ``pytest11`` entry point).
+
+The hooks: options and marker (``options``), the ``equivcheck`` fixture (``checker``), generated tests
+(``items``), deadlines (``deadline``), the rows gathered from every test and the matrix at the end
+(``controller``); here the hooks that tie them together and the header line. Nothing here imports torch at
+import time: ``pytest --help`` stays fast, and torch is imported only once equivcheck is used.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+import pytest
+
+from .controller import Controller
+from .options import MARKER_HELP, Settings, add_options, marker_values
+
+SETTINGS = pytest.StashKey[Settings]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    add_options(parser)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", MARKER_HELP)
+    config.stash[SETTINGS] = settings = Settings.from_config(config)
+    _regimes(settings)  # a bad spec stops the run here, before collection
+    if not hasattr(config, "workerinput"):  # xdist workers send their rows to the controller
+        config.pluginmanager.register(Controller(settings.json), "equivcheck-controller")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    from .checker import backend
+
+    settings = config.stash[SETTINGS]
+    seed = settings.seed if settings.seed is not None else 0
+    world_sizes = sorted({getattr(regime, "world_size", 1) for regime in _regimes(settings)} or {1})
+    return (f"equivcheck: seed {seed}, torch {metadata.version('torch')}, backend {backend()}, "
+            f"dtype {settings.dtype or 'per case'}, world sizes {','.join(map(str, world_sizes))}")
+
+
+def _regimes(settings: Settings) -> list:
+    """The regimes asked for on the command line, parsed (a bad spec is a usage error)."""
+    if not settings.regimes:
+        return []
+    import equivcheck as ec
+
+    try:
+        return [ec.parse_regime(spec) for spec in settings.regimes]
+    except ec.InvalidArgument as error:
+        raise pytest.UsageError(f"--equivcheck-regimes: {error}") from None
+
+
+@pytest.hookimpl(tryfirst=True)  # before -k and -m deselect, so they select generated tests too
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        marker_values(item)  # a misspelt keyword stops the run before anything trains
+    settings = config.stash[SETTINGS]
+    if settings.generate:
+        from .items import generate
+
+        items.extend(generate(session, settings))
+
+
+@pytest.fixture
+def equivcheck(request: pytest.FixtureRequest):
+    """Check a case or a team's step in one call: ``equivcheck.check("mlp", ["accumulate:chunks=4"])``,
+    ``equivcheck.check_step(case, my_step)``. Fails the test describing every mismatch."""
+    from .checker import Checker
+
+    settings = request.config.stash[SETTINGS]
+    return Checker(request.node, {**settings.defaults(), **marker_values(request.node)})

@@ -1,0 +1,70 @@
+"""Mechanics: the ``equivcheck`` fixture's object. One call checks a case or a team's step, records
+the outcomes on the test (they travel to the xdist controller in ``user_properties``) and fails
+the test with equivcheck's description of every mismatch.
+
+Imported lazily (it imports torch): only tests that use equivcheck pay for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+
+import pytest
+import torch
+
+import equivcheck as ec
+from equivcheck import report as render
+from equivcheck.case import DTYPES
+from equivcheck.registry import resolve_case
+
+from .controller import PROPERTY
+from .deadline import deadline
+
+
+class Checker:
+    """Checks with the session's options and the test's marker keywords as defaults."""
+
+    def __init__(self, node: pytest.Item, defaults: dict[str, object]) -> None:
+        self._node = node
+        self._defaults = {k: v for k, v in defaults.items() if v is not None}
+
+    def check(self, case: ec.Case | str, regimes: Iterable[str | ec.Regime] | None = None, **options) -> ec.Report:
+        """Check ``case`` under ``regimes`` (default: its own list); fail the test unless all is as expected."""
+        return self._run(lambda kw: ec.check(self._case(case, kw), regimes, **kw), options, f"check of {case}")
+
+    def check_step(self, case: ec.Case | str, step: Callable, reference: object = None, **options) -> ec.Report:
+        """Check a team's ``step(model, optimizer, batch)`` against ``reference`` (default: full batch)."""
+        return self._run(lambda kw: ec.check_step(self._case(case, kw), step, **kw),
+                         {**options, "reference": reference}, f"check_step of {case}")
+
+    def check_loop(self, case: ec.Case | str, loop: Callable, reference: object = None, **options) -> ec.Report:
+        """Check a team's ``loop(model, optimizer, batches)`` against ``reference`` (default: full batch)."""
+        return self._run(lambda kw: ec.check_loop(self._case(case, kw), loop, **kw),
+                         {**options, "reference": reference}, f"check_loop of {case}")
+
+    def _run(self, checking: Callable[[dict], ec.Report], options: dict, what: str) -> ec.Report:
+        kw = {**self._defaults, **{k: v for k, v in options.items() if v is not None}}
+        timeout = kw.pop("timeout", None)
+        with deadline(timeout, what):
+            report = checking(kw)
+        record(self._node, report)
+        report.assert_equivalent()
+        return report
+
+    @staticmethod
+    def _case(case: ec.Case | str, kw: dict) -> ec.Case:
+        """The case, in the dtype asked for (``dtype`` is consumed here, not passed on)."""
+        resolved = resolve_case(case)
+        dtype = kw.pop("dtype", None)
+        return resolved if dtype is None else dataclasses.replace(resolved, dtype=DTYPES[dtype])
+
+
+def record(node: pytest.Item, report: ec.Report) -> None:
+    rows = [{"row": row, "cell": render.cell(outcome)} for outcome, row in zip(report.outcomes, render.to_rows(report))]
+    node.user_properties.append((PROPERTY, rows))
+
+
+def backend() -> str:
+    """The process-group backend the distributed regimes use on this machine."""
+    return "nccl" if torch.cuda.is_available() else "gloo"

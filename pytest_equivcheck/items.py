@@ -1,0 +1,63 @@
+"""Mechanics: the opt-in generated tests, one per (case, regime): ``test_equivalence[mlp-accumulate:chunks=5]``."""
+
+from __future__ import annotations
+
+import pytest
+
+from .options import Settings
+
+NAME = "test_equivalence"
+
+
+class EquivalenceItem(pytest.Item):
+    """One case under one regime; fails with equivcheck's description, not a traceback."""
+
+    def __init__(self, *, case: str, regime: str, settings: Settings, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.case, self.regime, self._settings = case, regime, settings
+        self.add_marker("equivcheck")
+
+    def runtest(self) -> None:
+        from .checker import Checker
+
+        Checker(self, self._settings.defaults()).check(self.case, [self.regime])
+
+    def repr_failure(self, excinfo, style=None):
+        from equivcheck import NotEquivalent
+
+        from .deadline import CheckTimeout
+
+        if isinstance(excinfo.value, (NotEquivalent, CheckTimeout)):
+            return str(excinfo.value)
+        return super().repr_failure(excinfo, style=style)
+
+    def reportinfo(self):
+        return self.path, 0, f"{self.case} under {self.regime}"  # a skip's report needs a line number
+
+
+def generate(session: pytest.Session, settings: Settings) -> list[EquivalenceItem]:
+    """The (case, regime) tests the options ask for; an unknown case or bad spec is a usage error."""
+    import equivcheck as ec
+
+    try:
+        for source in settings.cases_from:
+            ec.load_cases_from(source)
+        registered = ec.all_cases()
+        names = list(registered) if not settings.cases or "all" in settings.cases else list(settings.cases)
+        for name in names:
+            if name not in registered:
+                raise ec.InvalidArgument.unknown("case", name, registered)
+        specs = [str(ec.parse_regime(spec)) for spec in settings.regimes]
+    except ec.InvalidArgument as error:
+        raise pytest.UsageError(f"equivcheck: {error}") from None
+    items = []
+    for name in names:
+        for spec in specs or ec.regimes_for(registered[name]):
+            item = EquivalenceItem.from_parent(session, name=f"{NAME}[{name}-{spec}]", case=name, regime=spec,
+                                               settings=settings)
+            try:  # a regime that cannot run this case (too many chunks, no split) is skipped, saying why
+                ec.parse_regime(spec).validate(registered[name])
+            except ec.InvalidArgument as error:
+                item.add_marker(pytest.mark.skip(reason=str(error)))
+            items.append(item)
+    return items
