@@ -155,7 +155,8 @@ class DetachedPartial(Chunked):
         features = trunk(batch.inputs)
         detached = features.detach().requires_grad_()
         total = backward_chunks(head, detached, batch.targets, self.chunks, global_mean_part(objective, batch))
-        features.backward(detached.grad)
+        if features.requires_grad:  # a trunk with nothing to train (identity, frozen) has no graph to back-propagate
+            features.backward(detached.grad)
         finish_step(optimizer)
         return total
 

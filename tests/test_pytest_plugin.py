@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import _pytest.pytester
 import pytest
@@ -211,3 +212,50 @@ def test_xdist_two_workers_give_the_same_verdicts_and_one_matrix(pytester):
         return sorted((r["case"], r["regime"], r["verdict"], r["first_divergent_step"]) for r in json.loads(path.read_text()))
 
     assert verdicts(parallel_json) == verdicts(serial_json) and len(verdicts(serial_json)) == 7
+
+
+MYPROJECT_MODEL = '''
+import torch, torch.nn.functional as F
+from torch import nn
+
+def make_model():
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+
+def make_data():
+    return torch.randn(36, 5), torch.randint(0, 3, (36,))
+
+def loss_per_item(output, target):
+    return F.cross_entropy(output, target, reduction="none")
+'''
+
+MYPROJECT_TRAIN = '''
+import torch.nn.functional as F
+
+def train_step(model, optimizer, batch, micro_batches=5):
+    inputs, targets = batch
+    for x, y in zip(inputs.tensor_split(micro_batches), targets.tensor_split(micro_batches)):
+        loss = F.cross_entropy(model(x), y, reduction="{reduction}"){scale}
+        loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+'''
+
+
+@pytest.mark.parametrize(("reduction", "scale", "passes"), [("sum", " / len(targets)", True),
+                                                            ("mean", " / micro_batches", False)])
+def test_the_readme_ci_gate_runs_as_written(pytester, reduction, scale, passes):
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    snippet = readme.split("<!-- ci-gate -->\n```python\n", 1)[1].split("```", 1)[0]
+    assert len(snippet.strip().splitlines()) <= 10
+    pytester.mkpydir("myproject")
+    pytester.path.joinpath("myproject", "model.py").write_text(MYPROJECT_MODEL)
+    pytester.path.joinpath("myproject", "train.py").write_text(MYPROJECT_TRAIN.format(reduction=reduction, scale=scale))
+    pytester.mkdir("tests").joinpath("test_train_step.py").write_text(snippet)
+    pytester.syspathinsert()
+    result = pytester.runpytest("tests/test_train_step.py")
+    if passes:
+        result.assert_outcomes(passed=1)
+    else:  # the naive mean / K over micro-batches of 3,3,2,2,2 samples
+        result.assert_outcomes(failed=1)
+        result.stdout.fnmatch_lines(["*myproject under step:train_step: mismatch*",
+                                     "*grad of '0.weight' mismatched from step 0*"])

@@ -1,0 +1,89 @@
+"""Property tests over drawn cases, chunkings and regime specs (run under the 'ci' hypothesis profile).
+
+Faithful regimes must stay equivalent for every draw; each negative control must be caught for
+every draw where it applies. DDP regimes join the drawn names once the distributed pool lands.
+"""
+
+import dataclasses
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import equivcheck as ec
+from equivcheck import Verdict
+from equivcheck.hypothesis import batch_sizes, cases, chunkings, regime_specs, world_sizes
+
+FAITHFUL = ["full_batch", "sample_by_sample", "accumulate", "retained_graph", "detached_partial"]
+
+
+@given(case=cases(), data=st.data())
+def test_faithful_regimes_stay_equivalent_for_every_drawn_case_and_chunking(case, data):
+    spec = data.draw(regime_specs(case.batch_size, names=FAITHFUL), label="spec")
+    (outcome,) = ec.check(case, [spec]).outcomes
+    assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
+
+
+@given(case=cases(batch_sizes=batch_sizes(3, 16)), data=st.data())
+def test_naive_scaling_is_caught_for_every_drawn_uneven_chunking(case, data):
+    chunks = data.draw(chunkings(case.batch_size, uneven=True), label="chunks")
+    declared = dataclasses.replace(case, expect_mismatch={"naive_accumulate": "mean / K over uneven chunks"})
+    (outcome,) = ec.check(declared, [f"naive_accumulate:chunks={chunks}"]).outcomes
+    assert outcome.verdict is Verdict.EXPECTED_MISMATCH, outcome.describe()
+    assert outcome.comparison.margin > 10 and outcome.comparison.first_divergent_step == 0
+
+
+@given(case=cases(batchnorm=True, batch_sizes=batch_sizes(4, 16)), data=st.data())
+def test_batchnorm_is_caught_for_every_drawn_chunking_and_retained_graph_stays_exact(case, data):
+    chunks = data.draw(st.integers(2, case.batch_size // 2), label="chunks")  # BatchNorm needs 2 samples a chunk
+    report = ec.check(case, [f"accumulate:chunks={chunks}", f"retained_graph:chunks={chunks}"])
+    caught, exact = report.outcomes
+    assert caught.verdict is Verdict.EXPECTED_MISMATCH and caught.comparison.margin > 10, caught.describe()
+    assert exact.verdict is Verdict.EQUIVALENT, exact.describe()
+
+
+@given(batch=batch_sizes(3, 16), data=st.data())
+def test_drawn_chunkings_and_specs_are_valid(batch, data):
+    uneven = data.draw(chunkings(batch, uneven=True))
+    assert 2 <= uneven <= batch and batch % uneven
+    spec = data.draw(regime_specs(batch))
+    regime = ec.parse_regime(spec)
+    assert str(regime) == spec and not regime.pitfall and getattr(regime, "chunks", 1) <= batch
+    assert 1 <= data.draw(world_sizes(3)) <= 3
+
+
+def test_drawn_cases_cover_the_dimensions_asked_for():
+    seen = set()
+
+    @given(case=cases())
+    def collect(case):
+        seen.add((case.dtype, case.name.split("_")[2]))
+
+    collect()
+    assert {dtype for dtype, _ in seen} == {ec.case.DTYPES["float32"], ec.case.DTYPES["float64"]}
+    assert len({activation for _, activation in seen}) >= 3
+
+
+@pytest.mark.parametrize(
+    ("strategy", "message"),
+    [
+        (lambda: chunkings(0), "batch_size=0 is not allowed: expected an integer >= 1"),
+        (lambda: chunkings("4"), "Expected int but got batch_size='4' (type=str)"),
+        (lambda: chunkings(2, uneven=True), "batch_size=2 is not allowed: expected a batch size with an uneven chunking"),
+        (lambda: regime_specs(8, names=["acumulate"]), "unknown regime 'acumulate'; known regimes: accumulate,"),
+        (lambda: batch_sizes(5, 2), "max_size=2 is not allowed: expected an integer >= 5"),
+    ],
+)
+def test_bad_strategy_arguments_are_named(strategy, message):
+    with pytest.raises(ec.InvalidArgument) as raised:
+        strategy()
+    assert message in str(raised.value)
+
+
+def test_detached_partial_with_a_trunk_that_has_nothing_to_train():
+    """Found by the faithful-regimes property (dev profile): depth 0 makes the trunk an empty Sequential."""
+    from hypothesis import find
+
+    case = find(cases(depths=st.just(0), batch_sizes=batch_sizes(1, 1)), lambda c: True)
+    (outcome,) = ec.check(case, ["detached_partial:chunks=1"]).outcomes
+    assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
