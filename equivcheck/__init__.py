@@ -14,6 +14,6 @@ from .step import check_loop, check_step
 __all__ = [
     "DEFAULT_REGIMES", "DEFAULT_SEED", "REGIMES", "Batch", "Case", "Comparison", "EquivcheckError",
     "InvalidArgument", "Mismatch", "NotEquivalent", "Objective", "Outcome", "Regime", "Report", "RunResult",
-    "Tolerance", "Verdict", "all_cases", "check", "check_all", "check_loop", "check_step", "compare", "default_optimizer", "get_case",
-    "load_cases_from", "parse_regime", "regimes_for", "register_case", "run",
+    "Tolerance", "Verdict", "all_cases", "check", "check_all", "check_loop", "check_step", "compare",
+    "default_optimizer", "get_case", "load_cases_from", "parse_regime", "regimes_for", "register_case", "run",
 ]

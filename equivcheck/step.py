@@ -22,8 +22,8 @@ from .errors import InvalidArgument, expect_callable
 from .regimes import Regime
 from .seeding import DEFAULT_SEED
 
-StepFn = Callable[[nn.Module, Optimizer, "tuple[Tensor, Tensor]"], object]
-LoopFn = Callable[[nn.Module, Optimizer, "list[tuple[Tensor, Tensor]]"], "Iterable[object] | None"]
+StepFn = Callable[[nn.Module, Optimizer, tuple[Tensor, Tensor]], object]
+LoopFn = Callable[[nn.Module, Optimizer, list[tuple[Tensor, Tensor]]], "Iterable[object] | None"]
 
 
 def _label(fn: Callable) -> str:
@@ -31,36 +31,35 @@ def _label(fn: Callable) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class UserStep(Regime):
+class UserCode(Regime):
+    """A regime whose work is done by the team's function ``fn``; named after it (``step:my_step``)."""
+
+    fn: Callable
+
+    def __post_init__(self) -> None:
+        expect_callable(self.name, self.fn)
+
+    def __str__(self) -> str:
+        return f"{self.name}:{_label(self.fn)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class UserStep(UserCode):
     """One optimizer step on one global batch, computed by the team's own ``fn``."""
 
     name = "step"
     summary = "a team's own step function: one optimizer step on one global batch"
-    fn: StepFn
-
-    def __post_init__(self) -> None:
-        expect_callable("step", self.fn)
-
-    def __str__(self) -> str:
-        return f"{self.name}:{_label(self.fn)}"
 
     def train_step(self, model, optimizer, batch: Batch, objective: Objective):
         return self.fn(model, optimizer, (batch.inputs, batch.targets))
 
 
 @dataclasses.dataclass(frozen=True)
-class UserLoop(Regime):
+class UserLoop(UserCode):
     """The team's own loop over every global batch; it returns one loss per batch, or None."""
 
     name = "loop"
     summary = "a team's own training loop over the global batches"
-    fn: LoopFn
-
-    def __post_init__(self) -> None:
-        expect_callable("loop", self.fn)
-
-    def __str__(self) -> str:
-        return f"{self.name}:{_label(self.fn)}"
 
     def train(self, model, optimizer, batches: Sequence[Batch], objective: Objective):
         losses = self.fn(model, optimizer, [(b.inputs, b.targets) for b in batches])
