@@ -4,8 +4,10 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The cases are tiny: one torch thread per process beats several fighting over 2 cores.
+export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo test clean
+.PHONY: install demo test bench clean
 
 install: $(STAMP)
 
@@ -21,6 +23,9 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/python bench/bench_pool.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

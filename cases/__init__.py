@@ -1,3 +1,5 @@
 """equivcheck's built-in cases: each module registers its cases when imported."""
 
-from . import batchnorm, cnn, gru_decoder, mlp, seed000_embedding_head, seed004_linear, tokens  # noqa: F401
+from . import (  # noqa: F401
+    batchnorm, cnn, ddp_traps, gru_decoder, mlp, seed000_embedding_head, seed003_article, seed004_linear, tokens,
+)

@@ -1,5 +1,7 @@
 """Negative control: BatchNorm normalises by the statistics of whatever batch it sees.
 
+The same holds per rank under DDP.
+
 Micro-batches see other statistics than the global batch, so accumulation and sample-by-sample
 training must be reported as mismatches. Retained-graph and detached-partial accumulation run the
 BatchNorm trunk once on the global batch, so they stay exact: the harness must say both.
@@ -30,6 +32,8 @@ batchnorm_cnn = ec.register_case(ec.Case(
     expect_mismatch={
         "sample_by_sample": "BatchNorm normalises each sample by its own statistics",
         "accumulate": "BatchNorm normalises each micro-batch by its own statistics",
+        "ddp": "BatchNorm normalises each rank's shard by its own statistics (no SyncBatchNorm)",
+        "ddp_no_sync": "BatchNorm normalises each rank's micro-batches by their own statistics",
     },
     description="negative control: BatchNorm2d under accumulation",
 ))

@@ -10,11 +10,11 @@ from collections.abc import Iterable, Sequence
 
 from .case import Case
 from .compare import Comparison, compare
-from .errors import InvalidArgument, NotEquivalent
+from .errors import InvalidArgument, NotEquivalent, Unavailable
+from .execute import DEFAULT_TIMEOUT, run
 from .regimes import DEFAULT_REGIMES, REGIMES, DetachedPartial, Regime, parse_regime
 from .registry import all_cases, resolve_case
 from .result import RunResult
-from .runner import run
 from .seeding import DEFAULT_SEED
 
 
@@ -105,11 +105,18 @@ def check(
     rtol: float | None = None,
     atol: float | None = None,
     seed: int = DEFAULT_SEED,
+    backend: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> Report:
-    """Check ``case`` under each regime against ``reference`` (run twice, to prove it deterministic)."""
+    """Check ``case`` under each regime against ``reference`` (run twice, to prove it deterministic).
+
+    ``backend`` (gloo or nccl) applies to distributed regimes whose spec leaves it at auto;
+    ``timeout`` bounds each distributed job in seconds.
+    """
     case = resolve_case(case)
     reference = parse_regime(reference)
-    specs = [parse_regime(r) for r in (regimes_for(case) if regimes is None else regimes)]
+    specs = [with_backend(parse_regime(r), backend)
+             for r in (regimes_for(case) if regimes is None else regimes)]
     _validate(case, [reference, *specs])
     rtol, atol = (case.rtol, case.atol) if rtol is None and atol is None else (rtol, atol)
 
@@ -129,14 +136,22 @@ def check(
             continue
         started = time.perf_counter()
         try:
-            result = run(case, spec, seed=seed)
+            result = run(case, spec, seed=seed, timeout=timeout)
         except InvalidArgument:
             raise
+        except Unavailable as why:
+            outcomes.append(Outcome(case.name, str(spec), Verdict.SKIPPED, None, str(why)))
+            continue
         except Exception as error:  # a regime that crashes is a verdict, not the end of the report
-            reason = f"{type(error).__name__}: {error}"
             seconds = time.perf_counter() - started
-            outcomes.append(Outcome(case.name, str(spec), Verdict.ERROR, None, reason, seconds,
-                                    details=traceback.format_exc()))
+            crash = f"{type(error).__name__}: {error}"
+            details = getattr(error, "remote_traceback", "") or traceback.format_exc()
+            declared = expected_mismatch(case, spec)
+            if declared is None:
+                outcomes.append(Outcome(case.name, str(spec), Verdict.ERROR, None, crash, seconds, details=details))
+            else:  # a declared pitfall that crashes has surfaced as surely as one that mismatches
+                outcomes.append(Outcome(case.name, str(spec), Verdict.EXPECTED_MISMATCH, None,
+                                        f"{declared}; it crashed: {crash}", seconds, details=details))
             continue
         comparison = compare(ref, result, rtol=rtol, atol=atol)
         outcomes.append(_judge(case, spec, comparison, time.perf_counter() - started, result))
@@ -155,6 +170,13 @@ def check_all(
     return report
 
 
+def with_backend(regime: Regime, backend: str | None) -> Regime:
+    """``regime`` on ``backend`` where it is distributed and left to choose its backend."""
+    if backend is None or not regime.distributed or getattr(regime, "backend", None) != "auto":
+        return regime
+    return dataclasses.replace(regime, backend=backend)
+
+
 def _validate(case: Case, specs: Sequence[Regime]) -> None:
     """Every usage error surfaces before anything runs."""
     for key in case.expect_mismatch:
@@ -167,6 +189,9 @@ def _validate(case: Case, specs: Sequence[Regime]) -> None:
 
 
 def _judge(case: Case, spec: Regime, comparison: Comparison, seconds: float, result: RunResult) -> Outcome:
+    problems = _distributed_problems(spec, result, comparison)
+    if problems:
+        comparison = dataclasses.replace(comparison, problems=comparison.problems + problems)
     reason = expected_mismatch(case, spec)
     if reason is None:
         verdict = Verdict.EQUIVALENT if comparison.ok else Verdict.MISMATCH
@@ -174,3 +199,19 @@ def _judge(case: Case, spec: Regime, comparison: Comparison, seconds: float, res
     else:
         verdict = Verdict.EXPECTED_MISMATCH if not comparison.ok else Verdict.UNEXPECTED_MATCH
     return Outcome(case.name, str(spec), verdict, comparison, reason, seconds, result)
+
+
+def _distributed_problems(spec: Regime, result: RunResult, comparison: Comparison) -> tuple[str, ...]:
+    """What numbers alone miss: replicas that drifted apart, and communication a regime should not make."""
+    problems = []
+    if result.rank_spread is not None and result.rank_spread > comparison.tolerance.atol:
+        problems.append(f"ranks disagree: their final weights differ by up to {result.rank_spread:.3g}")
+    if spec.syncs_per_step is not None and result.syncs is not None:
+        for step, syncs in enumerate(result.syncs):
+            if syncs != spec.syncs_per_step:
+                problems.append(
+                    f"communication: step {step} all-reduced gradients {syncs} time(s) "
+                    f"({result.sync_bytes[step]} bytes per rank); a faithful step does it {spec.syncs_per_step} time(s)"
+                )
+                break
+    return tuple(problems)

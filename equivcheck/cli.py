@@ -10,7 +10,9 @@ from collections.abc import Sequence
 
 from . import report as render
 from .check import check_all, regimes_for
+from .distributed import launcher
 from .errors import InvalidArgument
+from .execute import DEFAULT_TIMEOUT
 from .regimes import REGIMES
 from .registry import all_cases, load_cases_from
 
@@ -27,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     running.add_argument("--regime", action="append", metavar="SPEC",
                          help="a regime spec such as accumulate:chunks=4 (repeatable; default: each case's own list)")
     running.add_argument("--json", metavar="PATH", help="also write the outcomes as JSON rows to PATH")
+    running.add_argument("--backend", choices=("gloo", "nccl"),
+                         help="process-group backend for distributed regimes (default: nccl with a GPU per rank, else gloo)")
+    running.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+                         help=f"limit for one distributed job on its ranks (default: {DEFAULT_TIMEOUT:g})")
     running.add_argument("--rtol", type=float, help="relative tolerance (with --atol)")
     running.add_argument("--atol", type=float, help="absolute tolerance (with --rtol)")
     return parser
@@ -60,7 +66,13 @@ def _list() -> int:
 
 def _run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
-    report = check_all(args.case, args.regime, rtol=args.rtol, atol=args.atol)
+    try:
+        report = check_all(args.case, args.regime, rtol=args.rtol, atol=args.atol, backend=args.backend,
+                           timeout=args.timeout)
+    finally:
+        launcher.leave_group()
+    if launcher.active() and launcher.rank() != 0:
+        return 0 if report.ok else 1  # every rank ran the same checks; rank 0 reports them
     print(render.render_matrix(report))
     print(render.LEGEND)
     if report.failures:

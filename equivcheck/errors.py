@@ -51,3 +51,18 @@ def expect_int(argument: str, value: object, *, minimum: int = 1, maximum: int |
 def expect_callable(argument: str, value: object) -> None:
     if not callable(value):
         raise InvalidArgument.type(argument, value, "a callable")
+
+
+class WorkerError(EquivcheckError, RuntimeError):
+    """A worker rank raised, hung past its timeout or died; the message names the rank(s).
+
+    ``remote_traceback`` holds the traceback of the rank that raised, where one did.
+    """
+
+    def __init__(self, message: str, *, remote_traceback: str = "") -> None:
+        super().__init__(message)
+        self.remote_traceback = remote_traceback
+
+
+class Unavailable(EquivcheckError):
+    """This machine cannot run the regime (for example: no GPUs for nccl or DataParallel)."""

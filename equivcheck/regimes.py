@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import ClassVar
 
+import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -25,13 +26,29 @@ class Regime:
     name: ClassVar[str]
     summary: ClassVar[str]
     pitfall: ClassVar[bool] = False
+    distributed: ClassVar[bool] = False  # runs on every rank of a process group (see equivcheck.distributed)
+    syncs_per_step: ClassVar[int | None] = None  # gradient all-reduce rounds a faithful step makes
 
     def __str__(self) -> str:
-        params = ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+        """The canonical spec: parameters in declaration order, those left at their default omitted."""
+        params = ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                          if getattr(self, f.name) != f.default)
         return f"{self.name}:{params}" if params else self.name
 
     def validate(self, case: Case) -> None:
         """Raise :class:`InvalidArgument` if this regime cannot run ``case``."""
+
+    def unavailable(self) -> str | None:
+        """Why this machine cannot run the regime (missing GPUs), or None: the check is skipped, not faked."""
+        return None
+
+    def device(self) -> torch.device:
+        """Where this process trains: the CPU, or its own GPU under nccl or DataParallel."""
+        return torch.device("cpu")
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """The module ``train_step`` drives: the model itself, or a DDP / DataParallel wrapper around it."""
+        return model
 
     def train_step(self, model: nn.Module, optimizer: Optimizer, batch: Batch, objective: Objective) -> Tensor:
         raise NotImplementedError
@@ -174,18 +191,31 @@ class NaiveAccumulate(Chunked):
         return total
 
 
-REGIMES: dict[str, type[Regime]] = {
-    cls.name: cls for cls in (FullBatch, SampleBySample, Accumulate, RetainedGraph, DetachedPartial, NaiveAccumulate)
-}
+REGIMES: dict[str, type[Regime]] = {}
+
+
+def register_regime(cls: type[Regime]) -> type[Regime]:
+    """Make a regime class reachable by its spec name; a class decorator."""
+    if cls.name in REGIMES and REGIMES[cls.name] is not cls:
+        raise InvalidArgument.value("name", cls.name, "a regime name not registered yet")
+    REGIMES[cls.name] = cls
+    return cls
+
+
+for _cls in (FullBatch, SampleBySample, Accumulate, RetainedGraph, DetachedPartial, NaiveAccumulate):
+    register_regime(_cls)
 DEFAULT_REGIMES = (
     "full_batch",
     "sample_by_sample",
     "accumulate:chunks=5",
     "retained_graph:chunks=5",
     "detached_partial:chunks=5",
+    "ddp:world_size=2",
+    "ddp_no_sync:world_size=2,chunks=3",
+    "data_parallel",
 )
 
-_FIELD_TYPES = {"int": int, "str": str}
+_FIELD_TYPES = {"int": int, "str": str, "bool": bool}
 
 
 def parse_regime(spec: str | Regime) -> Regime:
@@ -220,4 +250,8 @@ def _convert(key: str, raw: str, kind: type) -> object:
             return int(raw)
         except ValueError:
             raise InvalidArgument.type(key, raw, "int") from None
+    if kind is bool:
+        if raw not in ("0", "1", "true", "false"):
+            raise InvalidArgument.value(key, raw, "one of 0, 1, true, false")
+        return raw in ("1", "true")
     return raw

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import sys
@@ -13,8 +14,11 @@ from .case import Case
 from .errors import InvalidArgument
 
 BUILTIN_PACKAGE = "equivcheck_cases"
+_FILE_MODULE_PREFIX = "equivcheck_user_cases_"
 _cases: dict[str, Case] = {}
+_sources: dict[str, tuple[str, str | None]] = {}  # case name -> (module name, file) it was registered from
 _builtins_loaded = False
+SOURCE_ATTRIBUTE = "__equivcheck_source__"  # set on modules loaded from a file path
 
 T = TypeVar("T", Case, Callable[[], Case])
 
@@ -28,8 +32,26 @@ def register_case(case: T) -> T:
     if existing is not None and existing is not built:
         raise InvalidArgument.value("name", built.name, "a case name not registered yet")
     _cases[built.name] = built
+    caller = sys._getframe(1).f_globals
+    _sources[built.name] = (caller.get("__name__", ""), caller.get(SOURCE_ATTRIBUTE) or caller.get("__file__"))
     return case
 
+
+def case_source(name: str) -> str:
+    """Where another process can import the registered case ``name`` from: a module name or a file.
+
+    Worker processes import cases themselves (only names cross the process boundary), so a case
+    must be registered at the top level of a module or file, not built inside a function.
+    """
+    _load_builtins()
+    module, file = _sources.get(name, ("", None))
+    if name not in _cases or (module in ("", "__main__") and file is None):
+        raise InvalidArgument(
+            f"case={name!r} is not allowed here: worker processes import cases themselves, so expected a case "
+            "registered with equivcheck.register_case at the top level of an importable module or .py file"
+        )
+    importable = module not in ("__main__", "__mp_main__") and not module.startswith(_FILE_MODULE_PREFIX)
+    return module if importable and importlib.util.find_spec(module) is not None else str(file)
 
 def all_cases() -> dict[str, Case]:
     """Every registered case, built-in ones first, by name."""
@@ -58,11 +80,13 @@ def load_cases_from(source: str) -> None:
     if source.endswith(".py") or path.is_file():
         if not path.is_file():
             raise InvalidArgument.value("cases_from", source, "an existing .py file or an importable module name")
-        module_name = f"equivcheck_user_cases_{abs(hash(str(path.resolve())))}"
+        resolved = path.resolve()
+        module_name = _FILE_MODULE_PREFIX + hashlib.sha1(str(resolved).encode()).hexdigest()[:12]
         if module_name in sys.modules:
             return
         spec = importlib.util.spec_from_file_location(module_name, path)
         module = importlib.util.module_from_spec(spec)
+        setattr(module, SOURCE_ATTRIBUTE, str(resolved))
         sys.modules[module_name] = module
         try:
             spec.loader.exec_module(module)

@@ -28,24 +28,42 @@ LEGEND = (
 def cell(outcome: Outcome) -> str:
     label = LABELS[outcome.verdict]
     if outcome.comparison is None:
-        return label
-    return f"{label} {outcome.comparison.margin:.0e}"
+        return f"{label} (crash)" if outcome.verdict is Verdict.EXPECTED_MISMATCH else label
+    comparison = outcome.comparison
+    if comparison.problems and comparison.margin <= 1:  # the numbers match; the structure does not
+        return f"{label} ({comparison.problems[0].split(':')[0]})"
+    return f"{label} {comparison.margin:.0e}"
 
 
-def render_matrix(report: Report) -> str:
-    return render_grid((o.case, o.regime, cell(o)) for o in report.outcomes)
+def render_matrix(report: Report, width: int = 120) -> str:
+    return render_grid(((o.case, o.regime, cell(o)) for o in report.outcomes), width)
 
 
-def render_grid(cells: Iterable[tuple[str, str, str]]) -> str:
+def render_grid(cells: Iterable[tuple[str, str, str]], width: int = 120) -> str:
     """Rows are cases, columns regimes, in the order they ran; '.' where a pair was not checked.
 
     Takes ``(case, regime, cell text)`` triples, so cells gathered from other processes render too.
+    Columns that would not fit in ``width`` go on to a further panel, which repeats the case
+    column and lists only the cases checked under its regimes.
     """
     cells = {(case, regime): text for case, regime, text in cells}
     cases = list(dict.fromkeys(case for case, _ in cells))
     regimes = list(dict.fromkeys(regime for _, regime in cells))
+    case_width = max(len("case"), *(len(c) for c in cases)) if cases else len("case")
+    column_width = {r: max(len(r), *(len(cells.get((c, r), ".")) for c in cases)) for r in regimes}
+    panels, used = [[]], case_width
+    for regime in regimes:
+        if panels[-1] and used + 2 + column_width[regime] > width:
+            panels.append([])
+            used = case_width
+        panels[-1].append(regime)
+        used += 2 + column_width[regime]
+    return "\n\n".join(_panel([c for c in cases if any((c, r) in cells for r in panel)], panel, cells,
+                               [case_width] + [column_width[r] for r in panel]) for panel in panels)
+
+
+def _panel(cases: list[str], regimes: list[str], cells: dict, widths: list[int]) -> str:
     table = [["case", *regimes]] + [[c, *(cells.get((c, r), ".") for r in regimes)] for c in cases]
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     lines = ["  ".join(text.ljust(w) for text, w in zip(row, widths)).rstrip() for row in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+import torch
 from torch import Tensor
+
+_TENSOR_MAPS = ("weights", "buffers")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -13,7 +17,9 @@ class RunResult:
 
     ``grads`` has one entry per optimizer step the regime took, so a regime that steps per
     micro-batch shows up as a different step count. ``buffers`` holds floating buffers such as
-    BatchNorm running statistics.
+    BatchNorm running statistics. Distributed runs add, per optimizer step, how many gradient
+    synchronisations (DDP all-reduce rounds) and bytes each rank sent, and how far the ranks'
+    final weights ended apart (0 when DDP kept them identical).
     """
 
     case: str
@@ -23,7 +29,36 @@ class RunResult:
     weights: dict[str, Tensor]
     buffers: dict[str, Tensor]
     seconds: float
+    syncs: tuple[int, ...] | None = None
+    sync_bytes: tuple[int, ...] | None = None
+    rank_spread: float | None = None
 
     @property
     def optimizer_steps(self) -> int:
         return len(self.grads)
+
+    def to_plain(self) -> dict:
+        """Numpy arrays and builtins only: safe to pickle across processes (no shared-memory tensors)."""
+        plain = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        plain["grads"] = [_to_numpy(step) for step in self.grads]
+        for field in _TENSOR_MAPS:
+            plain[field] = _to_numpy(plain[field])
+        return plain
+
+    @classmethod
+    def from_plain(cls, plain: dict) -> RunResult:
+        fields = dict(plain)
+        fields["grads"] = tuple(_to_torch(step) for step in plain["grads"])
+        for field in _TENSOR_MAPS:
+            fields[field] = _to_torch(plain[field])
+        for field in ("losses", "syncs", "sync_bytes"):
+            fields[field] = None if plain[field] is None else tuple(plain[field])
+        return cls(**fields)
+
+
+def _to_numpy(tensors: dict[str, Tensor]) -> dict[str, np.ndarray]:
+    return {name: t.detach().cpu().numpy().copy() for name, t in tensors.items()}
+
+
+def _to_torch(arrays: dict[str, np.ndarray]) -> dict[str, Tensor]:
+    return {name: torch.from_numpy(a) for name, a in arrays.items()}

@@ -6,9 +6,11 @@ import time
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from .case import Batch, Case, Objective
+from .communication import CommCounter
 from .errors import InvalidArgument
 from .regimes import Regime, parse_regime
 from .registry import resolve_case
@@ -22,14 +24,17 @@ def run(case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED) -> 
     regime = parse_regime(regime)
     regime.validate(case)
     started = time.perf_counter()
+    device = regime.device()
     with seeded(seed), default_dtype(case.dtype):
-        model = build_model(case)
-        batches = load_batches(case)
+        model = build_model(case).to(device)
+        batches = load_batches(case, device)
         optimizer = case.optimizer(model.parameters())
         objective = Objective(case)
-        with GradRecorder(model, optimizer) as recorder:
+        module = regime.wrap(model)
+        counter = CommCounter.attach(module) if isinstance(module, DistributedDataParallel) else None
+        with GradRecorder(model, optimizer, counter) as recorder:
             losses = tuple(None if loss is None else float(loss)
-                           for loss in regime.train(model, optimizer, batches, objective))
+                           for loss in regime.train(module, optimizer, batches, objective))
     return RunResult(
         case=case.name,
         regime=str(regime),
@@ -38,6 +43,8 @@ def run(case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED) -> 
         weights=snapshot(model.named_parameters()),
         buffers=snapshot((n, b) for n, b in model.named_buffers() if b.is_floating_point()),
         seconds=time.perf_counter() - started,
+        syncs=None if counter is None else tuple(recorder.syncs),
+        sync_bytes=None if counter is None else tuple(recorder.sync_bytes),
     )
 
 
@@ -50,7 +57,7 @@ def build_model(case: Case) -> nn.Module:
     return model.to(case.dtype).train()
 
 
-def load_batches(case: Case) -> list[Batch]:
+def load_batches(case: Case, device: torch.device = torch.device("cpu")) -> list[Batch]:
     """The case's data cut into ``steps`` global batches; wrong sizes are errors, never truncated."""
     data = case.data()
     if not (isinstance(data, tuple) and len(data) == 2 and all(isinstance(t, Tensor) for t in data)):
@@ -66,33 +73,47 @@ def load_batches(case: Case) -> list[Batch]:
             f"data of case {case.name!r} holds {len(inputs)} samples: expected exactly steps * batch_size = "
             f"{case.steps} * {case.batch_size} = {case.samples} (nothing is truncated or padded)"
         )
-    if inputs.is_floating_point():
-        inputs = inputs.to(case.dtype)
-    if targets.is_floating_point():
-        targets = targets.to(case.dtype)
+    inputs = inputs.to(device, case.dtype if inputs.is_floating_point() else None)
+    targets = targets.to(device, case.dtype if targets.is_floating_point() else None)
     return [Batch(inputs[i : i + case.batch_size], targets[i : i + case.batch_size], case.items)
             for i in range(0, case.samples, case.batch_size)]
 
 
 class GradRecorder:
-    """Snapshot every parameter's gradient just before each ``optimizer.step``, whoever calls it."""
+    """Snapshot every parameter's gradient just before each ``optimizer.step``, whoever calls it,
+    and, under DDP, what was communicated since the previous step."""
 
-    def __init__(self, model: nn.Module, optimizer: Optimizer) -> None:
+    def __init__(self, model: nn.Module, optimizer: Optimizer, counter: CommCounter | None = None) -> None:
         self._named = list(model.named_parameters())
         self._optimizer = optimizer
+        self._counter = counter
         self.grads: list[dict[str, Tensor]] = []
+        self.syncs: list[int] = []
+        self.sync_bytes: list[int] = []
 
     def __enter__(self) -> GradRecorder:
-        self._handle = self._optimizer.register_step_pre_hook(lambda *_: self.grads.append(self._snapshot()))
+        self._handle = self._optimizer.register_step_pre_hook(lambda *_: self._record())
         return self
+
+    def _record(self) -> None:
+        self.grads.append(self._snapshot())
+        if self._counter is not None:
+            syncs, sent = self._counter.take()
+            self.syncs.append(syncs)
+            self.sync_bytes.append(sent)
 
     def __exit__(self, *exc: object) -> None:
         self._handle.remove()
 
     def _snapshot(self) -> dict[str, Tensor]:
         # A parameter that took no part in the step has no gradient: mathematically a zero one.
-        return {n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for n, p in self._named}
+        return {n: _cpu_copy(p.grad) if p.grad is not None else torch.zeros_like(p, device="cpu")
+                for n, p in self._named}
 
 
 def snapshot(named) -> dict[str, Tensor]:
-    return {name: tensor.detach().clone() for name, tensor in named}
+    return {name: _cpu_copy(tensor) for name, tensor in named}
+
+
+def _cpu_copy(tensor: Tensor) -> Tensor:
+    return tensor.detach().to("cpu", copy=True)

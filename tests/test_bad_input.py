@@ -18,7 +18,7 @@ def variant(**changes):
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("acumulate:chunks=4", "unknown regime 'acumulate'; known regimes: accumulate, detached_partial, full_batch"),
+        ("acumulate:chunks=4", "unknown regime 'acumulate'; known regimes: accumulate, data_parallel, ddp, "),
         ("accumulate:chunks=0", "chunks=0 is not allowed: expected an integer >= 1"),
         ("accumulate:chunks=-2", "chunks=-2 is not allowed"),
         ("accumulate:chunks=four", "Expected int but got chunks='four' (type=str)"),

@@ -32,9 +32,14 @@ def test_every_regime_as_declared(name, reports):
     for outcome in report.outcomes:
         if outcome.verdict is Verdict.EQUIVALENT:
             assert outcome.comparison.margin < 1e-4, outcome.describe()  # float64 reordering error is tiny
+        elif outcome.verdict is Verdict.SKIPPED:  # only for hardware this machine lacks
+            assert "CUDA" in outcome.reason and outcome.regime in ("data_parallel",) or "nccl" in outcome.regime
+        elif outcome.comparison is None:  # a declared trap that crashed, with its message
+            assert outcome.verdict is Verdict.EXPECTED_MISMATCH and "it crashed: WorkerError" in outcome.reason
         else:
             assert outcome.verdict is Verdict.EXPECTED_MISMATCH
-            assert outcome.comparison.margin > 100, outcome.describe()
+            # caught by a wide numeric margin, or by what it communicated (numbers right, all-reduces wrong)
+            assert outcome.comparison.margin > 100 or outcome.comparison.problems, outcome.describe()
 
 
 @pytest.mark.parametrize(

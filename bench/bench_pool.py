@@ -1,0 +1,71 @@
+"""Distributed checks: what a warm pool of worker ranks buys, measured side by side in one run.
+
+Prints medians over repeats and the ratios the project targets:
+  warm-pool DDP run / in-process accumulate run on the same case   (target <= 3x)
+  pool start / a bare process importing torch                      (target <= 1.5x)
+  fresh process group per run / warm-pool run                       (what the pool saves)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+
+import equivcheck as ec
+from equivcheck.distributed.pool import WorkerPool, pool_for, shutdown_pools
+
+
+def median_seconds(action, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        action()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def fresh_group_run(case: str, spec: str) -> None:
+    shutdown_pools()
+    ec.run(case, spec)
+    shutdown_pools()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", default="mlp")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=30, help="repeats of the millisecond measurements")
+    parser.add_argument("--start-repeats", type=int, default=3, help="repeats of the second-long measurements")
+    args = parser.parse_args()
+    ddp = f"ddp:world_size={args.world_size}"
+    local = f"accumulate:chunks={args.world_size}"
+
+    pool_for("gloo", args.world_size)  # warm up: pool started, case modules imported on every rank
+    ec.run(args.case, ddp)
+    ec.run(args.case, local)
+    warm = median_seconds(lambda: ec.run(args.case, ddp), args.repeats)
+    in_process = median_seconds(lambda: ec.run(args.case, local), args.repeats)
+    bare_import = median_seconds(
+        lambda: subprocess.run([sys.executable, "-c", "import torch"], check=True), args.start_repeats)
+    pool_start = median_seconds(lambda: WorkerPool("gloo", args.world_size).close(), args.start_repeats)
+    fresh = median_seconds(lambda: fresh_group_run(args.case, ddp), args.start_repeats)
+    shutdown_pools()
+
+    rows = [
+        (f"{ddp} run on the warm pool", warm, f"{warm / in_process:.2f}x in-process {local} ({in_process * 1e3:.1f} ms)",
+         "<= 3x"),
+        (f"pool start ({args.world_size} gloo ranks)", pool_start,
+         f"{pool_start / bare_import:.2f}x a bare 'import torch' process ({bare_import:.2f} s)", "<= 1.5x"),
+        (f"{ddp} run on a fresh process group", fresh, f"{fresh / warm:.0f}x the warm-pool run", ""),
+    ]
+    print(f"case {args.case}; medians of {args.repeats} (ms figures) and {args.start_repeats} (s figures) repeats")
+    for what, seconds, ratio, target in rows:
+        shown = f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
+        print(f"  {what:<44} {shown:>10}   {ratio}  {('target ' + target) if target else ''}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""Regimes that train on several ranks: DistributedDataParallel (with and without no_sync) and DataParallel.
+
+Each rank takes its contiguous shard of every global batch (12 samples over 5 ranks: 3,3,2,2,2).
+DDP averages gradients over ranks equally, so the faithful loss of a rank is its loss *sum* times
+the world size over the item count of the whole global batch: the average of those is the global
+mean, however unevenly the items fall. These regimes run inside a process group: equivcheck's
+worker pool, or a launcher's (torchrun).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .case import Batch, Case
+from .errors import InvalidArgument, expect_int
+from .regimes import FullBatch, Regime, finish_step, register_regime
+
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+def shard(batch: Batch, rank: int, world_size: int) -> Batch:
+    """This rank's contiguous slice of the global batch."""
+    return Batch(batch.inputs.tensor_split(world_size)[rank], batch.targets.tensor_split(world_size)[rank], batch.count)
+
+
+def global_loss(local_share: Tensor) -> Tensor:
+    """The global batch loss from each rank's share of it (one small all-reduce, not a gradient sync)."""
+    total = local_share.detach().clone()
+    dist.all_reduce(total)
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class Distributed(Regime):
+    """Common ground of the DDP regimes: world size, backend, device, the wrapper and its options."""
+
+    world_size: int
+    backend: str = "auto"
+    distributed = True
+    syncs_per_step = 1
+
+    def __post_init__(self) -> None:
+        expect_int("world_size", self.world_size, minimum=1)
+        if self.backend not in BACKENDS:
+            raise InvalidArgument.value("backend", self.backend, f"one of {', '.join(BACKENDS)}")
+
+    def validate(self, case: Case) -> None:
+        if self.world_size > case.batch_size:
+            raise InvalidArgument(
+                f"regime {str(self)!r} on case {case.name!r}: world_size={self.world_size} is not allowed: expected "
+                f"an integer from 1 to {case.batch_size} (the case's batch_size: every rank needs a sample)"
+            )
+
+    @property
+    def resolved_backend(self) -> str:
+        """'auto' means nccl where every rank can have its own GPU, gloo on the CPU otherwise."""
+        if self.backend != "auto":
+            return self.backend
+        return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= self.world_size else "gloo"
+
+    def unavailable(self) -> str | None:
+        if self.resolved_backend == "nccl":
+            found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if found < self.world_size:
+                return f"nccl needs one CUDA device per rank: {self.world_size} asked, {found} found"
+        return None
+
+    def device(self) -> torch.device:
+        if self.resolved_backend == "nccl":
+            return torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
+        return torch.device("cpu")
+
+    def ddp_options(self) -> dict:
+        return {}
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        device_ids = [self.device().index] if self.resolved_backend == "nccl" else None
+        return DistributedDataParallel(model, device_ids=device_ids, **self.ddp_options())
+
+    def rank_shard(self, batch: Batch) -> Batch:
+        return shard(batch, dist.get_rank(), dist.get_world_size())
+
+
+@register_regime
+@dataclasses.dataclass(frozen=True)
+class Ddp(Distributed):
+    name = "ddp"
+    summary = "W ranks, each its shard of the global batch, loss sum * W / global items; DDP averages"
+
+    def train_step(self, model, optimizer, batch, objective):
+        mine = self.rank_shard(batch)
+        local = objective.sum(model(mine.inputs), mine.targets) * self.world_size / batch.items
+        local.backward()
+        finish_step(optimizer)
+        return global_loss(local / self.world_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Accumulating(Distributed):
+    """A DDP regime that accumulates ``chunks`` micro-batches of its shard per optimizer step."""
+
+    chunks: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        expect_int("chunks", self.chunks)
+
+    def validate(self, case: Case) -> None:
+        super().validate(case)
+        smallest = case.batch_size // self.world_size
+        if self.chunks > smallest:
+            raise InvalidArgument(
+                f"regime {str(self)!r} on case {case.name!r}: chunks={self.chunks} is not allowed: expected an "
+                f"integer from 1 to {smallest} (the smallest shard of batch_size={case.batch_size} over "
+                f"world_size={self.world_size})"
+            )
+
+    def sync_context(self, model: nn.Module, last: bool):
+        """Skip the all-reduce on all micro-batches but the last: what no_sync() is for."""
+        return contextlib.nullcontext() if last else model.no_sync()
+
+    def train_step(self, model, optimizer, batch, objective):
+        mine = self.rank_shard(batch)
+        parts = list(zip(mine.inputs.tensor_split(self.chunks), mine.targets.tensor_split(self.chunks)))
+        total = 0.0
+        for i, (x, y) in enumerate(parts):
+            with self.sync_context(model, last=i == len(parts) - 1):
+                part = objective.sum(model(x), y) * self.world_size / batch.items
+                part.backward()
+            total = total + part.detach()
+        finish_step(optimizer)
+        return global_loss(total / self.world_size)
+
+
+@register_regime
+@dataclasses.dataclass(frozen=True)
+class DdpNoSync(Accumulating):
+    name = "ddp_no_sync"
+    summary = "each rank accumulates K micro-batches, no_sync() on all but the last: one all-reduce per step"
+
+
+@register_regime
+@dataclasses.dataclass(frozen=True)
+class DdpNoSyncFindUnused(Accumulating):
+    name = "ddp_no_sync_find_unused"
+    summary = "ddp_no_sync with find_unused_parameters=True (a trap when micro-batches use different parameters)"
+
+    def ddp_options(self) -> dict:
+        return {"find_unused_parameters": True}
+
+
+@register_regime
+@dataclasses.dataclass(frozen=True)
+class DdpNoSyncStaticGraph(Accumulating):
+    name = "ddp_no_sync_static_graph"
+    summary = "ddp_no_sync with static_graph=True (a trap: the graph is not the same every iteration)"
+
+    def ddp_options(self) -> dict:
+        return {"static_graph": True}
+
+
+@register_regime
+@dataclasses.dataclass(frozen=True)
+class DdpSyncEveryMicroBatch(Accumulating):
+    name = "ddp_sync_every_micro_batch"
+    summary = "PITFALL: accumulation under DDP without no_sync(): right numbers, K all-reduces per step"
+    pitfall = True
+
+    def sync_context(self, model, last):
+        return contextlib.nullcontext()
+
+
+@register_regime
+@dataclasses.dataclass(frozen=True)
+class DdpMeanLoss(Distributed):
+    name = "ddp_mean_loss"
+    summary = "PITFALL: each rank's *mean* loss; DDP averages ranks equally, wrong when their item counts differ"
+    pitfall = True
+
+    def train_step(self, model, optimizer, batch, objective):
+        mine = self.rank_shard(batch)
+        local = objective.mean(model(mine.inputs), mine.targets)
+        local.backward()
+        finish_step(optimizer)
+        return global_loss(local / self.world_size)
+
+
+@register_regime
+@dataclasses.dataclass(frozen=True)
+class DdpPaddedSampler(DdpMeanLoss):
+    name = "ddp_padded_sampler"
+    summary = "PITFALL: a sampler pads shards to equal size by repeating samples; repeated ones count twice"
+
+    def rank_shard(self, batch: Batch) -> Batch:
+        """DistributedSampler's split: pad the index list from its start, then every W-th index per rank."""
+        per_rank = math.ceil(len(batch) / self.world_size)
+        indices = list(range(len(batch)))
+        indices += indices[: per_rank * self.world_size - len(indices)]
+        mine = torch.tensor(indices[dist.get_rank() :: self.world_size], device=batch.targets.device)
+        return Batch(batch.inputs[mine], batch.targets[mine], batch.count)
+
+
+@register_regime
+@dataclasses.dataclass(frozen=True)
+class DataParallel(FullBatch):
+    """Full-batch training through nn.DataParallel: it scatters the batch and gathers outputs itself."""
+
+    name = "data_parallel"
+    summary = "torch.nn.DataParallel over every visible GPU (needs 2 or more; skipped, never emulated, otherwise)"
+
+    def unavailable(self) -> str | None:
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return None if found >= 2 else f"DataParallel needs at least 2 CUDA devices; {found} found"
+
+    def device(self) -> torch.device:
+        return torch.device("cuda", 0)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return nn.DataParallel(model)

@@ -1,0 +1,182 @@
+"""A warm pool of worker ranks per (backend, world size), alive for a whole CLI run or test session.
+
+Spawning a process group costs seconds (a fresh interpreter, torch, rendezvous); a job on a warm
+pool costs milliseconds. The rendezvous is a file in a fresh temporary folder, so pools never
+collide on a port (``pytest -n 2`` runs several side by side). Any fault (a rank that raises,
+hangs past the timeout or dies) tears the whole pool down, leaving no process behind; the next
+job starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from multiprocessing.connection import wait
+
+from ..errors import WorkerError
+from .worker import stack_file
+
+DEFAULT_TIMEOUT = 60.0  # seconds a job may take on its ranks
+START_TIMEOUT = 120.0  # seconds to start the ranks and join the process group
+WORKER_THREADS = 1  # torch threads per rank: ranks share the machine's cores
+
+
+class WorkerPool:
+    def __init__(self, backend: str, world_size: int, *, threads: int = WORKER_THREADS,
+                 start_timeout: float = START_TIMEOUT) -> None:
+        self.backend, self.world_size = backend, world_size
+        self._folder = tempfile.mkdtemp(prefix="equivcheck-pool-")
+        store = os.path.join(self._folder, "rendezvous")
+        # The parent's import path, so that workers import case modules by the same names.
+        env = os.environ | {"PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
+        self._conns, self._processes = [], []
+        for rank in range(world_size):
+            # A private socket pair per rank: no port, no authentication to get wrong, and EOF when either dies.
+            parent_end, child_end = multiprocessing.Pipe(duplex=True)
+            command = [sys.executable, "-m", "equivcheck.distributed", str(rank), str(world_size), backend,
+                       store, str(child_end.fileno()), str(os.getpid()), str(threads), str(start_timeout)]
+            self._processes.append(subprocess.Popen(command, env=env, pass_fds=[child_end.fileno()]))
+            child_end.close()
+            self._conns.append(parent_end)
+        try:
+            self._gather(start_timeout, "start")
+        except WorkerError:
+            self.close()
+            raise
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._processes) and all(p.poll() is None for p in self._processes)
+
+    def run(self, job: dict, timeout: float = DEFAULT_TIMEOUT) -> list[dict]:
+        """Send ``job`` to every rank and return each rank's reply; a fault closes the pool and raises."""
+        try:
+            for conn in self._conns:
+                conn.send(job)
+            return self._gather(timeout, f"job {job.get('case')} under {job.get('regime')}")
+        except (WorkerError, OSError) as error:
+            self.close()
+            if isinstance(error, WorkerError):
+                raise
+            raise WorkerError(f"the pool lost a rank while sending the job: {error}") from error
+
+    def _gather(self, timeout: float, what: str) -> list:
+        replies: dict[int, object] = {}
+        deadline = time.monotonic() + timeout
+        while len(replies) < self.world_size:
+            pending = [r for r in range(self.world_size) if r not in replies]
+            waitables = {self._conns[r]: r for r in pending}  # a dead rank's end reads as EOF
+            ready = wait(list(waitables), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise WorkerError(
+                    f"{what}: rank(s) {', '.join(map(str, pending))} of {self.world_size} gave no answer within "
+                    f"{timeout:g} s (a hang, for example a collective the other ranks never joined); the pool "
+                    "was torn down",
+                    remote_traceback=self._stacks(pending),
+                )
+            for rank in sorted({waitables[w] for w in ready}):
+                try:
+                    status, payload = self._conns[rank].recv()
+                except EOFError:
+                    raise WorkerError(f"{what}: rank {rank} died ({_exit_reason(self._processes[rank])})") from None
+                if status == "error":
+                    raise WorkerError(f"{what}: rank {rank} raised {_exception_line(payload)}",
+                                      remote_traceback=f"rank {rank}: {payload}")
+                replies[rank] = payload
+        return [replies[r] for r in range(self.world_size)]
+
+    def _stacks(self, ranks: list[int]) -> str:
+        """Where each hung rank stands: its Python stack, dumped on SIGUSR1 by faulthandler."""
+        for rank in ranks:
+            try:
+                self._processes[rank].send_signal(signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.5)
+        dumps = []
+        for rank in ranks:
+            try:
+                with open(stack_file(self._folder, rank)) as dump:
+                    dumps.append(f"rank {rank} stack when it timed out:\n{dump.read().strip()}")
+            except OSError:
+                dumps.append(f"rank {rank}: no stack could be read")
+        return "\n\n".join(dumps)
+
+    def close(self) -> None:
+        """Stop every rank: politely if idle, by SIGKILL if it does not go within a second."""
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 1.0
+        for process in self._processes:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for conn in self._conns:
+            conn.close()
+        self._conns, self._processes = [], []
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._processes]
+
+
+def _exception_line(traceback_text: str) -> str:
+    """The first line of the exception a traceback ends with (frames are the indented lines)."""
+    lines = traceback_text.rstrip().splitlines()
+    last_frame = max((i for i, line in enumerate(lines) if line.startswith("  ")), default=-1)
+    return lines[last_frame + 1] if last_frame + 1 < len(lines) else lines[-1]
+
+
+def _exit_reason(process: subprocess.Popen) -> str:
+    try:
+        code = process.wait(1.0)
+    except subprocess.TimeoutExpired:
+        return "its connection closed while it still runs"
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+_pools: dict[tuple[str, int], WorkerPool] = {}
+
+
+def pool_for(backend: str, world_size: int) -> WorkerPool:
+    """The warm pool for (backend, world size), started on first use or after a fault."""
+    key = (backend, world_size)
+    pool = _pools.get(key)
+    if pool is None or not pool.alive:
+        if pool is not None:
+            pool.close()
+        pool = _pools[key] = WorkerPool(backend, world_size)
+    return pool
+
+
+def run_job(backend: str, world_size: int, job: dict, timeout: float = DEFAULT_TIMEOUT) -> list[dict]:
+    pool = pool_for(backend, world_size)
+    try:
+        return pool.run(job, timeout)
+    except WorkerError:
+        _pools.pop((backend, world_size), None)
+        raise
+
+
+def shutdown_pools() -> None:
+    while _pools:
+        _, pool = _pools.popitem()
+        pool.close()
+
+
+atexit.register(shutdown_pools)

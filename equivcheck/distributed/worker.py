@@ -1,0 +1,76 @@
+"""The worker rank: join the pool's process group once, then train the jobs the pool sends.
+
+A job is plain data (case name, where to import it from, regime spec, seed); the reply is plain
+data too (numpy arrays, never shared-memory tensors, which break once their sender exits).
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import os
+import signal
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from ..regimes import parse_regime
+from ..registry import get_case, load_cases_from
+from ..runner import run as train
+
+
+def execute(job: dict) -> dict:
+    """Train one job in this process (inside an initialised process group) and return plain data."""
+    load_cases_from(job["source"])
+    result = train(get_case(job["case"]), parse_regime(job["regime"]), seed=job["seed"], **job["options"])
+    return result.to_plain()
+
+
+def worker_main(rank: int, world_size: int, backend: str, store: str, conn: Connection, parent: int,
+                threads: int, start_timeout: float) -> None:
+    _exit_with_parent(parent)
+    # On SIGUSR1 (sent by the pool when a job times out) dump this rank's stack where the pool can read it.
+    stacks = open(stack_file(os.path.dirname(store), rank), "w")  # noqa: SIM115 (lives as long as the rank)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    torch.set_num_threads(threads)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=start_timeout))
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:  # the pool is gone
+            break
+        if job is None:
+            break
+        try:
+            conn.send(("ok", execute(job)))
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+def stack_file(folder: str, rank: int) -> str:
+    return os.path.join(folder, f"rank{rank}.stack")
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A worker never outlives the process that started it, even while stuck in a collective."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="equivcheck-parent-watch", daemon=True).start()
+

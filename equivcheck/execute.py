@@ -1,0 +1,55 @@
+"""``run``: train a case under a regime wherever the regime runs: in this process or on worker ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .case import Case
+from .distributed import launcher, pool
+from .errors import InvalidArgument, Unavailable
+from .regimes import Regime, parse_regime
+from .registry import all_cases, case_source, resolve_case
+from .result import RunResult
+from .runner import run as run_here
+from .seeding import DEFAULT_SEED
+
+DEFAULT_TIMEOUT = pool.DEFAULT_TIMEOUT
+
+
+def run(case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED, timeout: float = DEFAULT_TIMEOUT,
+        **options) -> RunResult:
+    """Train ``case`` for its steps under ``regime`` from the seeded start and return what it produced.
+
+    Raises :class:`Unavailable` when this machine cannot run the regime (no GPUs for nccl or
+    DataParallel), :class:`WorkerError` when a worker rank raises, hangs past ``timeout`` or dies.
+    """
+    case = resolve_case(case)
+    regime = parse_regime(regime)
+    regime.validate(case)
+    reason = regime.unavailable()
+    if reason is not None:
+        raise Unavailable(reason)
+    if not regime.distributed:
+        return run_here(case, regime, seed=seed, **options)
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise InvalidArgument.value("timeout", timeout, "a number of seconds > 0")
+    if all_cases().get(case.name) is not case:
+        raise InvalidArgument(
+            f"case={case.name!r} is not allowed here: worker processes import cases themselves, so distributed "
+            "regimes need a case registered with equivcheck.register_case at the top level of a module or file"
+        )
+    job = {"case": case.name, "source": case_source(case.name), "regime": str(regime), "seed": seed,
+           "options": options}
+    backend = regime.resolved_backend
+    if launcher.active():
+        replies = launcher.run_job(backend, regime.world_size, job)
+    else:
+        replies = pool.run_job(backend, regime.world_size, job, timeout)
+    results = [RunResult.from_plain(reply) for reply in replies]
+    return dataclasses.replace(results[0], rank_spread=_spread(results))
+
+
+def _spread(results: list[RunResult]) -> float:
+    """How far the ranks' final weights ended apart: DDP keeps replicas identical, so 0."""
+    first = results[0].weights
+    return max((float((r.weights[n] - first[n]).abs().max()) for r in results[1:] for n in first), default=0.0)

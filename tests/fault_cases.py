@@ -1,0 +1,37 @@
+"""Cases whose rank 1 misbehaves inside a process group: raises, hangs, or is killed by SIGKILL.
+
+On a single process (the reference run) they train normally, so only the distributed job fails.
+"""
+
+import dataclasses
+import os
+import signal
+import time
+
+import torch.distributed as dist
+from torch import nn
+
+import equivcheck as ec
+
+
+class Faulty(nn.Module):
+    def __init__(self, fault: str) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 3)
+        self.fault = fault
+
+    def forward(self, x):
+        if dist.is_initialized() and dist.get_rank() == 1:
+            if self.fault == "raise":
+                raise RuntimeError("injected fault on rank 1")
+            if self.fault == "hang":
+                time.sleep(3600)  # rank 0 waits in DDP's all-reduce for a rank that never comes
+            if self.fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+        return self.linear(x)
+
+
+for fault in ("raise", "hang", "kill"):
+    ec.register_case(dataclasses.replace(
+        ec.get_case("mlp"), name=f"fault_{fault}", model=lambda fault=fault: Faulty(fault), split=None, regimes=None,
+    ))

@@ -1,0 +1,167 @@
+"""Distributed regimes on real process groups (gloo, spawned worker ranks), and their faults."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import equivcheck as ec
+from equivcheck import Verdict
+from equivcheck.distributed import pool as pools
+
+import fault_cases  # noqa: F401  (registers the fault_* cases; workers import it by name)
+from equivcheck_cases.seed003_article import ARTICLE_WEIGHTS
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie has exited; only its parent has yet to reap it
+        return stat.read().split()[2] != "Z"
+
+
+@pytest.mark.parametrize("regime", ["full_batch", "accumulate:chunks=2", "ddp:world_size=2",
+                                    "ddp_no_sync:world_size=2,chunks=2"])
+def test_seed003_article_weights(regime):
+    """Both of the article's paths reproduce its printed final weights."""
+    result = ec.run("seed003_article", regime)
+    torch.testing.assert_close(result.weights["weight"][0], torch.tensor(ARTICLE_WEIGHTS, dtype=torch.float64),
+                               rtol=0, atol=5e-5)
+
+
+def test_no_sync_all_reduces_once_per_step_and_its_twin_every_micro_batch():
+    report = ec.check("ddp_sync_every_micro_batch")
+    no_sync = report.outcome("ddp_sync_every_micro_batch", "ddp_no_sync:world_size=2,chunks=3")
+    every = report.outcome("ddp_sync_every_micro_batch", "ddp_sync_every_micro_batch:world_size=2,chunks=3")
+    assert no_sync.verdict is Verdict.EQUIVALENT and no_sync.result.syncs == (1, 1, 1)
+    # The 6-10-3 MLP has 103 float64 parameters: one bucket of 824 bytes per all-reduce.
+    assert no_sync.result.sync_bytes == (824, 824, 824)
+    assert every.result.syncs == (3, 3, 3) and every.result.sync_bytes == (3 * 824,) * 3
+    assert every.comparison.margin < 1  # the numbers are right ...
+    assert every.verdict is Verdict.EXPECTED_MISMATCH  # ... the communication is not
+    assert every.comparison.problems == (
+        "communication: step 0 all-reduced gradients 3 time(s) (2472 bytes per rank); a faithful step does it 1 time(s)",)
+
+
+def test_ddp_keeps_the_global_mean_with_uneven_shards_and_token_counts():
+    report = ec.check("ddp_uneven_shards") + ec.check("ddp_mean_loss_uneven_tokens")
+    report.assert_equivalent()
+    assert report.outcome("ddp_uneven_shards", "ddp:world_size=2").verdict is Verdict.EQUIVALENT
+    for case, regime in [("ddp_uneven_shards", "ddp_mean_loss:world_size=2"),
+                         ("ddp_uneven_shards", "ddp_padded_sampler:world_size=2"),
+                         ("ddp_mean_loss_uneven_tokens", "ddp_mean_loss:world_size=2")]:
+        outcome = report.outcome(case, regime)
+        assert outcome.verdict is Verdict.EXPECTED_MISMATCH and outcome.comparison.margin > 100
+        assert outcome.comparison.first_divergent_step == 0
+        assert outcome.result.rank_spread == 0  # ranks agree with each other, all wrong together
+
+
+def test_batchnorm_under_ddp_is_caught():
+    outcome = ec.check("batchnorm_cnn", ["ddp:world_size=2"]).outcomes[0]
+    assert outcome.verdict is Verdict.EXPECTED_MISMATCH
+    assert {"1.weight", "1.bias"} <= {m.name for m in outcome.comparison.mismatches if m.kind == "grad"}
+
+
+def test_data_parallel_is_skipped_without_two_gpus():
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has GPUs: data_parallel really runs here")
+    (outcome,) = ec.check("mlp", ["data_parallel"]).outcomes
+    assert outcome.verdict is Verdict.SKIPPED
+    assert outcome.reason == f"DataParallel needs at least 2 CUDA devices; {torch.cuda.device_count()} found"
+    with pytest.raises(ec.Unavailable):
+        ec.run("mlp", "ddp:world_size=2,backend=nccl")
+
+
+@pytest.mark.parametrize(
+    ("case", "timeout", "message"),
+    [
+        ("fault_raise", 60, "rank 1 raised RuntimeError: injected fault on rank 1"),
+        ("fault_hang", 3, "rank(s) 0, 1 of 2 gave no answer within 3 s"),  # rank 0 waits on rank 1
+        ("fault_kill", 60, "rank 1 died (killed by SIGKILL)"),
+    ],
+)
+def test_a_faulty_rank_becomes_an_error_and_the_next_job_gets_a_fresh_pool(case, timeout, message):
+    warm = pools.pool_for("gloo", 2)
+    pids = warm.pids
+    started = time.monotonic()
+    report = ec.check(case, ["accumulate:chunks=2", "ddp:world_size=2", "accumulate:chunks=3"], timeout=timeout)
+    before, crashed, after = report.outcomes
+    assert time.monotonic() - started < timeout + 30
+    assert (before.verdict, after.verdict) == (Verdict.EQUIVALENT, Verdict.EQUIVALENT)  # nothing computed is lost
+    assert crashed.verdict is Verdict.ERROR and message in crashed.reason
+    if case == "fault_raise":
+        assert "injected fault on rank 1" in crashed.details and "Traceback" in crashed.details
+    if case == "fault_hang":  # each hung rank's stack says where it stands
+        rank1 = crashed.details.split("rank 1 stack when it timed out:")[1]
+        assert "fault_cases.py" in rank1 and "in forward" in rank1
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in pids), "a rank of the faulty pool outlived it"
+    assert ec.check("mlp", ["ddp:world_size=2"]).outcomes[0].verdict is Verdict.EQUIVALENT
+    assert pools.pool_for("gloo", 2).pids != pids
+
+
+def test_workers_exit_when_their_parent_dies(tmp_path):
+    script = textwrap.dedent("""
+        import os, signal, sys
+        from equivcheck.distributed.pool import pool_for
+        print(*pool_for("gloo", 2).pids, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)  # no atexit, no cleanup: the ranks are on their own
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in pids)
+
+
+def test_torchrun_runs_the_ddp_regimes_in_the_launchers_group(tmp_path):
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    out = tmp_path / "rows.json"
+    done = subprocess.run(
+        [torchrun, "--standalone", "--nproc_per_node=2", "-m", "equivcheck", "run", "--case", "seed003_article",
+         "--case", "ddp_uneven_shards", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("checks:") == 1  # rank 0 reports, rank 1 stays quiet
+    assert "8 checks: 6 equivalent, 2 expected_mismatch; all as expected" in done.stdout
+    import json
+    rows = {(r["case"], r["regime"]): r["verdict"] for r in json.loads(out.read_text())}
+    assert rows[("seed003_article", "ddp:world_size=2")] == "equivalent"
+    assert rows[("ddp_uneven_shards", "ddp_padded_sampler:world_size=2")] == "expected_mismatch"
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("ddp:world_size=13", "world_size=13 is not allowed: expected an integer from 1 to 12"),
+        ("ddp_no_sync:world_size=5,chunks=3", "chunks=3 is not allowed: expected an integer from 1 to 2 (the smallest "
+                                              "shard of batch_size=12 over world_size=5)"),
+        ("ddp:world_size=2,backend=mpi", "backend='mpi' is not allowed: expected one of auto, gloo, nccl"),
+        ("ddp:world_size=0", "world_size=0 is not allowed"),
+    ],
+)
+def test_bad_distributed_specs(spec, message):
+    with pytest.raises(ec.InvalidArgument) as raised:
+        ec.run("mlp", spec)
+    assert message in str(raised.value)
+
+
+def test_unregistered_case_cannot_cross_to_workers():
+    import dataclasses
+
+    inline = dataclasses.replace(ec.get_case("mlp"), name="inline_only")
+    with pytest.raises(ec.InvalidArgument, match="worker processes import cases themselves"):
+        ec.run(inline, "ddp:world_size=2")
