@@ -23,7 +23,7 @@ from torch import nn
 
 from .case import DTYPES, Case
 from .errors import InvalidArgument, expect_int
-from .regimes import REGIMES
+from .regimes import REGIMES, parse_regime
 
 __all__ = ["ACTIVATIONS", "batch_sizes", "cases", "chunkings", "regime_specs", "world_sizes"]
 
@@ -48,40 +48,64 @@ def chunkings(batch_size: int, *, uneven: bool = False) -> st.SearchStrategy[int
     return st.sampled_from(counts)
 
 
-def world_sizes(max_size: int = 4) -> st.SearchStrategy[int]:
-    """Numbers of distributed ranks, 1..max_size."""
-    expect_int("max_size", max_size)
-    return st.integers(1, max_size)
+def world_sizes(min_size: int = 1, max_size: int = 4) -> st.SearchStrategy[int]:
+    """Numbers of distributed ranks, min_size..max_size."""
+    expect_int("min_size", min_size)
+    expect_int("max_size", max_size, minimum=min_size)
+    return st.integers(min_size, max_size)
 
 
 def regime_specs(
-    batch_size: int, names: Iterable[str] | None = None, *, pitfalls: bool = False, max_world_size: int = 4
+    batch_size: int,
+    names: Iterable[str] | None = None,
+    *,
+    pitfalls: bool = False,
+    min_world_size: int = 1,
+    max_world_size: int = 4,
 ) -> st.SearchStrategy[str]:
-    """Specs such as ``accumulate:chunks=7`` for a global batch of ``batch_size``.
+    """Specs such as ``accumulate:chunks=7`` or ``ddp_no_sync:world_size=3,chunks=2`` for a global batch
+    of ``batch_size``.
 
-    ``names``: the regimes to draw from (default: every registered one, pitfalls only if asked).
-    Each parameter is drawn by its meaning: ``chunks`` from :func:`chunkings`, ``world_size`` from
-    :func:`world_sizes`; a regime with a parameter of another name is refused rather than guessed.
+    ``names``: the regimes to draw from (default: every registered one whose parameters can be drawn,
+    pitfalls only if asked). Parameters are drawn by meaning: ``world_size`` from :func:`world_sizes`
+    (at most the batch size), then ``chunks`` from :func:`chunkings` of the smallest shard a rank
+    gets; parameters with a default keep it. A named regime with another required parameter is refused.
     """
     expect_int("batch_size", batch_size)
-    chosen = list(REGIMES) if names is None else list(names)
-    for name in chosen:
-        if name not in REGIMES:
-            raise InvalidArgument.unknown("regime", name, REGIMES)
-    if names is None and not pitfalls:
-        chosen = [n for n in chosen if not REGIMES[n].pitfall]
-    parameter = {"chunks": chunkings(batch_size), "world_size": world_sizes(max_world_size)}
+    expect_int("max_world_size", max_world_size, minimum=min_world_size)
+    drawable = {"chunks", "world_size"}
+
+    def required(name: str) -> list[str]:
+        return [f.name for f in dataclasses.fields(REGIMES[name])
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+
+    if names is None:
+        chosen = [n for n, cls in REGIMES.items() if (pitfalls or not cls.pitfall) and set(required(n)) <= drawable]
+    else:
+        chosen = list(names)
+        for name in chosen:
+            if name not in REGIMES:
+                raise InvalidArgument.unknown("regime", name, REGIMES)
+            unknown = [f for f in required(name) if f not in drawable]
+            if unknown:
+                raise InvalidArgument(f"regime {name!r} needs {unknown[0]}=..., which regime_specs cannot draw: "
+                                      f"it draws {', '.join(sorted(drawable))}")
 
     def spec_of(name: str) -> st.SearchStrategy[str]:
-        fields = [f.name for f in dataclasses.fields(REGIMES[name])]
-        unknown = [f for f in fields if f not in parameter]
-        if unknown:
-            raise InvalidArgument(f"regime {name!r} takes {unknown[0]}=..., which regime_specs cannot draw: "
-                                  f"it draws {', '.join(parameter)}")
-        if not fields:
-            return st.just(name)
-        values = st.fixed_dictionaries({f: parameter[f] for f in fields})
-        return values.map(lambda v: f"{name}:" + ",".join(f"{k}={v[k]}" for k in fields))
+        fields = [f.name for f in dataclasses.fields(REGIMES[name]) if f.name in drawable]
+
+        def with_world_size(world_size: int) -> st.SearchStrategy[str]:
+            draws = {"world_size": st.just(world_size), "chunks": chunkings(batch_size // world_size)}
+            values = st.fixed_dictionaries({f: draws[f] for f in fields})
+            # Canonical specs (parameters left at their default are omitted), as equivcheck prints them.
+            return values.map(lambda v: str(parse_regime(f"{name}:" + ",".join(f"{k}={v[k]}" for k in fields))))
+
+        if "world_size" in fields:
+            if min_world_size > batch_size:
+                raise InvalidArgument.value("min_world_size", min_world_size,
+                                            f"at most batch_size={batch_size} (every rank needs a sample)")
+            return world_sizes(min_world_size, min(max_world_size, batch_size)).flatmap(with_world_size)
+        return with_world_size(1)
 
     return st.one_of([spec_of(name) for name in chosen])
 

@@ -18,9 +18,9 @@ from torch.optim import Optimizer
 
 from .case import Batch, Case, Objective
 from .check import Report, check
+from .ddp_step import DdpStep, import_path
 from .errors import InvalidArgument, expect_callable
 from .regimes import Regime
-from .seeding import DEFAULT_SEED
 
 StepFn = Callable[[nn.Module, Optimizer, tuple[Tensor, Tensor]], object]
 LoopFn = Callable[[nn.Module, Optimizer, list[tuple[Tensor, Tensor]]], "Iterable[object] | None"]
@@ -79,25 +79,27 @@ def check_step(
     step: StepFn,
     reference: str | Regime | StepFn = "full_batch",
     *,
-    rtol: float | None = None,
-    atol: float | None = None,
-    seed: int = DEFAULT_SEED,
+    world_size: int | None = None,
+    **options,
 ) -> Report:
     """Check a team's ``step(model, optimizer, batch)`` against ``reference``: a regime spec, or another
-    step function (the code before a refactor, or full batch with the same clipping)."""
+    step function (the code before a refactor, or full batch with the same clipping).
+
+    With ``world_size`` the step runs on that many DDP ranks of the warm pool (see ``ddp_step``).
+    ``options`` go to :func:`equivcheck.check` (rtol, atol, seed, backend, timeout).
+    """
     reference = reference if isinstance(reference, (str, Regime)) else UserStep(reference)
-    return check(case, [UserStep(step)], reference=reference, rtol=rtol, atol=atol, seed=seed)
+    if world_size is None:
+        candidate = UserStep(step)
+    else:
+        expect_callable("step", step)
+        candidate = DdpStep(world_size=world_size, fn=import_path(step))
+    return check(case, [candidate], reference=reference, **options)
 
 
 def check_loop(
-    case: Case | str,
-    loop: LoopFn,
-    reference: str | Regime | LoopFn = "full_batch",
-    *,
-    rtol: float | None = None,
-    atol: float | None = None,
-    seed: int = DEFAULT_SEED,
+    case: Case | str, loop: LoopFn, reference: str | Regime | LoopFn = "full_batch", **options
 ) -> Report:
     """Check a team's ``loop(model, optimizer, batches)`` against ``reference`` (a spec or another loop)."""
     reference = reference if isinstance(reference, (str, Regime)) else UserLoop(reference)
-    return check(case, [UserLoop(loop)], reference=reference, rtol=rtol, atol=atol, seed=seed)
+    return check(case, [UserLoop(loop)], reference=reference, **options)

@@ -31,22 +31,29 @@ class Checker:
 
     def check(self, case: ec.Case | str, regimes: Iterable[str | ec.Regime] | None = None, **options) -> ec.Report:
         """Check ``case`` under ``regimes`` (default: its own list); fail the test unless all is as expected."""
-        return self._run(lambda kw: ec.check(self._case(case, kw), regimes, **kw), options, f"check of {case}")
+        specs = ec.regimes_for(resolve_case(case)) if regimes is None else regimes
+        distributed = any(ec.parse_regime(spec).distributed for spec in specs)
+        return self._run(lambda kw: ec.check(self._case(case, kw), regimes, **kw), options, f"check of {case}",
+                         distributed)
 
     def check_step(self, case: ec.Case | str, step: Callable, reference: object = None, **options) -> ec.Report:
-        """Check a team's ``step(model, optimizer, batch)`` against ``reference`` (default: full batch)."""
+        """Check a team's ``step(model, optimizer, batch)`` against ``reference`` (default: full batch);
+        ``world_size=W`` runs it on W DDP ranks."""
         return self._run(lambda kw: ec.check_step(self._case(case, kw), step, **kw),
-                         {**options, "reference": reference}, f"check_step of {case}")
+                         {**options, "reference": reference}, f"check_step of {case}",
+                         options.get("world_size") is not None)
 
     def check_loop(self, case: ec.Case | str, loop: Callable, reference: object = None, **options) -> ec.Report:
         """Check a team's ``loop(model, optimizer, batches)`` against ``reference`` (default: full batch)."""
         return self._run(lambda kw: ec.check_loop(self._case(case, kw), loop, **kw),
-                         {**options, "reference": reference}, f"check_loop of {case}")
+                         {**options, "reference": reference}, f"check_loop of {case}", False)
 
-    def _run(self, checking: Callable[[dict], ec.Report], options: dict, what: str) -> ec.Report:
+    def _run(self, checking: Callable[[dict], ec.Report], options: dict, what: str, distributed: bool) -> ec.Report:
         kw = {**self._defaults, **{k: v for k, v in options.items() if v is not None}}
-        timeout = kw.pop("timeout", None)
-        with deadline(timeout, what):
+        # Distributed jobs are bounded by the pool, which tears itself down cleanly on a timeout; an alarm
+        # could interrupt it half-way through a job. In-process checks are bounded by the alarm.
+        timeout = kw.get("timeout")
+        with deadline(None if distributed else timeout, what):
             report = checking(kw)
         record(self._node, report)
         report.assert_equivalent()

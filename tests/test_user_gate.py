@@ -1,8 +1,9 @@
-"""Written as a team would write it: their own token model, data and accumulation step, gated in CI
-through the equivcheck fixture and the public API only."""
+"""Written as a team would write it: their own token model, data, accumulation step and DDP step,
+gated in CI through the equivcheck fixture and the public API only."""
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -28,8 +29,13 @@ def loss_per_token(logits, targets):
     return losses[targets.flatten() != IGNORE]
 
 
-CASE = ec.Case(name="team_tokens", model=make_model, data=make_data, loss=loss_per_token,
-               items=lambda targets: int((targets != IGNORE).sum()), batch_size=8, steps=2)
+def count_tokens(targets):
+    return int((targets != IGNORE).sum())
+
+
+# Registered at the top level: the DDP ranks import this module to find the case and the step.
+CASE = ec.register_case(ec.Case(name="team_tokens", model=make_model, data=make_data, loss=loss_per_token,
+                                items=count_tokens, batch_size=8, steps=2))
 
 
 def train_step(model, optimizer, batch, micro_batches=4):
@@ -68,3 +74,36 @@ def test_the_gate_would_have_caught_the_bug():
     with pytest.raises(ec.NotEquivalent, match=r"grad of '0\.weight' mismatched from step 0"):
         report.assert_equivalent()
     assert report.outcomes[0].comparison.first_divergent_step == 0
+
+
+def ddp_train_step(model, optimizer, batch):
+    """The team's DDP step on this rank's shard: token-loss sum over the global token count, times the
+    world size, because DDP averages the ranks' gradients."""
+    inputs, targets = batch
+    tokens = (targets != IGNORE).sum()
+    dist.all_reduce(tokens)
+    loss = loss_per_token(model(inputs), targets).sum() * dist.get_world_size() / tokens
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.detach()
+
+
+def ddp_train_step_with_local_mean(model, optimizer, batch):
+    """Wrong: each rank's token mean; DDP then weights ranks equally whatever their token counts."""
+    inputs, targets = batch
+    loss_per_token(model(inputs), targets).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_ddp_step_matches_full_batch(equivcheck):
+    equivcheck.check_step(CASE, ddp_train_step, world_size=2)
+
+
+def test_the_gate_catches_a_local_mean_under_ddp():
+    report = ec.check_step(CASE, ddp_train_step_with_local_mean, world_size=2)
+    (outcome,) = report.outcomes
+    assert outcome.regime == "ddp_step:world_size=2,fn=test_user_gate:ddp_train_step_with_local_mean"
+    with pytest.raises(ec.NotEquivalent, match=r"grad of '3\.bias' mismatched from step 0"):
+        report.assert_equivalent()
