@@ -37,7 +37,8 @@ def add_options(parser: pytest.Parser) -> None:
     group.addoption("--equivcheck-atol", type=float, default=None, metavar="A",
                     help="absolute tolerance of every check (with --equivcheck-rtol)")
     group.addoption("--equivcheck-timeout", type=float, default=None, metavar="SECONDS",
-                    help="fail a check that runs longer than this")
+                    help="fail an in-process check, or a distributed job on the worker pool, that runs longer "
+                         "than this")
     group.addoption("--equivcheck-json", default=None, metavar="PATH",
                     help="write the outcomes of every check as JSON rows (the CLI's format) to PATH")
 
