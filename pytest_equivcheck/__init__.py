@@ -25,9 +25,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", MARKER_HELP)
     config.stash[SETTINGS] = settings = Settings.from_config(config)
-    _regimes(settings)  # a bad spec stops the run here, before collection
+    if settings.cases_from or settings.regimes:  # opted in: import equivcheck (and torch) now, to fail early
+        _load(settings)
     if not hasattr(config, "workerinput"):  # xdist workers send their rows to the controller
         config.pluginmanager.register(Controller(settings.json), "equivcheck-controller")
+
+
+def _load(settings: Settings) -> None:
+    """Register the cases of --equivcheck-cases-from and check --equivcheck-regimes; mistakes are usage errors."""
+    import equivcheck as ec
+
+    try:
+        for source in settings.cases_from:
+            ec.load_cases_from(source)
+        for spec in settings.regimes:
+            ec.parse_regime(spec)
+    except ec.InvalidArgument as error:
+        raise pytest.UsageError(f"equivcheck: {error}") from None
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -35,21 +49,17 @@ def pytest_report_header(config: pytest.Config) -> str:
 
     settings = config.stash[SETTINGS]
     seed = settings.seed if settings.seed is not None else 0
-    world_sizes = sorted({getattr(regime, "world_size", 1) for regime in _regimes(settings)} or {1})
+    if settings.generate:
+        import equivcheck as ec
+
+        from .items import planned
+
+        sizes = sorted({getattr(ec.parse_regime(spec), "world_size", 1) for _, spec in planned(settings)})
+        world_sizes = ",".join(map(str, sizes)) + " (generated tests)"
+    else:
+        world_sizes = "per test"
     return (f"equivcheck: seed {seed}, torch {metadata.version('torch')}, backend {backend()}, "
-            f"dtype {settings.dtype or 'per case'}, world sizes {','.join(map(str, world_sizes))}")
-
-
-def _regimes(settings: Settings) -> list:
-    """The regimes asked for on the command line, parsed (a bad spec is a usage error)."""
-    if not settings.regimes:
-        return []
-    import equivcheck as ec
-
-    try:
-        return [ec.parse_regime(spec) for spec in settings.regimes]
-    except ec.InvalidArgument as error:
-        raise pytest.UsageError(f"--equivcheck-regimes: {error}") from None
+            f"dtype {settings.dtype or 'per case'}, world sizes {world_sizes}")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -k and -m deselect, so they select generated tests too

@@ -35,13 +35,11 @@ class EquivalenceItem(pytest.Item):
         return self.path, 0, f"{self.case} under {self.regime}"  # a skip's report needs a line number
 
 
-def generate(session: pytest.Session, settings: Settings) -> list[EquivalenceItem]:
-    """The (case, regime) tests the options ask for; an unknown case or bad spec is a usage error."""
+def planned(settings: Settings) -> list[tuple[str, str]]:
+    """The (case, regime spec) pairs the options ask for; an unknown case or a bad spec is a usage error."""
     import equivcheck as ec
 
     try:
-        for source in settings.cases_from:
-            ec.load_cases_from(source)
         registered = ec.all_cases()
         names = list(registered) if not settings.cases or "all" in settings.cases else list(settings.cases)
         for name in names:
@@ -50,14 +48,21 @@ def generate(session: pytest.Session, settings: Settings) -> list[EquivalenceIte
         specs = [str(ec.parse_regime(spec)) for spec in settings.regimes]
     except ec.InvalidArgument as error:
         raise pytest.UsageError(f"equivcheck: {error}") from None
+    return [(name, spec) for name in names for spec in specs or ec.regimes_for(registered[name])]
+
+
+def generate(session: pytest.Session, settings: Settings) -> list[EquivalenceItem]:
+    """One test per planned pair; a regime that cannot run its case (too many chunks, no split) is
+    skipped, saying why."""
+    import equivcheck as ec
+
     items = []
-    for name in names:
-        for spec in specs or ec.regimes_for(registered[name]):
-            item = EquivalenceItem.from_parent(session, name=f"{NAME}[{name}-{spec}]", case=name, regime=spec,
-                                               settings=settings)
-            try:  # a regime that cannot run this case (too many chunks, no split) is skipped, saying why
-                ec.parse_regime(spec).validate(registered[name])
-            except ec.InvalidArgument as error:
-                item.add_marker(pytest.mark.skip(reason=str(error)))
-            items.append(item)
+    for name, spec in planned(settings):
+        item = EquivalenceItem.from_parent(session, name=f"{NAME}[{name}-{spec}]", case=name, regime=spec,
+                                           settings=settings)
+        try:
+            ec.parse_regime(spec).validate(ec.get_case(name))
+        except ec.InvalidArgument as error:
+            item.add_marker(pytest.mark.skip(reason=str(error)))
+        items.append(item)
     return items

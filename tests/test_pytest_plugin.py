@@ -52,7 +52,7 @@ def test_fixture_passes_and_fails_with_equivchecks_description(pytester):
     result = pytester.runpytest("-p", "no:randomly")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines([
-        "equivcheck: seed 0, torch *, backend gloo, dtype per case, world sizes 1",
+        "equivcheck: seed 0, torch *, backend gloo, dtype per case, world sizes per test",
         "*NotEquivalent: 1 of 1 checks failed:*",
         "*mlp under step:naive_step: mismatch*",
         "*grad of '0.weight' mismatched from step 0*",
@@ -63,6 +63,10 @@ def test_fixture_passes_and_fails_with_equivchecks_description(pytester):
 
 
 def test_generated_tests_have_readable_ids_and_obey_k(pytester):
+    result = pytester.runpytest("--equivcheck-cases", "seed004_linear", "--equivcheck-cases", "batchnorm_cnn",
+                                "--collect-only")
+    result.stdout.fnmatch_lines(["equivcheck: seed 0, torch *, backend gloo, dtype per case, "
+                                 "world sizes 1,2 (generated tests)"])
     result = pytester.runpytest("--equivcheck-cases", "seed004_linear", "--collect-only", "-q")
     result.stdout.fnmatch_lines([
         "::test_equivalence[seed004_linear-full_batch]",
@@ -150,8 +154,8 @@ def test_marker_mistakes_are_usage_errors(pytester, marker, message):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--equivcheck-regimes", "acumulate:chunks=2"], "--equivcheck-regimes: unknown regime 'acumulate'; known"),
-        (["--equivcheck-regimes", "accumulate:chunks=0"], "--equivcheck-regimes: chunks=0 is not allowed"),
+        (["--equivcheck-regimes", "acumulate:chunks=2"], "equivcheck: unknown regime 'acumulate'; known"),
+        (["--equivcheck-regimes", "accumulate:chunks=0"], "equivcheck: chunks=0 is not allowed"),
         (["--equivcheck-cases", "mpl"], "equivcheck: unknown case 'mpl'; known cases: batchnorm_cnn, cnn,"),
         (["--equivcheck-cases-from", "no_such_module_xyz", "--equivcheck-cases", "all"], "cases_from='no_such_module_xyz'"),
         (["--equivcheck-rtol", "0.1"], "--equivcheck-rtol=0.1 is not allowed: expected rtol and atol given together"),
@@ -263,3 +267,12 @@ def test_the_readme_ci_gate_runs_as_written(pytester, reduction, scale, passes):
         result.assert_outcomes(failed=1)
         result.stdout.fnmatch_lines(["*myproject under step:train_step: mismatch*",
                                      "*grad of '0.weight' mismatched from step 0*"])
+
+
+def test_cases_from_reach_the_fixture_without_generating_tests(pytester, isolated_registry):
+    pytester.makepyfile(my_cases=USER_CASES, test_named='''
+def test_by_name(equivcheck):
+    equivcheck.check("wrongly_trusted", ["accumulate:chunks=5"])
+''')
+    result = pytester.runpytest("--equivcheck-cases-from", "my_cases.py", "test_named.py")
+    result.assert_outcomes(passed=1)
