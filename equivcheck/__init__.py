@@ -12,12 +12,13 @@ from .registry import all_cases, builtin_cases, get_case, load_cases_from, regis
 from .result import RunResult
 from .execute import run
 from .seeding import DEFAULT_SEED
+from .step import check_loop, check_step
 from .summed_loss import SummedLoss  # registers the summed_loss regime
 
 __all__ = [
     "DEFAULT_REGIMES", "DEFAULT_SEED", "REGIMES", "Batch", "Case", "Comparison", "EquivcheckError",
     "InvalidArgument", "MemoryNotSaved", "Mismatch", "NotEquivalent", "Objective", "Outcome", "PRECISIONS",
     "Precision", "Regime", "Report", "RunResult", "SummedLoss", "Tolerance", "Unavailable", "Verdict",
-    "WorkerError", "all_cases", "builtin_cases", "check", "check_all", "compare", "default_optimizer", "get_case",
-    "load_cases_from", "parse_regime", "regimes_for", "register_case", "run",
+    "WorkerError", "all_cases", "builtin_cases", "check", "check_all", "check_loop", "check_step", "compare",
+    "default_optimizer", "get_case", "load_cases_from", "parse_regime", "regimes_for", "register_case", "run",
 ]

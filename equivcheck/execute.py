@@ -49,7 +49,8 @@ def run(case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED, tim
     else:
         replies = pool.run_job(backend, regime.world_size, job, timeout)
     results = [RunResult.from_plain(reply) for reply in replies]
-    losses = tuple(sum(shares) for shares in zip(*(r.losses for r in results)))  # each rank returns its share
+    # Each rank returns its share of the step's loss (None: a step that returns none).
+    losses = tuple(None if None in shares else sum(shares) for shares in zip(*(r.losses for r in results)))
     return dataclasses.replace(results[0], losses=losses, rank_spread=_spread(results))
 
 

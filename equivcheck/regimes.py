@@ -10,7 +10,7 @@ and equivcheck must report them as mismatches.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 import torch
@@ -52,6 +52,13 @@ class Regime:
 
     def train_step(self, model: nn.Module, optimizer: Optimizer, batch: Batch, objective: Objective) -> Tensor:
         raise NotImplementedError
+
+    def train(
+        self, model: nn.Module, optimizer: Optimizer, batches: Sequence[Batch], objective: Objective
+    ) -> Sequence[Tensor | float | None]:
+        """Train on every global batch in turn; the batch losses (None: not reported). A whole-loop
+        regime (a team's own training loop) overrides this instead of ``train_step``."""
+        return [self.train_step(model, optimizer, batch, objective) for batch in batches]
 
 
 def finish_step(optimizer: Optimizer, objective: Objective | None = None) -> None:
@@ -179,7 +186,8 @@ class DetachedPartial(Chunked):
         detached = features.detach().requires_grad_()
         total = backward_chunks(head, detached, batch.targets, self.chunks, global_mean_part(objective, batch),
                                 objective=objective)
-        features.backward(detached.grad)  # already scaled: the head's backward went through the scaler
+        if features.requires_grad:  # a trunk with nothing to train (identity, frozen) has no graph to back-propagate
+            features.backward(detached.grad)  # already scaled: the head's backward went through the scaler
         finish_step(optimizer, objective)
         return total
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from pathlib import Path
 
 from .check import Outcome, Report, Verdict
@@ -36,14 +37,19 @@ def cell(outcome: Outcome) -> str:
 
 
 def render_matrix(report: Report, width: int = 120, *, cell=cell) -> str:
+    return render_grid(((o.case, o.regime, cell(o)) for o in report.outcomes), width)
+
+
+def render_grid(cells: Iterable[tuple[str, str, str]], width: int = 120) -> str:
     """Rows are cases, columns regimes, in the order they ran; '.' where a pair was not checked.
 
+    Takes ``(case, regime, cell text)`` triples, so cells gathered from other processes render too.
     Columns that would not fit in ``width`` go on to a further panel, which repeats the case
     column and lists only the cases checked under its regimes.
     """
-    cases = list(dict.fromkeys(o.case for o in report.outcomes))
-    regimes = list(dict.fromkeys(o.regime for o in report.outcomes))
-    cells = {(o.case, o.regime): cell(o) for o in report.outcomes}
+    cells = {(case, regime): text for case, regime, text in cells}
+    cases = list(dict.fromkeys(case for case, _ in cells))
+    regimes = list(dict.fromkeys(regime for _, regime in cells))
     case_width = max(len("case"), *(len(c) for c in cases)) if cases else len("case")
     column_width = {r: max(len(r), *(len(cells.get((c, r), ".")) for c in cases)) for r in regimes}
     panels, used = [[]], case_width

@@ -49,7 +49,8 @@ def run(
         data = [t for batch in batches for t in (batch.inputs, batch.targets)]
         with GradRecorder(model, optimizer, counter) as recorder, \
                 activation_meter(model, data, enabled=measure_memory) as memory:
-            losses = tuple(float(regime.train_step(module, optimizer, batch, objective)) for batch in batches)
+            losses = tuple(None if loss is None else float(loss)
+                           for loss in regime.train(module, optimizer, batches, objective))
     return RunResult(
         case=case.name,
         regime=str(regime),

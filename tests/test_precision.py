@@ -81,3 +81,9 @@ def test_precision_is_a_frozen_value():
     with pytest.raises(dataclasses.FrozenInstanceError):
         PRECISIONS["float64"].rtol = 1.0
     assert isinstance(PRECISIONS["bf16-autocast"], Precision)
+
+
+def test_the_plugin_offers_every_precision_mode():
+    from pytest_equivcheck.options import DTYPES
+
+    assert DTYPES == tuple(ec.PRECISIONS)

@@ -1,0 +1,76 @@
+"""Mechanics: the ``equivcheck`` fixture's object. One call checks a case or a team's step, records
+the outcomes on the test (they travel to the xdist controller in ``user_properties``) and fails
+the test with equivcheck's description of every mismatch.
+
+Imported lazily (it imports torch): only tests that use equivcheck pay for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import pytest
+import torch
+
+import equivcheck as ec
+from equivcheck import report as render
+from equivcheck.registry import resolve_case
+
+from .controller import PROPERTY
+from .deadline import deadline
+
+
+class Checker:
+    """Checks with the session's options and the test's marker keywords as defaults."""
+
+    def __init__(self, node: pytest.Item, defaults: dict[str, object]) -> None:
+        self._node = node
+        self._defaults = {k: v for k, v in defaults.items() if v is not None}
+
+    def check(self, case: ec.Case | str, regimes: Iterable[str | ec.Regime] | None = None, **options) -> ec.Report:
+        """Check ``case`` under ``regimes`` (default: its own list); fail the test unless all is as expected."""
+        specs = ec.regimes_for(resolve_case(case)) if regimes is None else regimes
+        distributed = any(ec.parse_regime(spec).distributed for spec in specs)
+        return self._run(lambda kw: ec.check(self._case(case, kw), regimes, **kw), options, f"check of {case}",
+                         distributed)
+
+    def check_step(self, case: ec.Case | str, step: Callable, reference: object = None, **options) -> ec.Report:
+        """Check a team's ``step(model, optimizer, batch)`` against ``reference`` (default: full batch);
+        ``world_size=W`` runs it on W DDP ranks."""
+        return self._run(lambda kw: ec.check_step(self._case(case, kw), step, **kw),
+                         {**options, "reference": reference}, f"check_step of {case}",
+                         options.get("world_size") is not None)
+
+    def check_loop(self, case: ec.Case | str, loop: Callable, reference: object = None, **options) -> ec.Report:
+        """Check a team's ``loop(model, optimizer, batches)`` against ``reference`` (default: full batch)."""
+        return self._run(lambda kw: ec.check_loop(self._case(case, kw), loop, **kw),
+                         {**options, "reference": reference}, f"check_loop of {case}", False)
+
+    def _run(self, checking: Callable[[dict], ec.Report], options: dict, what: str, distributed: bool) -> ec.Report:
+        kw = {**self._defaults, **{k: v for k, v in options.items() if v is not None}}
+        # Distributed jobs are bounded by the pool, which tears itself down cleanly on a timeout; an alarm
+        # could interrupt it half-way through a job. In-process checks are bounded by the alarm.
+        timeout = kw.get("timeout")
+        with deadline(None if distributed else timeout, what):
+            report = checking(kw)
+        record(self._node, report)
+        report.assert_equivalent()
+        skipped = [o for o in report.outcomes if o.verdict is ec.Verdict.SKIPPED]
+        if skipped and len(skipped) == len(report.outcomes):  # this machine cannot run any of it (no GPUs)
+            pytest.skip("; ".join(dict.fromkeys(o.reason for o in skipped)))
+        return report
+
+    @staticmethod
+    def _case(case: ec.Case | str, kw: dict) -> ec.Case:
+        """The registered case itself (a precision mode in ``kw`` goes on to check as ``dtype``)."""
+        return resolve_case(case)
+
+
+def record(node: pytest.Item, report: ec.Report) -> None:
+    rows = [{"row": row, "cell": render.cell(outcome)} for outcome, row in zip(report.outcomes, render.to_rows(report))]
+    node.user_properties.append((PROPERTY, rows))
+
+
+def backend() -> str:
+    """The process-group backend the distributed regimes use on this machine."""
+    return "nccl" if torch.cuda.is_available() else "gloo"

@@ -1,0 +1,50 @@
+"""Controller: gathers the outcome rows of every test, on whichever process renders (the xdist
+controller, or the only process), and writes the matrix and the JSON rows at the end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+PROPERTY = "equivcheck"  # the user_properties key under which a test's outcome rows travel
+
+
+class Controller:
+    def __init__(self, json_path: str | None) -> None:
+        self.json_path = json_path
+        self.order: dict[str, int] = {}  # test id -> its place in the collection
+        self.arrived: list[tuple[str, dict]] = []  # (test id, {"row": the CLI's JSON row, "cell": its text})
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self.order = {item.nodeid: i for i, item in enumerate(session.items)}
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node, ids: list[str]) -> None:
+        self.order = {nodeid: i for i, nodeid in enumerate(ids)}  # every worker collects the same tests
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when == "call":
+            self.arrived += [(report.nodeid, entry)
+                             for name, value in report.user_properties if name == PROPERTY for entry in value]
+
+    @property
+    def rows(self) -> list[dict]:
+        """In collection order, whichever order xdist workers finished in: the same matrix for -n 0 and -n 2."""
+        ranked = sorted(enumerate(self.arrived), key=lambda a: (self.order.get(a[1][0], len(self.order)), a[0]))
+        return [entry for _, (_, entry) in ranked]
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        rows = self.rows
+        if not rows:
+            return
+        from equivcheck.report import LEGEND, render_grid
+
+        terminalreporter.write_sep("=", "equivcheck")
+        terminalreporter.write_line(render_grid((r["row"]["case"], r["row"]["regime"], r["cell"]) for r in rows))
+        terminalreporter.write_line(LEGEND)
+
+    def pytest_sessionfinish(self) -> None:
+        if self.json_path:
+            Path(self.json_path).write_text(json.dumps([r["row"] for r in self.rows], indent=2) + "\n")

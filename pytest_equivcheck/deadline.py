@@ -1,0 +1,42 @@
+"""Mechanics: fail an in-process check that runs past ``--equivcheck-timeout``, instead of hanging CI.
+
+Uses SIGALRM, so it acts in the main thread on POSIX (where pytest and xdist workers run tests);
+elsewhere it cannot interrupt the check and says so rather than pretending.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+
+
+class CheckTimeout(Exception):
+    """A check ran longer than the timeout it was given."""
+
+
+def can_interrupt() -> bool:
+    return hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+
+
+@contextlib.contextmanager
+def deadline(seconds: float | None, what: str) -> Iterator[None]:
+    """Raise :class:`CheckTimeout` inside the block once ``seconds`` have passed (None: no limit)."""
+    if seconds is None:
+        yield
+        return
+    if not can_interrupt():
+        raise CheckTimeout(f"timeout={seconds:g} s was asked for {what}, but this platform or thread "
+                           "cannot interrupt a check (SIGALRM in the main thread is needed)")
+
+    def expire(signum, frame):
+        raise CheckTimeout(f"{what} ran past timeout={seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

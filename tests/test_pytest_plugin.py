@@ -1,0 +1,278 @@
+"""The pytest plugin, driven the way users drive it: pytest runs inside pytest (pytester)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import _pytest.pytester
+import pytest
+
+from equivcheck import registry
+from equivcheck.cli import main
+
+
+@pytest.fixture(autouse=True)
+def keep_imported_modules(monkeypatch, tmp_path_factory):
+    """pytester drops every module an in-process run imported; torch cannot be imported twice in one
+    process (nor its lazily loaded parts), so keep all modules but the tests' own files. Autouse, so
+    the patch is in place before the pytester fixture takes its first snapshot."""
+    root = str(tmp_path_factory.getbasetemp())
+    snapshot = _pytest.pytester.SysModulesSnapshot
+
+    def outside_the_test_files(name):
+        return not (getattr(sys.modules.get(name), "__file__", None) or "").startswith(root)
+
+    monkeypatch.setattr(_pytest.pytester, "SysModulesSnapshot",
+                        lambda preserve=None: snapshot(preserve=outside_the_test_files))
+
+NAIVE_STEP = '''
+import torch.nn.functional as F
+
+def naive_step(model, optimizer, batch, chunks=5):
+    inputs, targets = batch
+    for x, y in zip(inputs.tensor_split(chunks), targets.tensor_split(chunks)):
+        (F.cross_entropy(model(x), y) / chunks).backward()   # mean / K: chunks of 3,3,2,2,2
+    optimizer.step()
+    optimizer.zero_grad()
+'''
+
+FIXTURE_TESTS = NAIVE_STEP + '''
+def test_accumulation_matches(equivcheck):
+    report = equivcheck.check("mlp", ["accumulate:chunks=5"])
+    assert report.ok
+
+def test_naive_step(equivcheck):
+    equivcheck.check_step("mlp", naive_step)
+'''
+
+
+def test_fixture_passes_and_fails_with_equivchecks_description(pytester):
+    pytester.makepyfile(test_user=FIXTURE_TESTS)
+    result = pytester.runpytest("-p", "no:randomly")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines([
+        "equivcheck: seed 0, torch *, backend gloo, dtype per case, world sizes per test",
+        "*NotEquivalent: 1 of 1 checks failed:*",
+        "*mlp under step:naive_step: mismatch*",
+        "*grad of '0.weight' mismatched from step 0*",
+        "*= equivcheck =*",
+        "case*accumulate:chunks=5*step:naive_step",
+        "mlp*ok *MISMATCH *",
+    ])
+
+
+def test_generated_tests_have_readable_ids_and_obey_k(pytester):
+    result = pytester.runpytest("--equivcheck-cases", "seed004_linear", "--equivcheck-cases", "batchnorm_cnn",
+                                "--collect-only")
+    result.stdout.fnmatch_lines(["equivcheck: seed 0, torch *, backend gloo, dtype per case, "
+                                 "world sizes 1,2 (generated tests)"])
+    result = pytester.runpytest("--equivcheck-cases", "seed004_linear", "--collect-only", "-q")
+    result.stdout.fnmatch_lines([
+        "::test_equivalence[seed004_linear-full_batch]",
+        "::test_equivalence[seed004_linear-sample_by_sample]",
+        "::test_equivalence[seed004_linear-accumulate:chunks=2]",
+        "::test_equivalence[seed004_linear-retained_graph:chunks=2]",
+    ])
+    result = pytester.runpytest("--equivcheck-cases", "mlp", "--equivcheck-cases", "batchnorm_cnn",
+                                "--equivcheck-regimes", "accumulate:chunks=5", "-k", "batchnorm", "-v")
+    result.assert_outcomes(passed=1, deselected=1)
+    result.stdout.fnmatch_lines(["*test_equivalence[[]batchnorm_cnn-accumulate:chunks=5[]] PASSED*",
+                                 "batchnorm_cnn*caught *"])
+
+
+USER_CASES = '''
+import dataclasses
+import equivcheck as ec
+
+ec.register_case(dataclasses.replace(ec.get_case("mlp"), name="wrongly_trusted", expect_mismatch={},
+                                     regimes=("accumulate:chunks=5", "naive_accumulate:chunks=5")))
+'''
+
+
+@pytest.fixture
+def isolated_registry(monkeypatch):
+    """User cases registered by a test leave the registry of the outer session as it was."""
+    monkeypatch.setattr(registry, "_cases", dict(registry._cases))
+
+
+def test_generated_failure_shows_the_mismatch_not_a_traceback_and_json_matches_the_cli(pytester, isolated_registry):
+    pytester.makepyfile(my_cases=USER_CASES)
+    cli_out, out = pytester.path / "cli.json", pytester.path / "rows.json"
+    assert main(["run", "--cases-from", "my_cases.py", "--case", "wrongly_trusted", "--json", str(cli_out)]) == 1
+    result = pytester.runpytest("--equivcheck-cases-from", "my_cases.py", "--equivcheck-cases", "wrongly_trusted",
+                                "--equivcheck-json", str(out))
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*wrongly_trusted under naive_accumulate:chunks=5: mismatch*",
+                                 "*grad of '2.weight' mismatched from step 0*"])
+    result.stdout.no_fnmatch_line("*Traceback*")
+    rows = json.loads(out.read_text())
+    assert [(r["case"], r["regime"], r["verdict"]) for r in rows] == [
+        ("wrongly_trusted", "accumulate:chunks=5", "equivalent"),
+        ("wrongly_trusted", "naive_accumulate:chunks=5", "mismatch")]
+    assert rows[1]["margin"] > 100 and rows[1]["first_divergent_step"] == 0
+    cli_rows = json.loads(cli_out.read_text())
+    assert [{**r, "seconds": 0} for r in cli_rows] == [{**r, "seconds": 0} for r in rows]
+
+
+def test_marker_keywords_set_the_fixtures_defaults(pytester):
+    pytester.makepyfile(test_marked='''
+import pytest, torch
+
+@pytest.mark.equivcheck(dtype="float32", seed=3)
+def test_float32(equivcheck):
+    (outcome,) = equivcheck.check("mlp", ["accumulate:chunks=5"]).outcomes
+    assert outcome.result.weights["0.weight"].dtype == torch.float32
+    assert outcome.comparison.tolerance.rtol == 1.3e-6
+
+@pytest.mark.equivcheck(rtol=1.0, atol=1.0)
+def test_wide_tolerance_hides_the_pitfall(equivcheck):
+    equivcheck.check("naive_scaling_uneven_chunks", ["naive_accumulate:chunks=5"])
+''')
+    result = pytester.runpytest()
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*naive_accumulate:chunks=5: unexpected_match*"])
+
+
+@pytest.mark.parametrize(
+    ("marker", "message"),
+    [
+        ("rtoll=1e-3", "unknown @pytest.mark.equivcheck keyword 'rtoll'; allowed keywords: reference, rtol, atol,"),
+        ("'mlp'", "@pytest.mark.equivcheck takes keywords only, got positional ('mlp',)"),
+        ("rtol=1e-3", "@pytest.mark.equivcheck rtol=0.001 is not allowed: expected rtol and atol given together"),
+        ("dtype='float16'", "@pytest.mark.equivcheck dtype='float16' is not allowed: expected 'float64' or 'float32'"),
+        ("timeout=0", "@pytest.mark.equivcheck timeout=0 is not allowed: expected a number of seconds > 0"),
+    ],
+)
+def test_marker_mistakes_are_usage_errors(pytester, marker, message):
+    pytester.makepyfile(test_bad=f"import pytest\n\n@pytest.mark.equivcheck({marker})\ndef test_x():\n    pass\n")
+    result = pytester.runpytest()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*test_bad.py::test_x: {message}*"])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--equivcheck-regimes", "acumulate:chunks=2"], "equivcheck: unknown regime 'acumulate'; known"),
+        (["--equivcheck-regimes", "accumulate:chunks=0"], "equivcheck: chunks=0 is not allowed"),
+        (["--equivcheck-cases", "mpl"], "equivcheck: unknown case 'mpl'; known cases: batchnorm_cnn, "),
+        (["--equivcheck-cases-from", "no_such_module_xyz", "--equivcheck-cases", "all"], "cases_from='no_such_module_xyz'"),
+        (["--equivcheck-rtol", "0.1"], "--equivcheck-rtol=0.1 is not allowed: expected rtol and atol given together"),
+        (["--equivcheck-timeout", "-1"], "--equivcheck-timeout=-1.0 is not allowed: expected a number of seconds > 0"),
+        (["--equivcheck-dtype", "float16"], "--equivcheck-dtype: invalid choice: 'float16'"),
+    ],
+)
+def test_option_mistakes_are_usage_errors(pytester, args, message):
+    result = pytester.runpytest(*args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*{message}*"])
+
+
+def test_a_check_past_its_timeout_fails(pytester):
+    pytester.makepyfile(test_slow='''
+import dataclasses, time
+import pytest, torch
+import equivcheck as ec
+
+class Slow(torch.nn.Linear):
+    def forward(self, x):
+        time.sleep(0.2)
+        return super().forward(x)
+
+SLOW = dataclasses.replace(ec.get_case("mlp"), name="slow", model=lambda: Slow(6, 3), split=None)
+
+@pytest.mark.equivcheck(timeout=0.1)
+def test_slow(equivcheck):
+    equivcheck.check(SLOW, ["full_batch"])
+
+def test_fast(equivcheck):
+    equivcheck.check("mlp", ["full_batch"])
+''')
+    result = pytester.runpytest("--equivcheck-timeout", "60")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*CheckTimeout: check of *slow* ran past timeout=0.1 s*"])
+
+
+def test_loading_the_plugin_imports_no_torch():
+    code = "import sys, pytest_equivcheck; assert 'torch' not in sys.modules and 'equivcheck' not in sys.modules"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+def test_xdist_two_workers_give_the_same_verdicts_and_one_matrix(pytester):
+    pytester.makepyfile(test_user=FIXTURE_TESTS)
+    args = ("--equivcheck-cases", "batchnorm_cnn", "-p", "no:cacheprovider")
+    serial_json, parallel_json = pytester.path / "n0.json", pytester.path / "n2.json"
+    serial = pytester.runpytest(*args, "--equivcheck-json", str(serial_json))
+    parallel = pytester.runpytest(*args, "-n", "2", "--equivcheck-json", str(parallel_json))
+    # batchnorm_cnn's 8 regimes include ddp and ddp_no_sync (on each xdist worker's own pool) and
+    # data_parallel, skipped without 2 GPUs.
+    serial.assert_outcomes(passed=8, failed=1, skipped=1)
+    parallel.assert_outcomes(passed=8, failed=1, skipped=1)
+    for run in (serial, parallel):  # one matrix, in collection order, however the workers finished
+        run.stdout.fnmatch_lines(["*= equivcheck =*", "case*accumulate:chunks=5*step:naive_step*full_batch*sample_by_sample*",
+                                  "mlp*ok *MISMATCH *", "batchnorm_cnn*caught * . *ok *caught *ok *",
+                                  "case*detached_partial:chunks=5*ddp:world_size=2*ddp_no_sync*data_parallel",
+                                  "batchnorm_cnn*ok *caught *caught *skipped"])
+
+    def verdicts(path):
+        return sorted((r["case"], r["regime"], r["verdict"], r["first_divergent_step"]) for r in json.loads(path.read_text()))
+
+    assert verdicts(parallel_json) == verdicts(serial_json) and len(verdicts(serial_json)) == 10
+
+
+MYPROJECT_MODEL = '''
+import torch, torch.nn.functional as F
+from torch import nn
+
+def make_model():
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+
+def make_data():
+    return torch.randn(36, 5), torch.randint(0, 3, (36,))
+
+def loss_per_item(output, target):
+    return F.cross_entropy(output, target, reduction="none")
+'''
+
+MYPROJECT_TRAIN = '''
+import torch.nn.functional as F
+
+def train_step(model, optimizer, batch, micro_batches=5):
+    inputs, targets = batch
+    for x, y in zip(inputs.tensor_split(micro_batches), targets.tensor_split(micro_batches)):
+        loss = F.cross_entropy(model(x), y, reduction="{reduction}"){scale}
+        loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+'''
+
+
+@pytest.mark.parametrize(("reduction", "scale", "passes"), [("sum", " / len(targets)", True),
+                                                            ("mean", " / micro_batches", False)])
+def test_the_readme_ci_gate_runs_as_written(pytester, reduction, scale, passes):
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    snippet = readme.split("<!-- ci-gate -->\n```python\n", 1)[1].split("```", 1)[0]
+    assert len(snippet.strip().splitlines()) <= 10
+    pytester.mkpydir("myproject")
+    pytester.path.joinpath("myproject", "model.py").write_text(MYPROJECT_MODEL)
+    pytester.path.joinpath("myproject", "train.py").write_text(MYPROJECT_TRAIN.format(reduction=reduction, scale=scale))
+    pytester.mkdir("tests").joinpath("test_train_step.py").write_text(snippet)
+    pytester.syspathinsert()
+    result = pytester.runpytest("tests/test_train_step.py")
+    if passes:
+        result.assert_outcomes(passed=1)
+    else:  # the naive mean / K over micro-batches of 3,3,2,2,2 samples
+        result.assert_outcomes(failed=1)
+        result.stdout.fnmatch_lines(["*myproject under step:train_step: mismatch*",
+                                     "*grad of '0.weight' mismatched from step 0*"])
+
+
+def test_cases_from_reach_the_fixture_without_generating_tests(pytester, isolated_registry):
+    pytester.makepyfile(my_cases=USER_CASES, test_named='''
+def test_by_name(equivcheck):
+    equivcheck.check("wrongly_trusted", ["accumulate:chunks=5"])
+''')
+    result = pytester.runpytest("--equivcheck-cases-from", "my_cases.py", "test_named.py")
+    result.assert_outcomes(passed=1)
