@@ -119,3 +119,13 @@ def test_register_case_as_decorator_and_duplicate_names():
     assert callable(tiny_case)
     with pytest.raises(ec.InvalidArgument, match="name='mlp'"):
         ec.register_case(dataclasses.replace(ec.get_case("mlp")))
+
+
+def test_check_can_leave_memory_unmeasured():
+    """Memory measuring is a flag: off, the verdict is the same and no peak is recorded."""
+    measured = ec.check("mlp", ["accumulate:chunks=4"])
+    bare = ec.check("mlp", ["accumulate:chunks=4"], measure_memory=False)
+    (with_memory,), (without,) = measured.outcomes, bare.outcomes
+    assert with_memory.verdict is without.verdict is ec.Verdict.EQUIVALENT
+    assert with_memory.result.peak_activation_bytes > 0
+    assert without.result.peak_activation_bytes is None and without.memory.ratio is None

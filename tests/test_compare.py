@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import equivcheck as ec
+from equivcheck.compare import TensorDiff
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +98,27 @@ def test_loss_mismatch_reports_its_step(reference):
 def test_bad_tolerances_are_named(reference, rtol, atol):
     with pytest.raises(ec.InvalidArgument, match="rtol|atol"):
         ec.compare(reference, reference, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("spec", ["accumulate:chunks=4", "accumulate:chunks=5", "sample_by_sample"])
+def test_matching_runs_report_the_figures_of_every_quantity(reference, spec):
+    """The vectorised path for matching runs gives the maxima a per-quantity TensorDiff gives."""
+    candidate = ec.run("mlp", spec)
+    cmp = ec.compare(reference, candidate)
+    tol = cmp.tolerance
+    pairs = [(c[n], r[n]) for r, c in zip(reference.grads, candidate.grads) for n in r]
+    pairs += [(candidate.weights[n], w) for n, w in reference.weights.items()]
+    pairs.append((torch.tensor(candidate.losses, dtype=torch.float64), torch.tensor(reference.losses, dtype=torch.float64)))
+    diffs = [TensorDiff.of(actual, expected, tol) for actual, expected in pairs]
+    assert cmp.ok and cmp.margin > 0
+    assert cmp.max_abs == max(d.max_abs for d in diffs)
+    assert cmp.max_rel == max(d.max_rel for d in diffs)
+    assert cmp.margin == max(d.margin for d in diffs)
+
+
+def test_one_element_just_past_tolerance_leaves_the_fast_path(reference):
+    """A single element beyond tolerance among matching ones still surfaces with its breakdown."""
+    cmp = ec.compare(reference, perturbed(reference, kind="weights", name="0.bias", index=(3,), delta=5e-7))
+    assert not cmp.ok
+    (mismatch,) = cmp.mismatches
+    assert (mismatch.kind, mismatch.name, mismatch.diff.abs_index) == ("weight", "0.bias", (3,))
