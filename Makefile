@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The cases are tiny: one torch thread per process beats several fighting over 2 cores.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo test bench bench-memory clean
+.PHONY: install demo test bench bench-speed bench-memory clean
 
 install: $(STAMP)
 
@@ -25,8 +25,19 @@ demo: install
 test: install
 	$(BIN)/python -m pytest -q
 
-bench: install
+bench: install bench-speed
 	$(BIN)/python bench/bench_pool.py
+
+# The peer trainparity, in its own venv (never a dependency of equivcheck), pinned CPU torch first.
+PEER_VENV := bench/.peer-venv
+$(PEER_VENV)/.installed:
+	$(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/python -m pip install --quiet --disable-pip-version-check "$(TORCH)" trainparity==0.1.0
+	touch $@
+
+# A check's cost against trainparity: in-process, CLI, verdicts, the full matrix, import and pytest --help.
+bench-speed: install $(PEER_VENV)/.installed
+	$(BIN)/python bench/bench_speed.py
 
 # Peak activation memory, wall time and process peak per regime, and what measuring costs.
 bench-memory: install

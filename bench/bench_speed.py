@@ -1,0 +1,130 @@
+"""What a check costs, against the peer trainparity, measured side by side in one run (medians).
+
+Rows and the targets of issue 7:
+  in-process check (mlp: full_batch + accumulate:chunks=4, reference twice)   <= 10 ms, memory measured
+  CLI process start to verdict, same accumulation check, vs trainparity        >= 4x faster
+  per check inside one process, vs trainparity                                 >= 1000x faster
+  verdicts on a correct and on a buggy accumulation                            the two tools agree
+  the full built-in matrix (`equivcheck run`: every case x regime, DDP too)    < 60 s
+  `import equivcheck` / bare `import torch`                                    <= 1.1x
+  `pytest --help` with the plugin / with it disabled (-p no:equivcheck)        <= 1.1x
+
+The peer runs from its own virtual environment (bench/.peer-venv, made by `make bench-speed`) on
+bench/peer_case.py: the mlp case's model, optimizer, dtype and 12-sample batch, with one optimizer update
+per check where equivcheck trains 3 steps. The buggy accumulation is clip_grad_norm_ after every
+micro-batch instead of once before the step, which both tools can express.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import equivcheck as ec
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+PEER_PYTHON = BENCH / ".peer-venv" / "bin" / "python"
+BIN = Path(sys.executable).parent
+CORRECT = ("mlp", ["full_batch", "accumulate:chunks=4"])
+BUGGY = ("clip_per_micro_batch", ["clip_per_micro_batch:chunks=4,max_norm=0.1"])  # cases/clipping.py
+ENV = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONWARNINGS": "ignore"}
+
+
+def median_seconds(action, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        action()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def process(*command: str, expect_rc: int | None = 0) -> subprocess.CompletedProcess:
+    done = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True)
+    if expect_rc is not None and done.returncode != expect_rc:
+        raise SystemExit(f"{' '.join(command)} exited {done.returncode}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return done
+
+
+def process_seconds(command: list[str], repeats: int, expect_rc: int | None = 0) -> float:
+    return median_seconds(lambda: process(*command, expect_rc=expect_rc), repeats)
+
+
+def verdict_of(report: ec.Report) -> str:
+    (outcome,) = [o for o in report.outcomes if o.regime != "full_batch"]
+    return "equivalent" if outcome.verdict is ec.Verdict.EQUIVALENT else f"not equivalent ({outcome.verdict.value})"
+
+
+def peer_verdict(outcome: str) -> str:
+    return {"PASS": "equivalent", "FAIL": "not equivalent (FAIL)"}.get(outcome, f"no verdict ({outcome})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=50, help="repeats of the in-process checks")
+    parser.add_argument("--process-repeats", type=int, default=5, help="repeats of the sub-second processes")
+    parser.add_argument("--peer-repeats", type=int, default=3, help="repeats of the peer's CLI-like process")
+    parser.add_argument("--skip-matrix", action="store_true", help="leave out the full built-in matrix")
+    args = parser.parse_args()
+    if not PEER_PYTHON.exists():
+        raise SystemExit(f"no peer venv at {PEER_PYTHON}: run `make bench-speed`, which creates it")
+
+    # Per check in one process: equivcheck warm, then the peer's own loop (three fresh workers a check).
+    ec.check(*CORRECT)
+    in_process = median_seconds(lambda: ec.check(*CORRECT), args.repeats)
+    no_memory = median_seconds(lambda: ec.check(*CORRECT, measure_memory=False), args.repeats)
+    ours = {"correct": verdict_of(ec.check(*CORRECT)), "buggy": verdict_of(ec.check(*BUGGY))}
+    peer_rows = json.loads(process(str(PEER_PYTHON), str(BENCH / "peer_check.py"), "correct", "buggy").stdout)
+    peer = {row["plan"]: peer_verdict(row["outcome"]) for row in peer_rows}
+    peer_per_check = statistics.median(row["seconds"] for row in peer_rows)
+
+    # Whole process, start to verdict, on the correct accumulation.
+    cli = [str(BIN / "equivcheck"), "run", "--case", CORRECT[0], *(f"--regime={r}" for r in CORRECT[1])]
+    our_cli = process_seconds(cli, args.process_repeats)
+    peer_cli = process_seconds([str(PEER_PYTHON), str(BENCH / "peer_check.py"), "correct"], args.peer_repeats)
+
+    bare_torch = process_seconds([sys.executable, "-c", "import torch"], args.process_repeats)
+    with_ours = process_seconds([sys.executable, "-c", "import equivcheck"], args.process_repeats)
+    pytest_bare = process_seconds([sys.executable, "-m", "pytest", "-p", "no:equivcheck", "--help"], args.process_repeats)
+    pytest_ours = process_seconds([sys.executable, "-m", "pytest", "--help"], args.process_repeats)
+    matrix = None if args.skip_matrix else process_seconds([str(BIN / "equivcheck"), "run"], 1)
+
+    agree = ours["correct"].startswith("equivalent") == peer["correct"].startswith("equivalent") and \
+        ours["buggy"].startswith("not") == peer["buggy"].startswith("not")
+    rows = [
+        ("in-process check, memory measured", f"{in_process * 1e3:.1f} ms", "", "", "<= 10 ms",
+         in_process <= 0.010),
+        ("  the same, measure_memory=False", f"{no_memory * 1e3:.1f} ms", "", f"memory costs {in_process / no_memory - 1:+.0%}",
+         "", None),
+        ("per check inside one process", f"{in_process * 1e3:.1f} ms", f"{peer_per_check:.2f} s",
+         f"{peer_per_check / in_process:.0f}x faster", ">= 1000x", peer_per_check / in_process >= 1000),
+        ("CLI process start to verdict", f"{our_cli:.2f} s", f"{peer_cli:.2f} s", f"{peer_cli / our_cli:.1f}x faster",
+         ">= 4x", peer_cli / our_cli >= 4),
+        ("verdict, correct accumulation (4 chunks)", ours["correct"], peer["correct"], "", "agree", None),
+        ("verdict, clip per micro-batch (4 chunks)", ours["buggy"], peer["buggy"], "", "agree", agree),
+        ("import equivcheck / import torch", f"{with_ours:.2f} s", f"{bare_torch:.2f} s",
+         f"{with_ours / bare_torch:.2f}x", "<= 1.1x", with_ours / bare_torch <= 1.1),
+        ("pytest --help, plugin on / off", f"{pytest_ours:.2f} s", f"{pytest_bare:.2f} s",
+         f"{pytest_ours / pytest_bare:.2f}x", "<= 1.1x", pytest_ours / pytest_bare <= 1.1),
+    ]
+    if matrix is not None:
+        rows.append(("full built-in matrix (equivcheck run)", f"{matrix:.1f} s", "", "", "< 60 s", matrix < 60))
+    print(f"medians: {args.repeats} in-process checks, {args.process_repeats} processes, {args.peer_repeats} peer "
+          f"processes, 2 peer checks in one process, 1 matrix run; OMP_NUM_THREADS={ENV['OMP_NUM_THREADS']}")
+    header = ("measure", "equivcheck", "trainparity/base", "ratio", "target", "met")
+    widths = (42, 34, 24, 24, 9, 4)
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    for row in rows:
+        met = "" if row[5] is None else ("yes" if row[5] else "NO")
+        print("  ".join(str(c).ljust(w) for c, w in zip((*row[:5], met), widths)))
+
+
+if __name__ == "__main__":
+    main()
