@@ -34,6 +34,8 @@ PEER_PYTHON = BENCH / ".peer-venv" / "bin" / "python"
 BIN = Path(sys.executable).parent
 CORRECT = ("mlp", ["full_batch", "accumulate:chunks=4"])
 BUGGY = ("clip_per_micro_batch", ["clip_per_micro_batch:chunks=4,max_norm=0.1"])  # cases/clipping.py
+# The floor of any process that trains: torch, and the torch._dynamo import its first optimizer triggers.
+FLOOR = "import torch; torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)"
 ENV = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONWARNINGS": "ignore"}
 
 
@@ -57,6 +59,21 @@ def process_seconds(command: list[str], repeats: int, expect_rc: int | None = 0)
     return median_seconds(lambda: process(*command, expect_rc=expect_rc), repeats)
 
 
+def paired_seconds(first, second, repeats: int) -> tuple[float, float]:
+    """Medians of two actions run alternately, so the shared machine's load falls on both alike."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeats):
+        for action, kept in zip((first, second), times):
+            started = time.perf_counter()
+            action()
+            kept.append(time.perf_counter() - started)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def paired_processes(first: list[str], second: list[str], repeats: int) -> tuple[float, float]:
+    return paired_seconds(lambda: process(*first), lambda: process(*second), repeats)
+
+
 def verdict_of(report: ec.Report) -> str:
     (outcome,) = [o for o in report.outcomes if o.regime != "full_batch"]
     return "equivalent" if outcome.verdict is ec.Verdict.EQUIVALENT else f"not equivalent ({outcome.verdict.value})"
@@ -69,7 +86,7 @@ def peer_verdict(outcome: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=50, help="repeats of the in-process checks")
-    parser.add_argument("--process-repeats", type=int, default=5, help="repeats of the sub-second processes")
+    parser.add_argument("--process-repeats", type=int, default=7, help="repeats of the sub-second processes")
     parser.add_argument("--peer-repeats", type=int, default=3, help="repeats of the peer's CLI-like process")
     parser.add_argument("--skip-matrix", action="store_true", help="leave out the full built-in matrix")
     args = parser.parse_args()
@@ -78,8 +95,8 @@ def main() -> None:
 
     # Per check in one process: equivcheck warm, then the peer's own loop (three fresh workers a check).
     ec.check(*CORRECT)
-    in_process = median_seconds(lambda: ec.check(*CORRECT), args.repeats)
-    no_memory = median_seconds(lambda: ec.check(*CORRECT, measure_memory=False), args.repeats)
+    in_process, no_memory = paired_seconds(lambda: ec.check(*CORRECT),
+                                           lambda: ec.check(*CORRECT, measure_memory=False), args.repeats)
     ours = {"correct": verdict_of(ec.check(*CORRECT)), "buggy": verdict_of(ec.check(*BUGGY))}
     peer_rows = json.loads(process(str(PEER_PYTHON), str(BENCH / "peer_check.py"), "correct", "buggy").stdout)
     peer = {row["plan"]: peer_verdict(row["outcome"]) for row in peer_rows}
@@ -87,13 +104,14 @@ def main() -> None:
 
     # Whole process, start to verdict, on the correct accumulation.
     cli = [str(BIN / "equivcheck"), "run", "--case", CORRECT[0], *(f"--regime={r}" for r in CORRECT[1])]
-    our_cli = process_seconds(cli, args.process_repeats)
+    our_cli, floor = paired_processes(cli, [sys.executable, "-c", FLOOR], args.process_repeats)
     peer_cli = process_seconds([str(PEER_PYTHON), str(BENCH / "peer_check.py"), "correct"], args.peer_repeats)
 
-    bare_torch = process_seconds([sys.executable, "-c", "import torch"], args.process_repeats)
-    with_ours = process_seconds([sys.executable, "-c", "import equivcheck"], args.process_repeats)
-    pytest_bare = process_seconds([sys.executable, "-m", "pytest", "-p", "no:equivcheck", "--help"], args.process_repeats)
-    pytest_ours = process_seconds([sys.executable, "-m", "pytest", "--help"], args.process_repeats)
+    with_ours, bare_torch = paired_processes([sys.executable, "-c", "import equivcheck"],
+                                           [sys.executable, "-c", "import torch"], args.process_repeats)
+    pytest_ours, pytest_bare = paired_processes([sys.executable, "-m", "pytest", "--help"],
+                                              [sys.executable, "-m", "pytest", "-p", "no:equivcheck", "--help"],
+                                              args.process_repeats)
     matrix = None if args.skip_matrix else process_seconds([str(BIN / "equivcheck"), "run"], 1)
 
     agree = ours["correct"].startswith("equivalent") == peer["correct"].startswith("equivalent") and \
@@ -107,6 +125,8 @@ def main() -> None:
          f"{peer_per_check / in_process:.0f}x faster", ">= 1000x", peer_per_check / in_process >= 1000),
         ("CLI process start to verdict", f"{our_cli:.2f} s", f"{peer_cli:.2f} s", f"{peer_cli / our_cli:.1f}x faster",
          ">= 4x", peer_cli / our_cli >= 4),
+        ("  floor: import torch + first optimizer", f"{floor:.2f} s", "", f"CLI = {our_cli / floor:.2f}x floor", "",
+         None),
         ("verdict, correct accumulation (4 chunks)", ours["correct"], peer["correct"], "", "agree", None),
         ("verdict, clip per micro-batch (4 chunks)", ours["buggy"], peer["buggy"], "", "agree", agree),
         ("import equivcheck / import torch", f"{with_ours:.2f} s", f"{bare_torch:.2f} s",
@@ -116,7 +136,7 @@ def main() -> None:
     ]
     if matrix is not None:
         rows.append(("full built-in matrix (equivcheck run)", f"{matrix:.1f} s", "", "", "< 60 s", matrix < 60))
-    print(f"medians: {args.repeats} in-process checks, {args.process_repeats} processes, {args.peer_repeats} peer "
+    print(f"medians: {args.repeats} in-process checks (alternated with and without memory), {args.process_repeats} processes, {args.peer_repeats} peer "
           f"processes, 2 peer checks in one process, 1 matrix run; OMP_NUM_THREADS={ENV['OMP_NUM_THREADS']}")
     header = ("measure", "equivcheck", "trainparity/base", "ratio", "target", "met")
     widths = (42, 34, 24, 24, 9, 4)
