@@ -9,22 +9,12 @@ Prints medians over repeats and the ratios the project targets:
 from __future__ import annotations
 
 import argparse
-import statistics
 import subprocess
 import sys
-import time
 
 import equivcheck as ec
+from timing import median_seconds
 from equivcheck.distributed.pool import WorkerPool, pool_for, shutdown_pools
-
-
-def median_seconds(action, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        action()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 def fresh_group_run(case: str, spec: str) -> None:

@@ -23,10 +23,10 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import equivcheck as ec
+from timing import median_seconds, paired_seconds
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -39,15 +39,6 @@ FLOOR = "import torch; torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.
 ENV = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONWARNINGS": "ignore"}
 
 
-def median_seconds(action, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        action()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
 def process(*command: str, expect_rc: int | None = 0) -> subprocess.CompletedProcess:
     done = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True)
     if expect_rc is not None and done.returncode != expect_rc:
@@ -57,17 +48,6 @@ def process(*command: str, expect_rc: int | None = 0) -> subprocess.CompletedPro
 
 def process_seconds(command: list[str], repeats: int, expect_rc: int | None = 0) -> float:
     return median_seconds(lambda: process(*command, expect_rc=expect_rc), repeats)
-
-
-def paired_seconds(first, second, repeats: int) -> tuple[float, float]:
-    """Medians of two actions run alternately, so the shared machine's load falls on both alike."""
-    times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(repeats):
-        for action, kept in zip((first, second), times):
-            started = time.perf_counter()
-            action()
-            kept.append(time.perf_counter() - started)
-    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def paired_processes(first: list[str], second: list[str], repeats: int) -> tuple[float, float]:
@@ -137,7 +117,7 @@ def main() -> None:
     if matrix is not None:
         rows.append(("full built-in matrix (equivcheck run)", f"{matrix:.1f} s", "", "", "< 60 s", matrix < 60))
     print(f"medians: {args.repeats} in-process checks (alternated with and without memory), {args.process_repeats} processes, {args.peer_repeats} peer "
-          f"processes, 2 peer checks in one process, 1 matrix run; OMP_NUM_THREADS={ENV['OMP_NUM_THREADS']}")
+          f"processes, 2 peer checks in one process{'' if matrix is None else ', 1 matrix run'}; OMP_NUM_THREADS={ENV['OMP_NUM_THREADS']}")
     header = ("measure", "equivcheck", "trainparity/base", "ratio", "target", "met")
     widths = (42, 34, 24, 24, 9, 4)
     print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
