@@ -6,6 +6,7 @@ Rows and the targets of issue 7:
   per check inside one process, vs trainparity                                 >= 1000x faster
   verdicts on a correct and on a buggy accumulation                            the two tools agree
   the full built-in matrix (`equivcheck run`: every case x regime, DDP too)    < 60 s
+  200 hypothesis examples, DDP regimes included (on the warm pool)              < 60 s
   `import equivcheck` / bare `import torch`                                    <= 1.1x
   `pytest --help` with the plugin / with it disabled (-p no:equivcheck)        <= 1.1x
 
@@ -23,6 +24,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import equivcheck as ec
@@ -36,6 +38,7 @@ CORRECT = ("mlp", ["full_batch", "accumulate:chunks=4"])
 BUGGY = ("clip_per_micro_batch", ["clip_per_micro_batch:chunks=4,max_norm=0.1"])  # cases/clipping.py
 # The floor of any process that trains: torch, and the torch._dynamo import its first optimizer triggers.
 FLOOR = "import torch; torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)"
+FAITHFUL = ["full_batch", "sample_by_sample", "accumulate", "retained_graph", "detached_partial"]
 ENV = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONWARNINGS": "ignore"}
 
 
@@ -54,6 +57,36 @@ def paired_processes(first: list[str], second: list[str], repeats: int) -> tuple
     return paired_seconds(lambda: process(*first), lambda: process(*second), repeats)
 
 
+def fuzz_seconds(examples: int) -> tuple[float, int, int]:
+    """Wall time of ``examples`` hypothesis examples that must all be equivalent: a drawn case under a
+    drawn faithful regime in-process, or (one draw in four) a built-in case under a drawn DDP regime on
+    the warm pool. Returns the seconds, the examples that ran and how many of them were DDP."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from equivcheck.hypothesis import cases, regime_specs
+
+    ran = []
+
+    @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(data=st.data(), distributed=st.integers(0, 3).map(lambda n: n == 0))
+    def example(data, distributed):
+        if distributed:
+            case = data.draw(st.sampled_from(["mlp", "tokens", "gru_decoder"]))
+            spec = data.draw(regime_specs(12, names=["ddp", "ddp_no_sync"], min_world_size=2, max_world_size=3))
+        else:
+            case = data.draw(cases())
+            spec = data.draw(regime_specs(case.batch_size, names=FAITHFUL))
+        (outcome,) = ec.check(case, [spec]).outcomes
+        assert outcome.verdict is ec.Verdict.EQUIVALENT, outcome.describe()
+        ran.append(distributed)
+
+    started = time.perf_counter()
+    example()
+    return time.perf_counter() - started, len(ran), sum(ran)
+
+
 def verdict_of(report: ec.Report) -> str:
     (outcome,) = [o for o in report.outcomes if o.regime != "full_batch"]
     return "equivalent" if outcome.verdict is ec.Verdict.EQUIVALENT else f"not equivalent ({outcome.verdict.value})"
@@ -68,6 +101,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=50, help="repeats of the in-process checks")
     parser.add_argument("--process-repeats", type=int, default=7, help="repeats of the sub-second processes")
     parser.add_argument("--peer-repeats", type=int, default=3, help="repeats of the peer's CLI-like process")
+    parser.add_argument("--examples", type=int, default=200, help="hypothesis examples, one in four DDP")
     parser.add_argument("--skip-matrix", action="store_true", help="leave out the full built-in matrix")
     args = parser.parse_args()
     if not PEER_PYTHON.exists():
@@ -92,6 +126,8 @@ def main() -> None:
     pytest_ours, pytest_bare = paired_processes([sys.executable, "-m", "pytest", "--help"],
                                               [sys.executable, "-m", "pytest", "-p", "no:equivcheck", "--help"],
                                               args.process_repeats)
+    ec.check("mlp", ["ddp:world_size=2"])  # the warm pool, started before the clock
+    fuzz, fuzzed, fuzzed_ddp = fuzz_seconds(args.examples)
     matrix = None if args.skip_matrix else process_seconds([str(BIN / "equivcheck"), "run"], 1)
 
     agree = ours["correct"].startswith("equivalent") == peer["correct"].startswith("equivalent") and \
@@ -114,6 +150,7 @@ def main() -> None:
         ("pytest --help, plugin on / off", f"{pytest_ours:.2f} s", f"{pytest_bare:.2f} s",
          f"{pytest_ours / pytest_bare:.2f}x", "<= 1.1x", pytest_ours / pytest_bare <= 1.1),
     ]
+    rows.append((f"{fuzzed} hypothesis examples ({fuzzed_ddp} DDP)", f"{fuzz:.1f} s", "", "", "< 60 s", fuzz < 60))
     if matrix is not None:
         rows.append(("full built-in matrix (equivcheck run)", f"{matrix:.1f} s", "", "", "< 60 s", matrix < 60))
     print(f"medians: {args.repeats} in-process checks (alternated with and without memory), {args.process_repeats} processes, {args.peer_repeats} peer "
