@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .case import Batch, Case
 from .errors import InvalidArgument, expect_int
-from .regimes import FullBatch, Regime, finish_step, register_regime
+from .regimes import FullBatch, Regime, chunk_pairs, finish_step, register_regime
 
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -91,8 +91,8 @@ class Ddp(Distributed):
     def train_step(self, model, optimizer, batch, objective):
         mine = self.rank_shard(batch)
         local = objective.sum(model(mine.inputs), mine.targets) * self.world_size / batch.items
-        local.backward()
-        finish_step(optimizer)
+        objective.backward(local)
+        finish_step(optimizer, objective)
         return local.detach() / self.world_size
 
 
@@ -122,14 +122,14 @@ class Accumulating(Distributed):
 
     def train_step(self, model, optimizer, batch, objective):
         mine = self.rank_shard(batch)
-        parts = list(zip(mine.inputs.tensor_split(self.chunks), mine.targets.tensor_split(self.chunks)))
+        parts = chunk_pairs(mine, self.chunks)
         total = 0.0
         for i, (x, y) in enumerate(parts):
             with self.sync_context(model, last=i == len(parts) - 1):
                 part = objective.sum(model(x), y) * self.world_size / batch.items
-                part.backward()
+                objective.backward(part)
             total = total + part.detach()
-        finish_step(optimizer)
+        finish_step(optimizer, objective)
         return total / self.world_size
 
 
@@ -181,8 +181,8 @@ class DdpMeanLoss(Distributed):
     def train_step(self, model, optimizer, batch, objective):
         mine = self.rank_shard(batch)
         local = objective.mean(model(mine.inputs), mine.targets)
-        local.backward()
-        finish_step(optimizer)
+        objective.backward(local)
+        finish_step(optimizer, objective)
         return local.detach() / self.world_size
 
 

@@ -18,11 +18,7 @@ from torch import Tensor, nn
 
 from .case import Batch, Case, Objective, default_optimizer
 from .errors import InvalidArgument
-from .regimes import REGIMES, Chunked, Regime, backward_chunks, finish_step, global_mean_part
-
-
-def chunk_pairs(batch: Batch, chunks: int) -> Iterator[tuple[Tensor, Tensor]]:
-    return zip(batch.inputs.tensor_split(chunks), batch.targets.tensor_split(chunks))
+from .regimes import REGIMES, Chunked, Regime, backward_chunks, chunk_pairs, finish_step, global_mean_part
 
 
 def meddling_part(meddle: Callable[[], object], objective: Objective, batch: Batch) -> Callable[[Tensor, Tensor], Tensor]:

@@ -70,6 +70,11 @@ def finish_step(optimizer: Optimizer, objective: Objective | None = None) -> Non
     optimizer.zero_grad(set_to_none=True)
 
 
+def chunk_pairs(batch: Batch, chunks: int) -> list[tuple[Tensor, Tensor]]:
+    """``chunks`` (inputs, targets) micro-batches of near-equal size (12 samples in 5: 3, 3, 2, 2, 2)."""
+    return list(zip(batch.inputs.tensor_split(chunks), batch.targets.tensor_split(chunks)))
+
+
 def backward_chunks(
     forward: Callable[[Tensor], Tensor],
     inputs: Tensor,

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from .regimes import REGIMES, Chunked, finish_step, global_mean_part
+from .regimes import Chunked, chunk_pairs, finish_step, global_mean_part, register_regime
 
 
+@register_regime
 @dataclasses.dataclass(frozen=True)
 class SummedLoss(Chunked):
     name = "summed_loss"
@@ -21,11 +22,9 @@ class SummedLoss(Chunked):
     def train_step(self, model, optimizer, batch, objective):
         part_loss = global_mean_part(objective, batch)
         loss = 0.0
-        for x, y in zip(batch.inputs.tensor_split(self.chunks), batch.targets.tensor_split(self.chunks)):
+        for x, y in chunk_pairs(batch, self.chunks):
             loss += part_loss(model(x), y)  # the graph of every micro-batch stays alive until backward
-        loss.backward()
-        finish_step(optimizer)
+        objective.backward(loss)  # through the precision mode's loss scaler, like every regime
+        finish_step(optimizer, objective)
         return loss.detach()
 
-
-REGIMES[SummedLoss.name] = SummedLoss
