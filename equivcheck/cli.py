@@ -16,6 +16,7 @@ from .distributed import launcher
 from .errors import InvalidArgument
 from .execute import DEFAULT_TIMEOUT
 from .precision import PRECISIONS
+from .process_exit import exit_without_teardown
 from .regimes import REGIMES
 from .registry import all_cases, load_cases_from
 
@@ -55,6 +56,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InvalidArgument as error:
         print(f"equivcheck: error: {error}", file=sys.stderr)
         return 2
+
+
+def entry() -> None:
+    """The ``equivcheck`` command: :func:`main`, then an exit that skips the interpreter's teardown."""
+    exit_without_teardown(main())
 
 
 def _list(args: argparse.Namespace) -> int:

@@ -165,3 +165,18 @@ def test_unregistered_case_cannot_cross_to_workers():
     inline = dataclasses.replace(ec.get_case("mlp"), name="inline_only")
     with pytest.raises(ec.InvalidArgument, match="worker processes import cases themselves"):
         ec.run(inline, "ddp:world_size=2")
+
+
+def test_the_cli_stops_its_ranks_before_it_exits():
+    script = textwrap.dedent("""
+        from equivcheck.cli import main
+        from equivcheck.distributed.pool import pool_for
+        from equivcheck.process_exit import exit_without_teardown
+        code = main(["run", "--case", "mlp", "--regime", "ddp:world_size=2"])
+        print(*pool_for("gloo", 2).pids, flush=True)
+        exit_without_teardown(code)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    pids = [int(p) for p in done.stdout.splitlines()[-1].split()]
+    assert len(pids) == 2 and not any(alive(pid) for pid in pids)

@@ -1,0 +1,31 @@
+"""Ending a process that imported torch without paying for the interpreter's teardown.
+
+Every optimizer step imports torch._dynamo, and freeing the ~2,000 modules and ~280,000 objects that
+torch and dynamo leave behind takes 0.7-0.9 s on 2 cores: longer than a whole check. The CLI and the
+distributed workers are processes equivcheck owns and ends, so they leave through here: every exit
+handler still runs (atexit: the worker pools' teardown, logging, weakref finalizers), the standard
+streams are flushed, and only the freeing of memory the operating system reclaims anyway is skipped.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+from typing import NoReturn
+
+
+def exit_without_teardown(code: int) -> NoReturn:
+    """Run the exit handlers, flush stdout and stderr, and end the process with ``code``.
+
+    While a non-daemon thread is still running the normal exit, which waits for it, is kept."""
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (`equivcheck run | head`) or a closed stream
+            pass
+    os._exit(code)
