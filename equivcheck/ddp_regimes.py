@@ -13,13 +13,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .case import Batch, Case
+from .case import Batch, Case, Objective
 from .errors import InvalidArgument, expect_int
 from .regimes import FullBatch, Regime, chunk_pairs, finish_step, register_regime
 
@@ -81,6 +82,10 @@ class Distributed(Regime):
     def rank_shard(self, batch: Batch) -> Batch:
         return shard(batch, dist.get_rank(), dist.get_world_size())
 
+    def rank_part(self, objective: Objective, batch: Batch) -> Callable[[Tensor, Tensor], Tensor]:
+        """A rank's (micro-)batch loss: its sum times the world size over the global batch's items."""
+        return lambda output, targets: objective.sum(output, targets) * self.world_size / batch.items
+
 
 @register_regime
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +95,7 @@ class Ddp(Distributed):
 
     def train_step(self, model, optimizer, batch, objective):
         mine = self.rank_shard(batch)
-        local = objective.sum(model(mine.inputs), mine.targets) * self.world_size / batch.items
+        local = self.rank_part(objective, batch)(model(mine.inputs), mine.targets)
         objective.backward(local)
         finish_step(optimizer, objective)
         return local.detach() / self.world_size
@@ -123,10 +128,11 @@ class Accumulating(Distributed):
     def train_step(self, model, optimizer, batch, objective):
         mine = self.rank_shard(batch)
         parts = chunk_pairs(mine, self.chunks)
+        part_loss = self.rank_part(objective, batch)
         total = 0.0
         for i, (x, y) in enumerate(parts):
             with self.sync_context(model, last=i == len(parts) - 1):
-                part = objective.sum(model(x), y) * self.world_size / batch.items
+                part = part_loss(model(x), y)
                 objective.backward(part)
             total = total + part.detach()
         finish_step(optimizer, objective)

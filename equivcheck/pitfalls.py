@@ -54,9 +54,10 @@ class StepPerMicroBatch(Chunked):
     pitfall = True
 
     def train_step(self, model, optimizer, batch, objective):
+        part_loss = global_mean_part(objective, batch)
         total = 0.0
         for x, y in chunk_pairs(batch, self.chunks):
-            part = objective.sum(model(x), y) / batch.items
+            part = part_loss(model(x), y)
             objective.backward(part)
             finish_step(optimizer, objective)
             total = total + part.detach()
