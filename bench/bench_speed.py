@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import equivcheck as ec
-from timing import median_seconds, paired_seconds
+from timing import alternated_seconds, median_seconds
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -56,8 +56,8 @@ def process_seconds(command: list[str], repeats: int, expect_rc: int | None = 0)
     return median_seconds(lambda: process(*command, expect_rc=expect_rc), repeats)
 
 
-def paired_processes(first: list[str], second: list[str], repeats: int) -> tuple[float, float]:
-    return paired_seconds(lambda: process(*first), lambda: process(*second), repeats)
+def alternated_processes(*commands: list[str], repeats: int) -> list[float]:
+    return alternated_seconds(*(lambda command=command: process(*command) for command in commands), repeats=repeats)
 
 
 def fuzz_seconds(examples: int) -> tuple[float, int, int]:
@@ -112,8 +112,8 @@ def main() -> None:
 
     # Per check in one process: equivcheck warm, then the peer's own loop (three fresh workers a check).
     ec.check(*CORRECT)
-    in_process, no_memory = paired_seconds(lambda: ec.check(*CORRECT),
-                                           lambda: ec.check(*CORRECT, measure_memory=False), args.repeats)
+    in_process, no_memory = alternated_seconds(lambda: ec.check(*CORRECT),
+                                               lambda: ec.check(*CORRECT, measure_memory=False), repeats=args.repeats)
     ours = {"correct": verdict_of(ec.check(*CORRECT)), "buggy": verdict_of(ec.check(*BUGGY))}
     peer_rows = json.loads(process(str(PEER_PYTHON), str(BENCH / "peer_check.py"), "correct", "buggy").stdout)
     peer = {row["plan"]: peer_verdict(row["outcome"]) for row in peer_rows}
@@ -121,15 +121,15 @@ def main() -> None:
 
     # Whole process, start to verdict, on the correct accumulation.
     cli = [str(BIN / "equivcheck"), "run", "--case", CORRECT[0], *(f"--regime={r}" for r in CORRECT[1])]
-    our_cli, floor = paired_processes(cli, [sys.executable, "-c", FLOOR], args.process_repeats)
-    cli_again, with_teardown = paired_processes(cli, [sys.executable, "-c", WITH_TEARDOWN, *cli[1:]], args.process_repeats)
+    our_cli, with_teardown, floor = alternated_processes(cli, [sys.executable, "-c", WITH_TEARDOWN, *cli[1:]],
+                                                         [sys.executable, "-c", FLOOR], repeats=args.process_repeats)
     peer_cli = process_seconds([str(PEER_PYTHON), str(BENCH / "peer_check.py"), "correct"], args.peer_repeats)
 
-    with_ours, bare_torch = paired_processes([sys.executable, "-c", "import equivcheck"],
-                                           [sys.executable, "-c", "import torch"], args.process_repeats)
-    pytest_ours, pytest_bare = paired_processes([sys.executable, "-m", "pytest", "--help"],
-                                              [sys.executable, "-m", "pytest", "-p", "no:equivcheck", "--help"],
-                                              args.process_repeats)
+    with_ours, bare_torch = alternated_processes([sys.executable, "-c", "import equivcheck"],
+                                                 [sys.executable, "-c", "import torch"], repeats=args.process_repeats)
+    pytest_ours, pytest_bare = alternated_processes([sys.executable, "-m", "pytest", "--help"],
+                                                    [sys.executable, "-m", "pytest", "-p", "no:equivcheck", "--help"],
+                                                    repeats=args.process_repeats)
     ec.check("mlp", ["ddp:world_size=2"])  # the warm pool, started before the clock
     fuzz, fuzzed, fuzzed_ddp = fuzz_seconds(args.examples)
     matrix = None if args.skip_matrix else process_seconds([str(BIN / "equivcheck"), "run"], 1)
@@ -146,7 +146,7 @@ def main() -> None:
         ("CLI process start to verdict", f"{our_cli:.2f} s", f"{peer_cli:.2f} s", f"{peer_cli / our_cli:.1f}x faster",
          ">= 4x", peer_cli / our_cli >= 4),
         ("  the same, interpreter teardown kept", f"{with_teardown:.2f} s", "",
-         f"teardown costs {with_teardown - cli_again:+.2f} s", "", None),
+         f"teardown costs {with_teardown - our_cli:+.2f} s", "", None),
         ("  floor: import torch + one optimizer step", f"{floor:.2f} s", "", f"CLI = {our_cli / floor:.2f}x floor", "",
          None),
         ("verdict, correct accumulation (4 chunks)", ours["correct"], peer["correct"], "", "agree", None),

@@ -21,7 +21,6 @@ import argparse
 import statistics
 import subprocess
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from torch import nn
 
 import equivcheck as ec
 from equivcheck.savings import format_bytes
+from timing import alternated_times, median_seconds
 
 REGIMES = ("full_batch", "sample_by_sample", "accumulate:chunks=4", "retained_graph:chunks=4",
            "summed_loss:chunks=4", "detached_partial:chunks=4")
@@ -55,15 +55,6 @@ wide_mlp = ec.register_case(ec.Case(
 def regimes_of(case: ec.Case) -> list[str]:
     chosen = [r for r in REGIMES if case.split is not None or not r.startswith("detached_partial")]
     return [r for r in chosen if ":chunks=" not in r or int(r.rsplit("=", 1)[1]) <= case.batch_size]
-
-
-def median_seconds(case: str, spec: str, repeats: int, **options) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        ec.run(case, spec, **options)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 def process_peak_kib(case: str, spec: str) -> int:
@@ -92,7 +83,7 @@ def case_table(name: str, repeats: int) -> str:
     rows = []
     for spec in regimes_of(case):
         result = ec.run(case, spec)
-        rows.append((spec, result.peak_activation_bytes, median_seconds(name, spec, repeats), process_peak_kib(name, spec)))
+        rows.append((spec, result.peak_activation_bytes, median_seconds(lambda: ec.run(name, spec), repeats), process_peak_kib(name, spec)))
     _, ref_bytes, ref_seconds, ref_rss = rows[0]
     header = ("regime", "peak activation", "ratio", "wall ms", "wall ratio", "process peak", "vs full_batch")
     table = [header] + [
@@ -109,12 +100,8 @@ def case_table(name: str, repeats: int) -> str:
 def overhead(repeats: int) -> str:
     lines = ["cost of measuring (mlp; alternated runs, median and fastest):"]
     for spec in OVERHEAD_REGIMES:
-        with_meter, without = [], []
-        for _ in range(repeats):
-            for options, times in (({"measure_memory": True}, with_meter), ({"measure_memory": False}, without)):
-                started = time.perf_counter()
-                ec.run("mlp", spec, **options)
-                times.append(time.perf_counter() - started)
+        with_meter, without = alternated_times(lambda: ec.run("mlp", spec, measure_memory=True),
+                                               lambda: ec.run("mlp", spec, measure_memory=False), repeats=repeats)
         for label, pick in (("median", statistics.median), ("fastest", min)):
             on, off = pick(with_meter), pick(without)
             lines.append(f"  {spec:<20} {label:<7}  with {on * 1e3:.3f} ms  without {off * 1e3:.3f} ms  "

@@ -1,4 +1,4 @@
-"""Medians of wall time for the benchmarks (run as scripts from bench/): one action, or two alternated."""
+"""Wall times for the benchmarks (run as scripts from bench/): one action, or several alternated."""
 
 from __future__ import annotations
 
@@ -6,21 +6,22 @@ import statistics
 import time
 
 
-def median_seconds(action, repeats: int) -> float:
-    times = []
+def alternated_times(*actions, repeats: int) -> list[list[float]]:
+    """Seconds of every run of each action, the actions run in turn so the shared machine's load falls
+    on all alike."""
+    times: list[list[float]] = [[] for _ in actions]
     for _ in range(repeats):
-        started = time.perf_counter()
-        action()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
-def paired_seconds(first, second, repeats: int) -> tuple[float, float]:
-    """Medians of two actions run alternately, so the shared machine's load falls on both alike."""
-    times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(repeats):
-        for action, kept in zip((first, second), times):
+        for action, kept in zip(actions, times):
             started = time.perf_counter()
             action()
             kept.append(time.perf_counter() - started)
-    return statistics.median(times[0]), statistics.median(times[1])
+    return times
+
+
+def alternated_seconds(*actions, repeats: int) -> list[float]:
+    """The median seconds of each action, run in turn."""
+    return [statistics.median(kept) for kept in alternated_times(*actions, repeats=repeats)]
+
+
+def median_seconds(action, repeats: int) -> float:
+    return alternated_seconds(action, repeats=repeats)[0]
