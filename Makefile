@@ -1,4 +1,5 @@
-# Two commands on a fresh machine: `make demo` (the equivalence matrix and the pitfall catalogue) and `make test`.
+# Two commands on a fresh machine: `make demo` (the equivalence matrix and the pitfall catalogue) and `make test`
+# (the suite against the wheel, installed as users install it). `make test-dev` runs it on the editable install.
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 VENV := .venv
@@ -7,8 +8,9 @@ STAMP := $(VENV)/.installed
 # The cases are tiny: one torch thread per process beats several fighting over 2 cores.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo test bench bench-speed bench-memory clean
+.PHONY: install demo test test-dev bench bench-speed bench-memory clean
 
+# The developer's venv: an editable install, for make demo, make test-dev and the benchmarks.
 install: $(STAMP)
 
 # The pinned CPU torch goes in first: with no torch installed, an open range pulls a multi-GB CUDA build.
@@ -22,8 +24,34 @@ demo: install
 	$(BIN)/equivcheck run
 	$(BIN)/equivcheck catalogue
 
-test: install
+test-dev: install
 	$(BIN)/python -m pytest -q
+
+# make test checks what users install: the sdist of the tree as git sees it, the wheel built from that sdist, that wheel installed into its own
+# venv, and the suite run from a copy of the tests, where nothing of the checkout is importable
+# (tests/test_packaging.py asserts it, and that the wheel and the sdist hold every source file).
+INSTALLED := build/installed
+INSTALLED_BIN := $(INSTALLED)/venv/bin
+DIST := $(INSTALLED)/dist
+SUITE := $(INSTALLED)/suite
+SOURCE := $(INSTALLED)/source# the tree as a clone has it (with uncommitted work): no egg-info or build output leaks in
+
+$(INSTALLED)/venv/.installed:
+	rm -rf $(INSTALLED)/venv
+	$(PYTHON) -m venv $(INSTALLED)/venv
+	$(INSTALLED_BIN)/python -m pip install --quiet --disable-pip-version-check "$(TORCH)" build
+	touch $@
+
+test: $(INSTALLED)/venv/.installed
+	rm -rf $(DIST) $(SUITE) $(SOURCE)
+	mkdir -p $(SOURCE) && git ls-files -z --cached --others --exclude-standard \
+		| tar --null --files-from=- --ignore-failed-read -cf - | tar -xf - -C $(SOURCE)
+	$(INSTALLED_BIN)/python -m build --outdir $(DIST) $(SOURCE) > $(INSTALLED)/build.log
+	$(INSTALLED_BIN)/python -m pip uninstall --quiet --yes equivcheck
+	$(INSTALLED_BIN)/python -m pip install --quiet --disable-pip-version-check "$$(ls $(DIST)/*.whl)[test]"
+	mkdir -p $(SUITE) && cp -r tests conftest.py pyproject.toml README.md $(SUITE)/
+	cd $(SUITE) && EQUIVCHECK_SOURCE_TREE="$(CURDIR)" EQUIVCHECK_DIST="$(CURDIR)/$(DIST)" \
+		../venv/bin/python -m pytest -q -p no:cacheprovider
 
 bench: install bench-speed
 	$(BIN)/python bench/bench_pool.py
@@ -44,4 +72,4 @@ bench-memory: install
 	$(BIN)/python bench/memory.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist *.egg-info

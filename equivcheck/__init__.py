@@ -1,5 +1,7 @@
 """equivcheck: prove that a way of training gives the same gradients and weights as full-batch training."""
 
+__version__ = "0.1.0"  # the one place the version is written (pyproject reads it)
+
 from . import ddp_regimes  # noqa: F401  (registers the distributed regimes)
 from .case import Batch, Case, Objective, default_optimizer
 from .check import Outcome, Report, Verdict, check, check_all, regimes_for
