@@ -14,7 +14,7 @@ from functools import cached_property
 import torch
 from torch import Tensor, nn
 
-from .errors import InvalidArgument, expect_callable, expect_int
+from .errors import InvalidArgument, expect_callable, expect_int, expect_tolerances
 from .precision import NAMES_OF_DTYPES, Precision, resolve_precision
 
 ModelFactory = Callable[[], nn.Module]
@@ -66,14 +66,18 @@ class Case:
             raise InvalidArgument.value("name", self.name, "a non-empty string without spaces, ',', ':' or '='")
         for argument in ("model", "data", "loss", "optimizer", "items"):
             expect_callable(argument, getattr(self, argument))
+        if isinstance(self.model, nn.Module):
+            raise InvalidArgument(
+                f"model={self.model!r} is not allowed: expected a factory that builds the model, such as "
+                f"model=lambda: {type(self.model).__name__}(...): every regime trains a fresh model from the same seed"
+            )
         if self.split is not None:
             expect_callable("split", self.split)
         expect_int("batch_size", self.batch_size)
         expect_int("steps", self.steps)
         if self.dtype not in NAMES_OF_DTYPES:
             raise InvalidArgument.value("dtype", self.dtype, "torch.float64 or torch.float32")
-        if (self.rtol is None) != (self.atol is None):
-            raise InvalidArgument.value("rtol", self.rtol, f"rtol and atol given together (atol={self.atol!r})")
+        expect_tolerances(self.rtol, self.atol)
         if not isinstance(self.expect_mismatch, Mapping):
             raise InvalidArgument.type("expect_mismatch", self.expect_mismatch, "a mapping of regime -> reason")
         if self.regimes is not None:

@@ -6,13 +6,13 @@ import dataclasses
 import enum
 import time
 import traceback
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
 from .case import Case
-from .compare import Comparison, compare
-from .errors import InvalidArgument, MemoryNotSaved, NotEquivalent, Unavailable
+from .compare import Comparison, Tolerance, compare
+from .errors import InvalidArgument, MemoryNotSaved, NotEquivalent, Unavailable, expect_seed, expect_timeout
 from .execute import DEFAULT_TIMEOUT, run
 from .precision import Precision, resolve_precision
 from .regimes import DEFAULT_REGIMES, REGIMES, DetachedPartial, Regime, parse_regime
@@ -34,6 +34,26 @@ class Verdict(str, enum.Enum):
     @property
     def as_expected(self) -> bool:
         return self in (Verdict.EQUIVALENT, Verdict.EXPECTED_MISMATCH, Verdict.SKIPPED)
+
+
+class Status(str, enum.Enum):
+    """What a whole report says, worst first: a finding, then a run that could not finish, then nothing run."""
+
+    NOT_AS_EXPECTED = "not_as_expected"  # a mismatch, an unexpected match, a reference that disagrees with itself
+    ERROR = "error"  # a run raised, a rank died or hung: part of the check is missing
+    NOTHING_CHECKED = "nothing_checked"  # every outcome skipped, or none
+    OK = "ok"
+
+    @classmethod
+    def of(cls, verdicts: Iterable[Verdict]) -> Status:
+        found = set(verdicts)
+        if found & {Verdict.MISMATCH, Verdict.UNEXPECTED_MATCH, Verdict.NONDETERMINISTIC}:
+            return cls.NOT_AS_EXPECTED
+        if Verdict.ERROR in found:
+            return cls.ERROR
+        if found <= {Verdict.SKIPPED}:
+            return cls.NOTHING_CHECKED
+        return cls.OK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +88,10 @@ class Report:
     @property
     def ok(self) -> bool:
         return all(o.verdict.as_expected for o in self.outcomes)
+
+    @property
+    def status(self) -> Status:
+        return Status.of(o.verdict for o in self.outcomes)
 
     @property
     def failures(self) -> tuple[Outcome, ...]:
@@ -141,65 +165,120 @@ def check(
     dtype); a mode this machine cannot run is skipped. ``measure_memory=False`` skips the peak
     activation memory (saved-tensor hooks: about a fifth of a tiny check's time).
     """
+    return Report(tuple(iter_outcomes(plan(case, regimes, reference=reference, rtol=rtol, atol=atol, seed=seed,
+                                          backend=backend, timeout=timeout, dtype=dtype),
+                                     measure_memory=measure_memory)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One case's checks, validated: nothing trains until every argument is known to be usable."""
+
+    case: Case
+    specs: tuple[Regime, ...]
+    reference: Regime
+    precision: Precision
+    rtol: float | None
+    atol: float | None
+    seed: int
+    timeout: float
+
+
+def plan(case: Case | str, regimes: Iterable[str | Regime] | str | Regime | None = None, *,
+         reference: str | Regime = "full_batch", rtol: float | None = None, atol: float | None = None,
+         seed: int = DEFAULT_SEED, backend: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+         dtype: str | torch.dtype | Precision | None = None) -> Plan:
+    """Validate a check's arguments; every usage error surfaces here, before anything runs."""
     case = resolve_case(case)
+    if isinstance(regimes, (str, Regime)):  # one spec where a list was expected: checked as that one spec
+        regimes = [regimes]
+    chosen = regimes_for(case) if regimes is None else tuple(regimes)
+    if not chosen:
+        raise InvalidArgument.value("regimes", regimes, "at least one regime spec (None: the case's own list)")
+    specs = tuple(with_backend(parse_regime(r), backend) for r in chosen)
     reference = parse_regime(reference)
-    specs = [with_backend(parse_regime(r), backend)
-             for r in (regimes_for(case) if regimes is None else regimes)]
     precision = resolve_precision(dtype, default=case.dtype)
     _validate(case, [reference, *specs])
+    Tolerance.resolve(precision, rtol, atol)
+    expect_seed(seed)
+    expect_timeout(timeout)
     rtol, atol = (case.rtol, case.atol) if rtol is None and atol is None else (rtol, atol)
+    return Plan(case, specs, reference, precision, rtol, atol, seed, timeout)
+
+
+def iter_outcomes(plan: Plan, *, measure_memory: bool = True) -> Iterator[Outcome]:
+    """Run a planned check and yield each outcome as soon as it is known (the CLI keeps those done
+    when it is interrupted). A run that raises is an ``error`` verdict, not the end of the report."""
+    case, reference, precision, seed = plan.case, plan.reference, plan.precision, plan.seed
     missing = precision.unavailable()
     if missing:
-        return Report(tuple(Outcome(case.name, str(s), Verdict.SKIPPED, reason=missing) for s in specs))
+        yield from (Outcome(case.name, str(s), Verdict.SKIPPED, reason=missing) for s in plan.specs)
+        return
 
     started = time.perf_counter()
-    ref = run(case, reference, seed=seed, dtype=precision, measure_memory=measure_memory)
-    rerun = run(case, reference, seed=seed, dtype=precision, measure_memory=measure_memory)
-    self_check = compare(ref, rerun, rtol=rtol, atol=atol)
+    try:
+        ref = run(case, reference, seed=seed, timeout=plan.timeout, dtype=precision, measure_memory=measure_memory)
+        rerun = run(case, reference, seed=seed, timeout=plan.timeout, dtype=precision, measure_memory=measure_memory)
+    except InvalidArgument:
+        raise
+    except Exception as error:  # nothing can be compared with a reference that did not run
+        crash, details = _crash(error)
+        why = f"the reference {reference} failed: {crash}"
+        yield from (Outcome(case.name, str(s), Verdict.ERROR, None, why, details=details) for s in plan.specs)
+        return
+    self_check = compare(ref, rerun, rtol=plan.rtol, atol=plan.atol)
     ref_seconds = time.perf_counter() - started
     if not self_check.ok:
         why = f"the reference {reference} disagrees with itself from run to run"
-        return Report(tuple(Outcome(case.name, str(s), Verdict.NONDETERMINISTIC, self_check, why) for s in specs))
+        yield from (Outcome(case.name, str(s), Verdict.NONDETERMINISTIC, self_check, why) for s in plan.specs)
+        return
 
-    outcomes = []
-    for spec in specs:
+    for spec in plan.specs:
         if spec == reference:
-            outcomes.append(_judge(case, spec, self_check, ref_seconds / 2, rerun, ref))
+            yield _judge(case, spec, self_check, ref_seconds / 2, rerun, ref)
             continue
         started = time.perf_counter()
         try:
-            result = run(case, spec, seed=seed, timeout=timeout, dtype=precision, measure_memory=measure_memory)
+            result = run(case, spec, seed=seed, timeout=plan.timeout, dtype=precision, measure_memory=measure_memory)
         except InvalidArgument:
             raise
         except Unavailable as why:
-            outcomes.append(Outcome(case.name, str(spec), Verdict.SKIPPED, None, str(why)))
+            yield Outcome(case.name, str(spec), Verdict.SKIPPED, None, str(why))
             continue
         except Exception as error:  # a regime that crashes is a verdict, not the end of the report
             seconds = time.perf_counter() - started
-            crash = f"{type(error).__name__}: {error}"
-            details = getattr(error, "remote_traceback", "") or traceback.format_exc()
+            crash, details = _crash(error)
             declared = expected_mismatch(case, spec)
             if declared is None:
-                outcomes.append(Outcome(case.name, str(spec), Verdict.ERROR, None, crash, seconds, details=details))
+                yield Outcome(case.name, str(spec), Verdict.ERROR, None, crash, seconds, details=details)
             else:  # a declared pitfall that crashes has surfaced as surely as one that mismatches
-                outcomes.append(Outcome(case.name, str(spec), Verdict.EXPECTED_MISMATCH, None,
-                                        f"{declared}; it crashed: {crash}", seconds, details=details))
+                yield Outcome(case.name, str(spec), Verdict.EXPECTED_MISMATCH, None,
+                              f"{declared}; it crashed: {crash}", seconds, details=details)
             continue
-        comparison = compare(ref, result, rtol=rtol, atol=atol)
-        outcomes.append(_judge(case, spec, comparison, time.perf_counter() - started, result, ref))
-    return Report(tuple(outcomes))
+        comparison = compare(ref, result, rtol=plan.rtol, atol=plan.atol)
+        yield _judge(case, spec, comparison, time.perf_counter() - started, result, ref)
+
+
+def _crash(error: Exception) -> tuple[str, str]:
+    """The one-line reason and the traceback (a rank's own, where a rank raised) of a run that raised."""
+    return f"{type(error).__name__}: {error}", getattr(error, "remote_traceback", "") or traceback.format_exc()
+
+
+def plan_all(cases: Sequence[Case | str] | None = None, regimes: Iterable[str | Regime] | None = None,
+             **options) -> list[Plan]:
+    """Plans for several cases (default: every registered one), all validated before any runs."""
+    chosen = [resolve_case(c) for c in cases] if cases is not None else list(all_cases().values())
+    specs = None if regimes is None else list(regimes)
+    return [plan(case, specs, **options) for case in chosen]
 
 
 def check_all(
-    cases: Sequence[Case | str] | None = None, regimes: Iterable[str | Regime] | None = None, **options
+    cases: Sequence[Case | str] | None = None, regimes: Iterable[str | Regime] | None = None, *,
+    measure_memory: bool = True, **options
 ) -> Report:
     """Check several cases (default: every registered one) and merge their reports."""
-    chosen = [resolve_case(c) for c in cases] if cases is not None else list(all_cases().values())
-    specs = None if regimes is None else list(regimes)
-    report = Report(())
-    for case in chosen:
-        report += check(case, specs, **options)
-    return report
+    plans = plan_all(cases, regimes, **options)
+    return Report(tuple(o for p in plans for o in iter_outcomes(p, measure_memory=measure_memory)))
 
 
 def with_backend(regime: Regime, backend: str | None) -> Regime:

@@ -1,19 +1,26 @@
-"""The command line: ``equivcheck list``, ``run`` and ``catalogue``. Exit 0 as expected, 1 not, 2 usage."""
+"""The command line: ``equivcheck list``, ``run`` and ``catalogue``; exit codes as pytest users know them.
+
+Ctrl-C and SIGTERM stop a run where it stands: the verdicts finished so far are printed and written
+to the JSON file, the worker pools are stopped, and the exit code says the run was interrupted.
+"""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
+import contextlib
+import dataclasses
+import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import TextIO
 
 from . import catalogue as pitfall_catalogue
 from . import report as render
-from .check import check_all, regimes_for
+from .check import Report, Status, iter_outcomes, plan_all, regimes_for
 from .distributed import launcher
-from .errors import InvalidArgument
+from .errors import Interrupted, InvalidArgument
 from .execute import DEFAULT_TIMEOUT
 from .precision import PRECISIONS
 from .process_exit import exit_without_teardown
@@ -21,11 +28,26 @@ from .regimes import REGIMES
 from .registry import all_cases, load_cases_from
 
 
+EXIT_CODES = {Status.OK: 0, Status.NOT_AS_EXPECTED: 1, Status.ERROR: 3, Status.NOTHING_CHECKED: 5}
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = {"SIGINT": 130, "SIGTERM": 143}  # 128 + the signal's number, as shells report it
+EXIT_HELP = """exit status:
+  0    every verdict as expected
+  1    a verdict not as expected (a mismatch, an unexpected match, a reference that disagrees with itself)
+  2    usage error (a bad option, regime spec or --cases-from file); nothing ran
+  3    a run errored (the code checked raised, a worker rank died or timed out) and nothing was found wrong
+  5    nothing was checked (every check skipped, for example nccl with no GPU)
+  130  interrupted by Ctrl-C (SIGINT); 143 stopped by SIGTERM: the verdicts finished so far are printed
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="equivcheck", description="Prove that ways of training agree with full-batch training.")
+    parser = argparse.ArgumentParser(prog="equivcheck", description="Prove that ways of training agree with full-batch training.",
+                                     epilog=EXIT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     listing = commands.add_parser("list", help="list the cases and regimes")
-    running = commands.add_parser("run", help="check cases under regimes and print the matrix")
+    running = commands.add_parser("run", help="check cases under regimes and print the matrix", epilog=EXIT_HELP,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     catalogue = commands.add_parser("catalogue", help="measure every known pitfall and its faithful twin, per precision")
     for sub in (listing, running, catalogue):
         sub.add_argument("--cases-from", action="append", default=[], metavar="FILE_OR_MODULE",
@@ -50,12 +72,44 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        for source in args.cases_from:
-            load_cases_from(source)
-        return {"list": _list, "run": _run, "catalogue": _catalogue}[args.command](args)
+        with _sigterm_interrupts():
+            for source in args.cases_from:
+                load_cases_from(source)
+            return {"list": _list, "run": _run, "catalogue": _catalogue}[args.command](args)
     except InvalidArgument as error:
         print(f"equivcheck: error: {error}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    except (KeyboardInterrupt, Interrupted) as stop:  # before a run began, or while listing
+        name = _signal_name(stop)
+        print(f"equivcheck: interrupted by {name}", file=sys.stderr)
+        return EXIT_INTERRUPTED[name]
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM stops the command the way Ctrl-C does (an exception in the main thread), not silently."""
+    def stop(signum, frame):
+        raise Interrupted("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _signal_name(stop: BaseException) -> str:
+    return "SIGTERM" if isinstance(stop, Interrupted) else "SIGINT"
+
+
+def _open_output(path: str | None) -> TextIO | None:
+    """The JSON file, opened before anything runs: a path that cannot be written is a usage error."""
+    if path is None:
+        return None
+    try:
+        return open(path, "w")  # noqa: SIM115 (written and closed at the end of the run)
+    except OSError as error:
+        raise InvalidArgument.value("--json", path, f"a file that can be written ({error.strerror})") from None
 
 
 def entry() -> None:
@@ -80,35 +134,46 @@ def _list(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
+    plans = plan_all(args.case, args.regime, rtol=args.rtol, atol=args.atol, backend=args.backend,
+                     timeout=args.timeout, dtype=args.dtype)
+    output = _open_output(args.json)
+    outcomes, interrupted = [], None
     try:
-        report = check_all(args.case, args.regime, rtol=args.rtol, atol=args.atol, backend=args.backend,
-                           timeout=args.timeout, dtype=args.dtype)
+        for plan in plans:
+            outcomes.extend(iter_outcomes(plan))  # extend keeps each outcome as it arrives
+    except (KeyboardInterrupt, Interrupted) as stop:  # the pool in flight closed itself; keep what finished
+        interrupted = _signal_name(stop)
     finally:
         launcher.leave_group()
+    report = Report(tuple(outcomes))
+    code = EXIT_INTERRUPTED[interrupted] if interrupted else EXIT_CODES[report.status]
     if launcher.active() and launcher.rank() != 0:
-        return 0 if report.ok else 1  # every rank ran the same checks; rank 0 reports them
-    print(render.render_matrix(report))
-    print(render.LEGEND)
-    print("\n" + render.render_memory(report))
+        return code  # every rank ran the same checks; rank 0 reports them
+    if report.outcomes:
+        print(render.render_matrix(report))
+        print(render.LEGEND)
+        print("\n" + render.render_memory(report))
     if render.render_skips(report):
         print(render.render_skips(report))
     if report.failures:
         print("\n" + render.render_failures(report))
-    if args.json:
-        render.write_json(report, args.json)
-    print("\n" + render.render_summary(report, time.perf_counter() - started))
-    return 0 if report.ok else 1
+    if output is not None:
+        with output:
+            output.write(render.json_document(render.to_rows(report), interrupted))
+    print("\n" + render.render_summary(report, time.perf_counter() - started, interrupted))
+    return code
 
 
 def _catalogue(args: argparse.Namespace) -> int:
     started = time.perf_counter()
+    output = _open_output(args.json)
     rows = pitfall_catalogue.run_catalogue(args.dtype or pitfall_catalogue.DEFAULT_DTYPES)
     print(pitfall_catalogue.render_catalogue(rows))
     print(pitfall_catalogue.CATALOGUE_LEGEND)
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(pitfall_catalogue.to_rows(rows), out, indent=2)
-            out.write("\n")
+    if output is not None:
+        with output:
+            json.dump(pitfall_catalogue.to_rows(rows), output, indent=2)
+            output.write("\n")
     met = pitfall_catalogue.targets_met(rows)
     skipped = sorted({row.dtype for row in rows if row.skipped})
     status = "every target met" if met else f"{sum(bool(r.shortfalls) for r in rows)} rows miss a target"

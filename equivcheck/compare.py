@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-from .errors import InvalidArgument
+from .errors import InvalidArgument, expect_tolerances
 from .hints import diagnose
 from .precision import PRECISIONS, Precision, resolve_precision
 from .result import RunResult
@@ -29,14 +29,10 @@ class Tolerance:
         cls, dtype: torch.dtype | Precision, rtol: float | None = None, atol: float | None = None
     ) -> Tolerance:
         """The call's override if given, else the precision mode's stated tolerance; rtol and atol go together."""
-        if (rtol is None) != (atol is None):
-            raise InvalidArgument.value("rtol", rtol, f"rtol and atol given together (atol={atol!r})")
+        expect_tolerances(rtol, atol)
         if rtol is None:
             precision = resolve_precision(dtype)
             rtol, atol = precision.rtol, precision.atol
-        for name, value in (("rtol", rtol), ("atol", atol)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise InvalidArgument.value(name, value, "a number >= 0")
         if rtol == 0 and atol == 0:
             raise InvalidArgument.value("atol", atol, "rtol or atol above 0 (a zero tolerance has no margin)")
         return cls(float(rtol), float(atol))

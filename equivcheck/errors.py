@@ -7,6 +7,7 @@ value it got and what is allowed. A failed equivalence raises :class:`NotEquival
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 
@@ -57,6 +58,38 @@ def expect_callable(argument: str, value: object) -> None:
         raise InvalidArgument.type(argument, value, "a callable")
 
 
+def expect_number(argument: str, value: object, *, minimum: float, maximum: float, strict: bool = False) -> float:
+    """Return ``value`` if it is a finite real number within bounds (above ``minimum`` when ``strict``)."""
+    low = f"> {minimum:g}" if strict else f">= {minimum:g}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgument.type(argument, value, f"a number {low} and <= {maximum:g}")
+    if not (math.isfinite(value) and (value > minimum if strict else value >= minimum) and value <= maximum):
+        raise InvalidArgument.value(argument, value, f"a finite number {low} and <= {maximum:g}")
+    return float(value)
+
+
+MAX_TIMEOUT = 86_400.0  # seconds: a day bounds any job, and keeps select() and sleep() from overflowing
+MAX_SEED = 2**32 - 1  # numpy's seeds stop here
+
+
+def expect_tolerances(rtol: object, atol: object) -> None:
+    """rtol and atol go together, each a finite number >= 0: an infinite tolerance would pass anything."""
+    if (rtol is None) != (atol is None):
+        raise InvalidArgument.value("rtol" if rtol is not None else "atol", rtol if rtol is not None else atol,
+                                    f"rtol and atol given together (rtol={rtol!r}, atol={atol!r})")
+    if rtol is not None:
+        expect_number("rtol", rtol, minimum=0, maximum=1)
+        expect_number("atol", atol, minimum=0, maximum=1)
+
+
+def expect_timeout(timeout: object) -> float:
+    return expect_number("timeout", timeout, minimum=0, maximum=MAX_TIMEOUT, strict=True)
+
+
+def expect_seed(seed: object) -> int:
+    return expect_int("seed", seed, minimum=0, maximum=MAX_SEED)
+
+
 class WorkerError(EquivcheckError, RuntimeError):
     """A worker rank raised, hung past its timeout or died; the message names the rank(s).
 
@@ -70,3 +103,11 @@ class WorkerError(EquivcheckError, RuntimeError):
 
 class Unavailable(EquivcheckError):
     """This machine cannot run the regime (for example: no GPUs for nccl or DataParallel)."""
+
+
+class NonFinite(EquivcheckError, ArithmeticError):
+    """A run produced a NaN or an infinity: a loss, a gradient or a weight. Nothing can be compared."""
+
+
+class Interrupted(BaseException):
+    """SIGTERM asked the command to stop; like KeyboardInterrupt, not an error of the code checked."""

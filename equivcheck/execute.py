@@ -6,7 +6,7 @@ import dataclasses
 
 from .case import Case
 from .distributed import launcher, pool
-from .errors import InvalidArgument, Unavailable
+from .errors import InvalidArgument, Unavailable, expect_timeout
 from .precision import Precision, registered_name
 from .regimes import Regime, parse_regime
 from .registry import all_cases, case_source, resolve_case
@@ -26,14 +26,13 @@ def run(case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED, tim
     """
     case = resolve_case(case)
     regime = parse_regime(regime)
+    expect_timeout(timeout)
     regime.validate(case)
     reason = regime.unavailable()
     if reason is not None:
         raise Unavailable(reason)
     if not regime.distributed:
         return run_here(case, regime, seed=seed, **options)
-    if not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise InvalidArgument.value("timeout", timeout, "a number of seconds > 0")
     if all_cases().get(case.name) is not case:
         raise InvalidArgument(
             f"case={case.name!r} is not allowed here: worker processes import cases themselves, so distributed "

@@ -256,6 +256,8 @@ def parse_regime(spec: str | Regime) -> Regime:
         if key not in fields or not eq:
             allowed = ", ".join(f"{k}=..." for k in fields) or "no parameters"
             raise InvalidArgument(f"regime spec {spec!r}: {item!r} is not allowed: {name} takes {allowed}")
+        if key in kwargs:
+            raise InvalidArgument(f"regime spec {spec!r}: {key} is given twice: expected each parameter once")
         kwargs[key] = _convert(key, raw.strip(), _FIELD_TYPES[str(fields[key].type)])
     missing = [k for k, f in fields.items() if k not in kwargs and f.default is dataclasses.MISSING]
     if missing:

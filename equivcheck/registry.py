@@ -6,6 +6,7 @@ import hashlib
 import importlib
 import importlib.util
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -81,7 +82,29 @@ def resolve_case(case: Case | str) -> Case:
 
 
 def load_cases_from(source: str) -> None:
-    """Import a module by name or a Python file by path, so that its ``register_case`` calls run."""
+    """Import a module by name or a Python file by path, so that its ``register_case`` calls run.
+
+    A source that cannot be imported (a syntax error, an exception, a missing package) is a usage
+    error naming the file and line, ``cases.py:3: ZeroDivisionError: division by zero``."""
+    try:
+        _import_source(source)
+    except InvalidArgument:
+        raise
+    except Exception as error:
+        raise InvalidArgument(f"cases_from={source!r} could not be imported: {_where(error)}") from error
+
+
+def _where(error: Exception) -> str:
+    """``file:line: Type: message`` for the innermost frame of the failure (a syntax error's own place)."""
+    if isinstance(error, SyntaxError) and error.filename:
+        return f"{error.filename}:{error.lineno}: {type(error).__name__}: {error.msg}"
+    frames = traceback.extract_tb(error.__traceback__)
+    user = [f for f in frames if "importlib" not in f.filename and f.filename != __file__] or frames
+    place = f"{user[-1].filename}:{user[-1].lineno}: " if user else ""
+    return f"{place}{type(error).__name__}: {error}"
+
+
+def _import_source(source: str) -> None:
     path = Path(source)
     if source.endswith(".py") or path.is_file():
         if not path.is_file():

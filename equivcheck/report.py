@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable
-from pathlib import Path
 
-from .check import Outcome, Report, Verdict
+from .check import Outcome, Report, Status, Verdict
 from .savings import format_bytes
 
 LABELS = {
@@ -103,12 +102,17 @@ def render_skips(report: Report) -> str:
     return "\n".join(f"skipped: {reason}" for reason in reasons)
 
 
-def render_summary(report: Report, seconds: float) -> str:
+def render_summary(report: Report, seconds: float, interrupted: str | None = None) -> str:
     counts: dict[str, int] = {}
     for o in report.outcomes:
         counts[o.verdict.value] = counts.get(o.verdict.value, 0) + 1
-    tally = ", ".join(f"{n} {verdict}" for verdict, n in counts.items())
-    status = "all as expected" if report.ok else f"{len(report.failures)} not as expected"
+    tally = ", ".join(f"{n} {verdict}" for verdict, n in counts.items()) or "none finished"
+    if interrupted:
+        status = f"interrupted by {interrupted}"
+    elif report.status is Status.NOTHING_CHECKED:
+        status = "nothing was checked: every check was skipped" if report.outcomes else "nothing was checked"
+    else:
+        status = "all as expected" if report.ok else f"{len(report.failures)} not as expected"
     return f"{len(report.outcomes)} checks: {tally}; {status} in {seconds:.1f} s"
 
 
@@ -116,8 +120,10 @@ def to_rows(report: Report) -> list[dict]:
     return [_row(o) for o in report.outcomes]
 
 
-def write_json(report: Report, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(to_rows(report), indent=2) + "\n")
+def json_document(rows: list[dict], interrupted: str | None = None) -> str:
+    """The one JSON format of the CLI and the plugin: the status of the whole run beside every row."""
+    status = "interrupted" if interrupted else Status.of(Verdict(r["verdict"]) for r in rows).value
+    return json.dumps({"status": status, "interrupted": bool(interrupted), "rows": rows}, indent=2) + "\n"
 
 
 def _row(o: Outcome) -> dict:

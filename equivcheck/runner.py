@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -11,7 +13,7 @@ from torch.optim import Optimizer
 
 from .case import Batch, Case, Objective
 from .communication import CommCounter
-from .errors import InvalidArgument, Unavailable
+from .errors import InvalidArgument, NonFinite, Unavailable
 from .memory import activation_meter
 from .precision import Precision, resolve_precision
 from .regimes import Regime, parse_regime
@@ -51,12 +53,14 @@ def run(
                 activation_meter(model, data, enabled=measure_memory) as memory:
             losses = tuple(None if loss is None else float(loss)
                            for loss in regime.train(module, optimizer, batches, objective))
+    weights = snapshot(model.named_parameters())
+    ensure_finite(str(regime), losses, recorder.grads, weights)
     return RunResult(
         case=case.name,
         regime=str(regime),
         losses=losses,
         grads=tuple(recorder.grads),
-        weights=snapshot(model.named_parameters()),
+        weights=weights,
         buffers=snapshot((n, b) for n, b in model.named_buffers() if b.is_floating_point()),
         seconds=time.perf_counter() - started,
         syncs=None if counter is None else tuple(recorder.syncs),
@@ -65,6 +69,22 @@ def run(
         peak_activation_bytes=memory.peak,
         memory_method=memory.method,
     )
+
+
+def ensure_finite(regime: str, losses: Sequence[float | None], grads: Sequence[dict[str, Tensor]],
+                  weights: dict[str, Tensor]) -> None:
+    """A NaN or an infinity is an error of its own: it compares unequal even to itself, and would
+    otherwise read as a reference that disagrees with itself, or as a regime's mismatch."""
+    for step, loss in enumerate(losses):
+        if loss is not None and not math.isfinite(loss):
+            raise NonFinite(f"non-finite loss ({loss}) at step {step} under {regime}")
+    for step, named in enumerate(grads):
+        for name, grad in named.items():
+            if not bool(torch.isfinite(grad).all()):
+                raise NonFinite(f"non-finite gradient of {name!r} at step {step} under {regime}")
+    for name, weight in weights.items():
+        if not bool(torch.isfinite(weight).all()):
+            raise NonFinite(f"non-finite weight {name!r} after the last step under {regime}")
 
 
 def build_model(case: Case, precision: Precision | None = None, device: torch.device | None = None) -> nn.Module:

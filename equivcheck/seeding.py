@@ -9,12 +9,15 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from .errors import expect_seed
+
 DEFAULT_SEED = 0
 
 
 @contextmanager
 def seeded(seed: int = DEFAULT_SEED) -> Iterator[None]:
     """Seed python, numpy and torch for the block, and give the caller's RNG states back after."""
+    expect_seed(seed)
     py_state, np_state = random.getstate(), np.random.get_state()
     with torch.random.fork_rng(devices=[]):
         random.seed(seed)

@@ -3,7 +3,6 @@ controller, or the only process), and writes the matrix and the JSON rows at the
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -47,4 +46,6 @@ class Controller:
 
     def pytest_sessionfinish(self) -> None:
         if self.json_path:
-            Path(self.json_path).write_text(json.dumps([r["row"] for r in self.rows], indent=2) + "\n")
+            from equivcheck.report import json_document
+
+            Path(self.json_path).write_text(json_document([r["row"] for r in self.rows]))

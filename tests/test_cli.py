@@ -37,7 +37,7 @@ def test_run_prints_the_matrix_and_writes_json(tmp_path, capsys):
     assert rows[0].split()[:4] == ["mlp", "ok", "0e+00", "ok"]
     assert rows[1].split()[3] == "caught"
     assert "4 checks: 3 equivalent, 1 expected_mismatch; all as expected" in out
-    records = json.loads(path.read_text())
+    records = json.loads(path.read_text())["rows"]
     assert [(r["case"], r["regime"], r["verdict"]) for r in records] == [
         ("mlp", "full_batch", "equivalent"), ("mlp", "accumulate:chunks=5", "equivalent"),
         ("batchnorm_cnn", "full_batch", "equivalent"), ("batchnorm_cnn", "accumulate:chunks=5", "expected_mismatch"),

@@ -138,7 +138,7 @@ def test_torchrun_runs_the_ddp_regimes_in_the_launchers_group(tmp_path):
     assert done.stdout.count("checks:") == 1  # rank 0 reports, rank 1 stays quiet
     assert "8 checks: 6 equivalent, 2 expected_mismatch; all as expected" in done.stdout
     import json
-    rows = {(r["case"], r["regime"]): r["verdict"] for r in json.loads(out.read_text())}
+    rows = {(r["case"], r["regime"]): r["verdict"] for r in json.loads(out.read_text())["rows"]}
     assert rows[("seed003_article", "ddp:world_size=2")] == "equivalent"
     assert rows[("ddp_uneven_shards", "ddp_padded_sampler:world_size=2")] == "expected_mismatch"
 

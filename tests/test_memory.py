@@ -189,7 +189,7 @@ def test_matrix_and_json_show_peak_and_ratio(tmp_path, capsys):
     memory_rows = [line.split() for line in out.splitlines() if line.startswith("mlp ")]
     assert memory_rows[1] == ["mlp", "1.2", "KiB", "1.00x", "320", "B", "0.25x", "1.2", "KiB", "1.02x!"]
     assert f"mlp under summed_loss:chunks=4 {SAVES_NOTHING} (peak 1.019x the reference's)" in out
-    rows = json.loads(path.read_text())
+    rows = json.loads(path.read_text())["rows"]
     assert [(r["peak_activation_bytes"], r["memory_ratio"], r["memory_note"]) for r in rows] == [
         (1256, 1.0, ""), (320, 320 / 1256, ""), (1280, 1280 / 1256, SAVES_NOTHING)]
     assert {r["memory_method"] for r in rows} == {SAVED_TENSORS}

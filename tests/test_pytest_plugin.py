@@ -106,12 +106,12 @@ def test_generated_failure_shows_the_mismatch_not_a_traceback_and_json_matches_t
     result.stdout.fnmatch_lines(["*wrongly_trusted under naive_accumulate:chunks=5: mismatch*",
                                  "*grad of '2.weight' mismatched from step 0*"])
     result.stdout.no_fnmatch_line("*Traceback*")
-    rows = json.loads(out.read_text())
+    rows = json.loads(out.read_text())["rows"]
     assert [(r["case"], r["regime"], r["verdict"]) for r in rows] == [
         ("wrongly_trusted", "accumulate:chunks=5", "equivalent"),
         ("wrongly_trusted", "naive_accumulate:chunks=5", "mismatch")]
     assert rows[1]["margin"] > 100 and rows[1]["first_divergent_step"] == 0
-    cli_rows = json.loads(cli_out.read_text())
+    cli_rows = json.loads(cli_out.read_text())["rows"]
     assert [{**r, "seconds": 0} for r in cli_rows] == [{**r, "seconds": 0} for r in rows]
 
 
@@ -217,7 +217,7 @@ def test_xdist_two_workers_give_the_same_verdicts_and_one_matrix(pytester):
                                   "batchnorm_cnn*ok *caught *caught *skipped"])
 
     def verdicts(path):
-        return sorted((r["case"], r["regime"], r["verdict"], r["first_divergent_step"]) for r in json.loads(path.read_text()))
+        return sorted((r["case"], r["regime"], r["verdict"], r["first_divergent_step"]) for r in json.loads(path.read_text())["rows"])
 
     assert verdicts(parallel_json) == verdicts(serial_json) and len(verdicts(serial_json)) == 10
 

@@ -2,9 +2,14 @@
 
 Spawning a process group costs seconds (a fresh interpreter, torch, rendezvous); a job on a warm
 pool costs milliseconds. The rendezvous is a file in a fresh temporary folder, so pools never
-collide on a port (``pytest -n 2`` runs several side by side). Any fault (a rank that raises,
-hangs past the timeout or dies) tears the whole pool down, leaving no process behind; the next
-job starts a fresh one.
+collide (``pytest -n 2`` runs several side by side); gloo's own connections between the ranks
+listen on the loopback interface only. Any fault (a rank that raises, hangs past the timeout or
+dies) and any exception while a job is in flight (Ctrl-C included) tears the whole pool down,
+leaving no process behind: a reply left unread must never answer the next job. Every job carries
+its number and every reply names the job it answers; the next job starts a fresh pool.
+
+Ranks run in a session of their own, so a terminal's Ctrl-C reaches only the parent, which stops
+them; ranks whose parent died remove the pool's folder and exit.
 """
 
 from __future__ import annotations
@@ -20,8 +25,8 @@ import tempfile
 import time
 from multiprocessing.connection import wait
 
-from ..errors import WorkerError
-from .worker import stack_file
+from ..errors import InvalidArgument, WorkerError
+from .worker import INSIDE_RANK_VARIABLE, stack_file
 
 DEFAULT_TIMEOUT = 60.0  # seconds a job may take on its ranks
 START_TIMEOUT = 120.0  # seconds to start the ranks and join the process group
@@ -34,20 +39,26 @@ class WorkerPool:
         self.backend, self.world_size = backend, world_size
         self._folder = tempfile.mkdtemp(prefix="equivcheck-pool-")
         store = os.path.join(self._folder, "rendezvous")
-        # The parent's import path, so that workers import case modules by the same names.
-        env = os.environ | {"PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
+        env = os.environ | {
+            # The parent's import path, so that workers import case modules by the same names.
+            "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path),
+            # gloo's connections between the ranks listen on loopback, never on an outside interface.
+            "GLOO_SOCKET_IFNAME": LOOPBACK,
+        }
         self._conns, self._processes = [], []
-        for rank in range(world_size):
-            # A private socket pair per rank: no port, no authentication to get wrong, and EOF when either dies.
-            parent_end, child_end = multiprocessing.Pipe(duplex=True)
-            command = [sys.executable, "-m", "equivcheck.distributed", str(rank), str(world_size), backend,
-                       store, str(child_end.fileno()), str(os.getpid()), str(threads), str(start_timeout)]
-            self._processes.append(subprocess.Popen(command, env=env, pass_fds=[child_end.fileno()]))
-            child_end.close()
-            self._conns.append(parent_end)
+        self._jobs = 0  # the number of the last job sent; replies must carry it
         try:
-            self._gather(start_timeout, "start")
-        except WorkerError:
+            for rank in range(world_size):
+                # A private socket pair per rank: no port, no authentication to get wrong, and EOF when either dies.
+                parent_end, child_end = multiprocessing.Pipe(duplex=True)
+                self._conns.append(parent_end)
+                command = [sys.executable, "-m", "equivcheck.distributed", str(rank), str(world_size), backend,
+                           store, str(child_end.fileno()), str(os.getpid()), str(threads), str(start_timeout)]
+                self._processes.append(subprocess.Popen(command, env=env, pass_fds=[child_end.fileno()],
+                                                        start_new_session=True))
+                child_end.close()
+            self._gather(start_timeout, "start", job=0)
+        except BaseException:
             self.close()
             raise
 
@@ -56,18 +67,27 @@ class WorkerPool:
         return bool(self._processes) and all(p.poll() is None for p in self._processes)
 
     def run(self, job: dict, timeout: float = DEFAULT_TIMEOUT) -> list[dict]:
-        """Send ``job`` to every rank and return each rank's reply; a fault closes the pool and raises."""
+        """Send ``job`` to every rank and return each rank's reply.
+
+        A fault, and any exception while the job is in flight (KeyboardInterrupt included), closes
+        the pool before it propagates: its ranks may still be working on this job."""
+        if not self.alive:
+            raise WorkerError("this pool was closed (a fault or an interrupted job); the next job starts a fresh one")
+        self._jobs += 1
         try:
             for conn in self._conns:
-                conn.send(job)
-            return self._gather(timeout, f"job {job.get('case')} under {job.get('regime')}")
-        except (WorkerError, OSError) as error:
+                conn.send((self._jobs, job))
+            return self._gather(timeout, f"job {job.get('case')} under {job.get('regime')}", job=self._jobs)
+        except OSError as error:
             self.close()
-            if isinstance(error, WorkerError):
-                raise
             raise WorkerError(f"the pool lost a rank while sending the job: {error}") from error
+        except BaseException:
+            self.close()
+            raise
 
-    def _gather(self, timeout: float, what: str) -> list:
+    def _gather(self, timeout: float, what: str, job: int) -> list:
+        """Every rank's reply to ``job``: an error reply, a reply to another job, silence past
+        ``timeout`` or a dead rank raises."""
         replies: dict[int, object] = {}
         deadline = time.monotonic() + timeout
         while len(replies) < self.world_size:
@@ -83,9 +103,14 @@ class WorkerPool:
                 )
             for rank in sorted({waitables[w] for w in ready}):
                 try:
-                    status, payload = self._conns[rank].recv()
+                    answered, status, payload = self._conns[rank].recv()
                 except EOFError:
                     raise WorkerError(f"{what}: rank {rank} died ({_exit_reason(self._processes[rank])})") from None
+                if answered != job:
+                    raise WorkerError(f"{what}: rank {rank} answered job {answered} while job {job} was waiting "
+                                      "(a protocol error); the pool was torn down")
+                if status == "usage":
+                    raise InvalidArgument(f"on worker rank {rank}: {payload}")
                 if status == "error":
                     raise WorkerError(f"{what}: rank {rank} raised {_exception_line(payload)}",
                                       remote_traceback=f"rank {rank}: {payload}")
@@ -150,11 +175,22 @@ def _exit_reason(process: subprocess.Popen) -> str:
     return f"exit code {code}"
 
 
+LOOPBACK = "lo"
 _pools: dict[tuple[str, int], WorkerPool] = {}
 
 
 def pool_for(backend: str, world_size: int) -> WorkerPool:
-    """The warm pool for (backend, world size), started on first use or after a fault."""
+    """The warm pool for (backend, world size), started on first use or after a fault.
+
+    Never inside a rank: a module that runs a check when imported would have every rank start a
+    pool of its own (1, 3, 7, 15 ... processes)."""
+    inside = os.environ.get(INSIDE_RANK_VARIABLE)
+    if inside is not None:
+        raise InvalidArgument(
+            f"a distributed check was started inside worker rank {inside} while it imported the case's module: "
+            "that module runs a check when it is imported. Put the check under `if __name__ == \"__main__\":` "
+            "(or inside a test function), so that importing the module only registers the case"
+        )
     key = (backend, world_size)
     pool = _pools.get(key)
     if pool is None or not pool.alive:
@@ -168,7 +204,7 @@ def run_job(backend: str, world_size: int, job: dict, timeout: float = DEFAULT_T
     pool = pool_for(backend, world_size)
     try:
         return pool.run(job, timeout)
-    except WorkerError:
+    except BaseException:  # the pool closed itself; it is never reused
         _pools.pop((backend, world_size), None)
         raise
 

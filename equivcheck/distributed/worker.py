@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import faulthandler
 import os
+import shutil
 import signal
 import threading
 import time
@@ -18,6 +19,7 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
+from ..errors import InvalidArgument
 from ..regimes import parse_regime
 from ..registry import get_case, load_cases_from
 from ..runner import run as train
@@ -30,9 +32,13 @@ def execute(job: dict) -> dict:
     return result.to_plain()
 
 
+INSIDE_RANK_VARIABLE = "EQUIVCHECK_INSIDE_RANK"  # set in every rank: ranks never start pools of their own
+
+
 def worker_main(rank: int, world_size: int, backend: str, store: str, conn: Connection, parent: int,
                 threads: int, start_timeout: float) -> None:
-    _exit_with_parent(parent)
+    os.environ[INSIDE_RANK_VARIABLE] = str(rank)
+    _exit_with_parent(parent, os.path.dirname(store))
     # On SIGUSR1 (sent by the pool when a job times out) dump this rank's stack where the pool can read it.
     stacks = open(stack_file(os.path.dirname(store), rank), "w")  # noqa: SIM115 (lives as long as the rank)
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
@@ -43,20 +49,23 @@ def worker_main(rank: int, world_size: int, backend: str, store: str, conn: Conn
         dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=start_timeout))
     except Exception:
-        conn.send(("error", traceback.format_exc()))
+        conn.send((0, "error", traceback.format_exc()))
         return
-    conn.send(("ready", None))
+    conn.send((0, "ready", None))
     while True:
         try:
-            job = conn.recv()
+            message = conn.recv()
         except EOFError:  # the pool is gone
             break
-        if job is None:
+        if message is None:
             break
+        number, job = message  # every reply names the job it answers
         try:
-            conn.send(("ok", execute(job)))
+            conn.send((number, "ok", execute(job)))
+        except InvalidArgument as error:  # a usage error, wherever it surfaced
+            conn.send((number, "usage", str(error)))
         except Exception:
-            conn.send(("error", traceback.format_exc()))
+            conn.send((number, "error", traceback.format_exc()))
     dist.destroy_process_group()
 
 
@@ -64,12 +73,14 @@ def stack_file(folder: str, rank: int) -> str:
     return os.path.join(folder, f"rank{rank}.stack")
 
 
-def _exit_with_parent(parent: int) -> None:
-    """A worker never outlives the process that started it, even while stuck in a collective."""
+def _exit_with_parent(parent: int, folder: str) -> None:
+    """A worker never outlives the process that started it, even while stuck in a collective; a
+    parent killed without its cleanup leaves its pool's folder to the ranks to remove."""
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(0.5)
+        shutil.rmtree(folder, ignore_errors=True)
         os._exit(1)
 
     threading.Thread(target=watch, name="equivcheck-parent-watch", daemon=True).start()
