@@ -1,4 +1,6 @@
-"""Cases whose rank 1 misbehaves inside a process group: raises, hangs, or is killed by SIGKILL.
+"""Cases that misbehave inside a process group: rank 1 raises, hangs or is killed by SIGKILL; every
+rank is slow; rank 0 interrupts the process that started the pool (SIGINT or SIGTERM, as Ctrl-C or
+a job scheduler would) in the middle of the job.
 
 On a single process (the reference run) they train normally, so only the distributed job fails.
 """
@@ -21,6 +23,14 @@ class Faulty(nn.Module):
         self.fault = fault
 
     def forward(self, x):
+        if dist.is_initialized() and self.fault == "slow":
+            time.sleep(1.0)  # a job that takes seconds: time to interrupt it
+        if dist.is_initialized() and dist.get_rank() == 0 and self.fault == "sigint":
+            os.killpg(os.getpgid(os.getppid()), signal.SIGINT)  # Ctrl-C: the terminal signals the whole group
+            time.sleep(1.0)  # still working on the job when the parent stops
+        if dist.is_initialized() and dist.get_rank() == 0 and self.fault == "sigterm":
+            os.kill(os.getppid(), signal.SIGTERM)  # a job scheduler stops the parent
+            time.sleep(1.0)
         if dist.is_initialized() and dist.get_rank() == 1:
             if self.fault == "raise":
                 raise RuntimeError("injected fault on rank 1")
@@ -31,7 +41,7 @@ class Faulty(nn.Module):
         return self.linear(x)
 
 
-for fault in ("raise", "hang", "kill"):
+for fault in ("raise", "hang", "kill", "slow", "sigint", "sigterm"):
     ec.register_case(dataclasses.replace(
         ec.get_case("mlp"), name=f"fault_{fault}", model=lambda fault=fault: Faulty(fault), split=None, regimes=None,
     ))

@@ -1,9 +1,11 @@
 """Distributed regimes on real process groups (gloo, spawned worker ranks), and their faults."""
 
+import glob
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -116,14 +118,17 @@ def test_workers_exit_when_their_parent_dies(tmp_path):
         print(*pool_for("gloo", 2).pids, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)  # no atexit, no cleanup: the ranks are on their own
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert done.returncode == -signal.SIGKILL
-    pids = [int(p) for p in done.stdout.split()]
+    killed = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    stdout, _ = killed.communicate(timeout=120)
+    assert killed.returncode == -signal.SIGKILL
+    pids = [int(p) for p in stdout.split()]
     assert len(pids) == 2
     deadline = time.monotonic() + 10
     while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(pid) for pid in pids)
+    # The parent could not remove its pool's folder; its ranks did, on their way out.
+    assert not glob.glob(os.path.join(tempfile.gettempdir(), f"{pools.FOLDER_PREFIX}{killed.pid}-*"))
 
 
 def test_torchrun_runs_the_ddp_regimes_in_the_launchers_group(tmp_path):
@@ -132,7 +137,8 @@ def test_torchrun_runs_the_ddp_regimes_in_the_launchers_group(tmp_path):
     done = subprocess.run(
         [torchrun, "--standalone", "--nproc_per_node=2", "-m", "equivcheck", "run", "--case", "seed003_article",
          "--case", "ddp_uneven_shards", "--json", str(out)],
-        capture_output=True, text=True, timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=300,
+        env=os.environ | {"OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)},  # torchrun's own log folders go there
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("checks:") == 1  # rank 0 reports, rank 1 stays quiet

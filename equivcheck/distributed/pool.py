@@ -26,6 +26,7 @@ import time
 from multiprocessing.connection import wait
 
 from ..errors import InvalidArgument, WorkerError
+from .capacity import ensure_room
 from .worker import INSIDE_RANK_VARIABLE, stack_file
 
 DEFAULT_TIMEOUT = 60.0  # seconds a job may take on its ranks
@@ -37,7 +38,7 @@ class WorkerPool:
     def __init__(self, backend: str, world_size: int, *, threads: int = WORKER_THREADS,
                  start_timeout: float = START_TIMEOUT) -> None:
         self.backend, self.world_size = backend, world_size
-        self._folder = tempfile.mkdtemp(prefix="equivcheck-pool-")
+        self._folder = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-")  # whose pool it is, by name
         store = os.path.join(self._folder, "rendezvous")
         env = os.environ | {
             # The parent's import path, so that workers import case modules by the same names.
@@ -176,6 +177,7 @@ def _exit_reason(process: subprocess.Popen) -> str:
 
 
 LOOPBACK = "lo"
+FOLDER_PREFIX = "equivcheck-pool-"
 _pools: dict[tuple[str, int], WorkerPool] = {}
 
 
@@ -196,6 +198,7 @@ def pool_for(backend: str, world_size: int) -> WorkerPool:
     if pool is None or not pool.alive:
         if pool is not None:
             pool.close()
+        ensure_room(world_size, [pid for other in _pools.values() for pid in other.pids])
         pool = _pools[key] = WorkerPool(backend, world_size)
     return pool
 

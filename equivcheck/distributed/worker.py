@@ -55,7 +55,8 @@ def worker_main(rank: int, world_size: int, backend: str, store: str, conn: Conn
     while True:
         try:
             message = conn.recv()
-        except EOFError:  # the pool is gone
+        except EOFError:  # the parent is gone without stopping its pool: its folder is left to the ranks
+            shutil.rmtree(os.path.dirname(store), ignore_errors=True)
             break
         if message is None:
             break

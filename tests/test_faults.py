@@ -1,0 +1,213 @@
+"""Faults injected into distributed checks: interruptions, signals, stale replies, runaway imports.
+
+After each one: no stale verdict (the next check is judged on its own results, and a buggy regime
+checked next is still caught), no process and no folder left behind, finished results kept.
+"""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import equivcheck as ec
+from equivcheck import Verdict
+from equivcheck.distributed import capacity
+from equivcheck.distributed import pool as pools
+
+import fault_cases  # noqa: F401  (registers the fault_* cases; workers import it by name)
+
+FAULT_CASES = str(Path(fault_cases.__file__))
+
+
+def ranks_of(parent: int) -> set[int]:
+    """The live worker ranks started by process ``parent``: their command line names its pool folder."""
+    found = set()
+    for cmdline in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            with open(cmdline, "rb") as file:
+                words = file.read().split(b"\0")
+            with open(cmdline.replace("cmdline", "stat")) as stat:
+                zombie = stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            continue
+        if b"equivcheck.distributed" in words and not zombie \
+                and any(f"{pools.FOLDER_PREFIX}{parent}-".encode() in w for w in words):
+            found.add(int(cmdline.split("/")[2]))
+    return found
+
+
+def folders_of(parent: int) -> set[str]:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), f"{pools.FOLDER_PREFIX}{parent}-*")))
+
+
+def eventually(condition, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+def assert_a_buggy_regime_is_still_caught() -> None:
+    """A stale reply would answer this job with another regime's result; a fresh one is judged on its own."""
+    result = ec.run("ddp_mean_loss_uneven_tokens", "ddp_mean_loss:world_size=2")
+    assert (result.case, result.regime) == ("ddp_mean_loss_uneven_tokens", "ddp_mean_loss:world_size=2")
+    outcome = ec.check("ddp_mean_loss_uneven_tokens", ["ddp_mean_loss:world_size=2"]).outcomes[0]
+    assert outcome.verdict is Verdict.EXPECTED_MISMATCH, outcome.describe()
+
+
+class SignalTimeout(Exception):
+    """What a per-test timeout raises from its signal handler (pytest-timeout's signal method does this)."""
+
+
+@pytest.fixture
+def alarm():
+    """Raise ``exception`` in the main thread after ``seconds``, as Ctrl-C or a timeout's signal handler would."""
+    def arm(seconds: float, exception: type[BaseException]) -> None:
+        def fire(signum, frame):
+            raise exception("injected")
+
+        signal.signal(signal.SIGALRM, fire)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+
+    previous = signal.getsignal(signal.SIGALRM)
+    yield arm
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("exception", [KeyboardInterrupt, SignalTimeout])
+def test_an_interrupted_job_closes_its_pool_and_the_next_job_gets_its_own_results(alarm, exception):
+    warm = pools.pool_for("gloo", 2)
+    ranks = set(warm.pids)
+    alarm(1.5, exception)  # the slow job takes 3 s: its replies would still be on their way
+    with pytest.raises(exception):
+        ec.run("fault_slow", "ddp:world_size=2")
+    assert not warm.alive and pools._pools.get(("gloo", 2)) is not warm
+    assert eventually(lambda: not ranks & ranks_of(os.getpid())), "a rank of the interrupted pool lives on"
+    assert_a_buggy_regime_is_still_caught()
+
+
+def test_a_reply_to_another_job_is_a_protocol_error_never_a_result():
+    warm = pools.pool_for("gloo", 2)
+    job = {"case": "mlp", "source": "equivcheck_cases.mlp", "regime": "ddp:world_size=2", "seed": 0, "options": {}}
+    for conn in warm._conns:  # a job whose replies nobody read, as if its reader had been interrupted
+        conn.send((99, job))
+    with pytest.raises(ec.WorkerError, match=r"rank \d answered job 99 while job \d+ was waiting"):
+        warm.run(job)
+    assert not warm.alive
+    assert_a_buggy_regime_is_still_caught()
+
+
+def test_an_interrupt_while_the_pool_starts_leaves_no_rank_and_no_folder(alarm):
+    me = os.getpid()
+    ranks_before, folders_before = ranks_of(me), folders_of(me)
+    alarm(0.5, KeyboardInterrupt)  # the ranks are still importing torch
+    with pytest.raises(KeyboardInterrupt):
+        pools.pool_for("gloo", 3)
+    assert ("gloo", 3) not in pools._pools
+    assert eventually(lambda: ranks_of(me) <= ranks_before), "a rank of the interrupted start lives on"
+    assert folders_of(me) <= folders_before
+    assert_a_buggy_regime_is_still_caught()
+
+
+@pytest.mark.parametrize(("fault", "code"), [("sigint", 130), ("sigterm", 143)])
+def test_the_cli_keeps_finished_verdicts_when_interrupted(tmp_path, fault, code):
+    out = tmp_path / "rows.json"
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "equivcheck", "run", "--cases-from", FAULT_CASES, "--case", "mlp",
+         "--case", f"fault_{fault}", "--regime", "accumulate:chunks=2", "--regime", "ddp:world_size=2",
+         "--json", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        start_new_session=True,  # its own process group, as a command typed at a terminal has
+    )
+    stdout, stderr = cli.communicate(timeout=240)
+    assert cli.returncode == code, stdout + stderr
+    assert "Traceback" not in stderr and "Traceback" not in stdout
+    assert f"3 checks: 3 equivalent; interrupted by {fault.upper()}" in stdout
+    document = json.loads(out.read_text())
+    assert document["interrupted"] is True and document["status"] == "interrupted"
+    assert [(r["case"], r["regime"], r["verdict"]) for r in document["rows"]] == [
+        ("mlp", "accumulate:chunks=2", "equivalent"), ("mlp", "ddp:world_size=2", "equivalent"),
+        (f"fault_{fault}", "accumulate:chunks=2", "equivalent"),
+    ]
+    assert not ranks_of(cli.pid) and not folders_of(cli.pid)
+
+
+RUNAWAY = """
+import equivcheck as ec
+from equivcheck_cases.mlp import mlp
+
+CASE = ec.register_case(__import__("dataclasses").replace(mlp, name="unguarded"))
+ec.check(CASE, ["ddp:world_size=2"]).assert_equivalent()   # no `if __name__ == "__main__":` guard
+"""
+
+
+def test_a_check_at_import_time_is_a_usage_error_in_the_parent_not_a_runaway(tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(RUNAWAY)
+    run = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    most = 0
+
+    def count() -> None:  # every process descended from the script, sampled while it runs
+        nonlocal most
+        while run.poll() is None:
+            most = max(most, len(descendants(run.pid)))
+            time.sleep(0.02)
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    stdout, stderr = run.communicate(timeout=120)
+    counter.join()
+    assert run.returncode == 1
+    assert "InvalidArgument" in stderr and 'if __name__ == "__main__":' in stderr and "worker rank" in stderr
+    assert 1 <= most <= 2, f"{most} processes descended from the script: at most the pool's 2 ranks, ever"
+    assert not ranks_of(run.pid) and not folders_of(run.pid)
+
+
+def descendants(root: int) -> set[int]:
+    parents = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as file:
+                fields = file.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.split("/")[2])] = int(fields[1])
+    found, frontier = set(), {root}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def test_the_pool_listens_on_loopback_only():
+    warm = pools.pool_for("gloo", 2)
+    inodes = {os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1] for pid in warm.pids for fd in os.listdir(f"/proc/{pid}/fd")
+              if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:[")}
+    listening = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as rows:
+            for row in list(rows)[1:]:
+                fields = row.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # state LISTEN, a socket of a rank
+                    listening.append(fields[1].split(":")[0])
+    assert listening, "gloo's ranks listen on no TCP socket: this test no longer sees where they listen"
+    loopback = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+    assert set(listening) <= loopback, f"a rank listens beyond loopback: {listening}"
+
+
+def test_a_world_size_the_machine_cannot_hold_is_refused_with_numbers(monkeypatch):
+    monkeypatch.setattr(capacity, "available_bytes", lambda: 2**30)  # a machine with 1 GiB left
+    outcome = ec.check("mlp", ["ddp:world_size=9"]).outcomes[0]
+    assert outcome.verdict is Verdict.SKIPPED
+    assert "world_size=9 needs about 9 x" in outcome.reason and "1.0 GiB available" in outcome.reason
+    assert ("gloo", 9) not in pools._pools
