@@ -52,17 +52,23 @@ def planned(settings: Settings) -> list[tuple[str, str]]:
 
 
 def generate(session: pytest.Session, settings: Settings) -> list[EquivalenceItem]:
-    """One test per planned pair; a regime that cannot run its case (too many chunks, no split) is
-    skipped, saying why."""
+    """One test per planned pair. A regime that cannot run one of the cases (too many chunks for its
+    batch, no split) is skipped there, saying why; a spec that fits none of them is a usage error,
+    as it is on the command line."""
     import equivcheck as ec
 
-    items = []
+    items, fitting, errors = [], set(), {}
     for name, spec in planned(settings):
         item = EquivalenceItem.from_parent(session, name=f"{NAME}[{name}-{spec}]", case=name, regime=spec,
                                            settings=settings)
         try:
             ec.parse_regime(spec).validate(ec.get_case(name))
+            fitting.add(spec)
         except ec.InvalidArgument as error:
             item.add_marker(pytest.mark.skip(reason=str(error)))
+            errors.setdefault(spec, error)
         items.append(item)
+    unfit = [spec for spec in errors if spec not in fitting]
+    if unfit:
+        raise pytest.UsageError(f"equivcheck: --equivcheck-regimes {unfit[0]} fits none of the cases: {errors[unfit[0]]}")
     return items

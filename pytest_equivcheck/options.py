@@ -6,12 +6,17 @@ Everything a user can misconfigure is checked here and raised as ``pytest.UsageE
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 from collections.abc import Mapping
 
 import pytest
 
 # equivcheck.precision.PRECISIONS by name, written out so that loading the plugin imports no torch.
 DTYPES = ("float64", "float32", "bf16-autocast", "fp16-autocast")
+# equivcheck.errors' bounds, written out for the same reason.
+MAX_TIMEOUT = 86_400.0
+MAX_SEED = 2**32 - 1
 # The keywords @pytest.mark.equivcheck(...) accepts: per-test defaults for the fixture's checks.
 MARKER_KEYWORDS = ("reference", "rtol", "atol", "seed", "dtype", "timeout")
 MARKER_HELP = (
@@ -80,6 +85,9 @@ class Settings:
 
     def validate(self, prefix: str) -> None:
         validate_values(self.defaults(), prefix)
+        folder = os.path.dirname(os.path.abspath(self.json)) if self.json else None
+        if folder is not None and not os.path.isdir(folder):  # found now, not after every test has run
+            raise pytest.UsageError(f"{prefix}json={self.json!r} is not allowed: expected a path in an existing folder")
 
 
 def validate_values(values: Mapping[str, object], prefix: str) -> None:
@@ -90,21 +98,27 @@ def validate_values(values: Mapping[str, object], prefix: str) -> None:
     if ("rtol" in values or "atol" in values) and (values.get("rtol") is None) != (values.get("atol") is None):
         fail("rtol" if values.get("rtol") is not None else "atol", "rtol and atol given together")
     for name in ("rtol", "atol"):
-        value = values.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0):
-            fail(name, "a number >= 0")
+        if not _number_within(values.get(name), 0, 1):
+            fail(name, "a finite number >= 0 and <= 1")
     timeout = values.get("timeout")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
-        fail("timeout", "a number of seconds > 0")
+    if not _number_within(timeout, 0, MAX_TIMEOUT) or timeout == 0:
+        fail("timeout", f"a finite number of seconds > 0 and <= {MAX_TIMEOUT:g}")
     seed = values.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        fail("seed", "an integer >= 0")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
+        fail("seed", f"an integer from 0 to {MAX_SEED}")
     dtype = values.get("dtype")
     if dtype is not None and dtype not in DTYPES:
         fail("dtype", " or ".join(repr(d) for d in DTYPES))
     reference = values.get("reference")
     if reference is not None and not isinstance(reference, str) and not callable(reference):
         fail("reference", "a regime spec str or a step function")
+
+
+def _number_within(value: object, low: float, high: float) -> bool:
+    """None (not given), or a finite real number from ``low`` to ``high``."""
+    if value is None:
+        return True
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and low <= value <= high
 
 
 def marker_values(item: pytest.Item) -> dict[str, object]:

@@ -116,3 +116,113 @@ def test_cases_from_a_missing_file_or_module():
         ec.load_cases_from("no/such/file.py")
     with pytest.raises(ec.InvalidArgument, match="cases_from='no_such_module_here'"):
         ec.load_cases_from("no_such_module_here")
+
+
+INF, NAN = float("inf"), float("nan")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"regimes": []}, "regimes=[] is not allowed: expected at least one regime spec"),
+        ({"regimes": ()}, "regimes=() is not allowed: expected at least one regime spec"),
+        ({"regimes": [4]}, "Expected a regime spec str such as 'accumulate:chunks=4' but got regime=4 (type=int)"),
+        ({"regimes": ["accumulate:chunks=2,chunks=3"]}, "chunks is given twice: expected each parameter once"),
+        ({"seed": -1}, "seed=-1 is not allowed: expected an integer from 0 to 4294967295"),
+        ({"seed": "a"}, "Expected int but got seed='a' (type=str)"),
+        ({"seed": 2**70}, "seed=1180591620717411303424 is not allowed: expected an integer from 0 to 4294967295"),
+        ({"seed": 1.5}, "Expected int but got seed=1.5 (type=float)"),
+        ({"seed": True}, "Expected int but got seed=True (type=bool)"),
+        ({"timeout": INF}, "timeout=inf is not allowed: expected a finite number > 0 and <= 86400"),
+        ({"timeout": NAN}, "timeout=nan is not allowed: expected a finite number > 0"),
+        ({"timeout": 0}, "timeout=0 is not allowed: expected a finite number > 0"),
+        ({"timeout": -1}, "timeout=-1 is not allowed"),
+        ({"timeout": "60"}, "Expected a number > 0 and <= 86400 but got timeout='60' (type=str)"),
+        ({"rtol": INF, "atol": INF}, "rtol=inf is not allowed: expected a finite number >= 0 and <= 1"),
+        ({"rtol": NAN, "atol": 1e-7}, "rtol=nan is not allowed"),
+        ({"rtol": 1e-7, "atol": -1}, "atol=-1 is not allowed"),
+        ({"rtol": "1e-3", "atol": 1e-3}, "Expected a number >= 0 and <= 1 but got rtol='1e-3' (type=str)"),
+        ({"rtol": 0, "atol": 0}, "atol=0 is not allowed: expected rtol or atol above 0"),
+        ({"atol": 1e-3}, "atol=0.001 is not allowed: expected rtol and atol given together"),
+        ({"dtype": "float16"}, "unknown dtype 'float16'; known dtypes: bf16-autocast, float32, float64"),
+        ({"dtype": torch.int64}, "dtype=torch.int64 is not allowed"),
+        ({"reference": "bogus"}, "unknown regime 'bogus'"),
+        ({"backend": "mpi", "regimes": ["ddp:world_size=2"]}, "backend='mpi' is not allowed"),
+    ],
+)
+def test_check_refuses_bad_arguments_before_running_anything(options, message):
+    calls = []
+    case = variant(model=lambda: calls.append(1) or MLP.model())
+    options = {"regimes": ["accumulate:chunks=2"], **options}
+    with pytest.raises(ec.InvalidArgument) as raised:
+        ec.check(case, options.pop("regimes"), **options)
+    assert message in str(raised.value)
+    assert calls == []
+
+
+def test_one_spec_given_where_a_list_is_expected_is_checked_as_that_spec():
+    report = ec.check("mlp", "accumulate:chunks=4")
+    assert [(o.regime, o.verdict) for o in report.outcomes] == [("accumulate:chunks=4", ec.Verdict.EQUIVALENT)]
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: ec.run("mlp", "full_batch", seed=-1), "seed=-1 is not allowed"),
+        (lambda: ec.run("mlp", "ddp:world_size=2", timeout=INF), "timeout=inf is not allowed"),
+        (lambda: ec.run(3, "full_batch"), "Expected an equivcheck.Case or a registered case name but got case=3"),
+        (lambda: ec.check_step("mlp", None), "Expected a callable but got step=None"),
+        (lambda: ec.check_step("mlp", lambda m, o, b: None, world_size=2),
+         "expected a function defined at the top level of an importable module"),
+        (lambda: ec.check_loop("mlp", "not a loop"), "Expected a callable but got loop='not a loop'"),
+        (lambda: ec.check_step("mlp", lambda m, o, b: None, seed=-1), "seed=-1 is not allowed"),
+    ],
+)
+def test_every_public_entry_names_the_bad_argument(call, message):
+    with pytest.raises(ec.InvalidArgument) as raised:
+        call()
+    assert message in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"model": nn.Linear(6, 3)}, "model=Linear(in_features=6, out_features=3, bias=True) is not allowed: expected "
+                                     "a factory that builds the model, such as model=lambda: Linear(...)"),
+        ({"data": (torch.randn(36, 6), torch.randint(0, 3, (36,)))}, "Expected a callable but got data=(tensor("),
+        ({"rtol": INF, "atol": 1e-7}, "rtol=inf is not allowed: expected a finite number >= 0 and <= 1"),
+        ({"rtol": 1e-7, "atol": -1.0}, "atol=-1.0 is not allowed"),
+        ({"expect_mismatch": ["accumulate"]}, "Expected a mapping of regime -> reason but got expect_mismatch=['accumulate']"),
+        ({"steps": 0}, "steps=0 is not allowed: expected an integer >= 1"),
+        ({"batch_size": True}, "Expected int but got batch_size=True (type=bool)"),
+    ],
+)
+def test_bad_case_fields(changes, message):
+    with pytest.raises(ec.InvalidArgument) as raised:
+        variant(**changes)
+    assert message in str(raised.value)
+
+
+def poisoned_loss(out, target):
+    """Cross entropy that turns into NaN: a loss that diverged, or a log of zero."""
+    return nn.functional.cross_entropy(out, target, reduction="none") * float("nan")
+
+
+def test_a_non_finite_loss_is_an_error_not_a_reference_that_disagrees_with_itself():
+    (outcome,) = ec.check(variant(loss=poisoned_loss), ["accumulate:chunks=2"]).outcomes
+    assert outcome.verdict is ec.Verdict.ERROR
+    assert "the reference full_batch failed: NonFinite: non-finite loss (nan) at step 0 under full_batch" in outcome.reason
+
+
+def exploding_step(model, optimizer, batch):
+    inputs, targets = batch
+    nn.functional.cross_entropy(model(inputs), targets).backward()
+    model[0].weight.grad[0, 0] = float("inf")  # an overflow in the team's own step
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_a_non_finite_gradient_names_the_parameter_and_the_step():
+    (outcome,) = ec.check_step("mlp", exploding_step).outcomes
+    assert outcome.verdict is ec.Verdict.ERROR
+    assert "non-finite gradient of '0.weight' at step 0 under step:exploding_step" in outcome.reason

@@ -141,7 +141,11 @@ def test_wide_tolerance_hides_the_pitfall(equivcheck):
         ("'mlp'", "@pytest.mark.equivcheck takes keywords only, got positional ('mlp',)"),
         ("rtol=1e-3", "@pytest.mark.equivcheck rtol=0.001 is not allowed: expected rtol and atol given together"),
         ("dtype='float16'", "@pytest.mark.equivcheck dtype='float16' is not allowed: expected 'float64' or 'float32'"),
-        ("timeout=0", "@pytest.mark.equivcheck timeout=0 is not allowed: expected a number of seconds > 0"),
+        ("timeout=0", "@pytest.mark.equivcheck timeout=0 is not allowed: expected a finite number of seconds > 0"),
+        ("timeout=float('inf')", "@pytest.mark.equivcheck timeout=inf is not allowed: expected a finite number"),
+        ("rtol=float('inf'), atol=float('inf')", "@pytest.mark.equivcheck rtol=inf is not allowed: expected a finite number"),
+        ("seed=-1", "@pytest.mark.equivcheck seed=-1 is not allowed: expected an integer from 0 to 4294967295"),
+        ("seed=2**70", "@pytest.mark.equivcheck seed=1180591620717411303424 is not allowed"),
     ],
 )
 def test_marker_mistakes_are_usage_errors(pytester, marker, message):
@@ -159,14 +163,35 @@ def test_marker_mistakes_are_usage_errors(pytester, marker, message):
         (["--equivcheck-cases", "mpl"], "equivcheck: unknown case 'mpl'; known cases: batchnorm_cnn, "),
         (["--equivcheck-cases-from", "no_such_module_xyz", "--equivcheck-cases", "all"], "cases_from='no_such_module_xyz'"),
         (["--equivcheck-rtol", "0.1"], "--equivcheck-rtol=0.1 is not allowed: expected rtol and atol given together"),
-        (["--equivcheck-timeout", "-1"], "--equivcheck-timeout=-1.0 is not allowed: expected a number of seconds > 0"),
+        (["--equivcheck-timeout", "-1"], "--equivcheck-timeout=-1.0 is not allowed: expected a finite number of seconds > 0"),
         (["--equivcheck-dtype", "float16"], "--equivcheck-dtype: invalid choice: 'float16'"),
+        (["--equivcheck-timeout", "inf"], "--equivcheck-timeout=inf is not allowed: expected a finite number"),
+        (["--equivcheck-rtol", "inf", "--equivcheck-atol", "inf"], "--equivcheck-rtol=inf is not allowed"),
+        (["--equivcheck-json", "/no/such/folder/rows.json"], "--equivcheck-json='/no/such/folder/rows.json' is not "
+                                                             "allowed: expected a path in an existing folder"),
+        (["--equivcheck-regimes", "accumulate:chunks=1000"], "--equivcheck-regimes accumulate:chunks=1000 fits none of "
+                                                             "the cases: regime 'accumulate:chunks=1000' on case"),
+        (["--equivcheck-regimes", "ddp:world_size=64"], "--equivcheck-regimes ddp:world_size=64 fits none of the cases"),
+        (["--equivcheck-regimes", "accumulate:chunks=2,chunks=3"], "chunks is given twice"),
     ],
 )
 def test_option_mistakes_are_usage_errors(pytester, args, message):
     result = pytester.runpytest(*args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"*{message}*"])
+
+
+@pytest.mark.parametrize(("source", "message"), [
+    ("x = (\n", "bad_cases.py:1: SyntaxError: '(' was never closed"),
+    ("import equivcheck\nx = 1 / 0\n", "bad_cases.py:2: ZeroDivisionError: division by zero"),
+    ("import no_such_package_xyz\n", "bad_cases.py:1: ModuleNotFoundError: No module named 'no_such_package_xyz'"),
+])
+def test_a_cases_from_file_that_cannot_be_imported_is_a_usage_error(pytester, source, message):
+    pytester.makepyfile(bad_cases=source)
+    result = pytester.runpytest("--equivcheck-cases-from", "bad_cases.py")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*equivcheck: cases_from='bad_cases.py' could not be imported: *{message}"])
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
 
 
 def test_a_check_past_its_timeout_fails(pytester):
