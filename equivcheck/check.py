@@ -192,6 +192,8 @@ def plan(case: Case | str, regimes: Iterable[str | Regime] | str | Regime | None
     case = resolve_case(case)
     if isinstance(regimes, (str, Regime)):  # one spec where a list was expected: checked as that one spec
         regimes = [regimes]
+    if regimes is not None and not isinstance(regimes, Iterable):
+        raise InvalidArgument.type("regimes", regimes, "a list of regime specs (or None: the case's own list)")
     chosen = regimes_for(case) if regimes is None else tuple(regimes)
     if not chosen:
         raise InvalidArgument.value("regimes", regimes, "at least one regime spec (None: the case's own list)")

@@ -3,6 +3,8 @@
 import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from torch import nn
 
@@ -226,3 +228,48 @@ def test_a_non_finite_gradient_names_the_parameter_and_the_step():
     (outcome,) = ec.check_step("mlp", exploding_step).outcomes
     assert outcome.verdict is ec.Verdict.ERROR
     assert "non-finite gradient of '0.weight' at step 0 under step:exploding_step" in outcome.reason
+
+
+IN_PROCESS = sorted(name for name, cls in ec.REGIMES.items() if not cls.distributed and name not in ("step", "loop"))
+junk = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True, allow_infinity=True),
+                 st.text(max_size=8), st.lists(st.integers(), max_size=2))
+spec_texts = st.one_of(
+    st.text(max_size=30),
+    st.builds(lambda name, params: f"{name}:{params}", st.sampled_from(IN_PROCESS + ["acumulate", ""]),
+              st.lists(st.tuples(st.sampled_from(["chunks", "max_norm", "detach", "chunk", ""]),
+                                 st.sampled_from(["0", "1", "2", "5", "-1", "x", "1.5", "", "1e9"])), max_size=3)
+              .map(lambda pairs: ",".join(f"{k}={v}" for k, v in pairs))),
+)
+
+
+@given(regimes=st.one_of(spec_texts, st.lists(spec_texts, max_size=3), junk),
+       seed=st.one_of(st.just(0), junk), timeout=st.one_of(st.just(60), junk),
+       tolerance=st.one_of(st.just((None, None)), st.tuples(junk, junk)),
+       dtype=st.one_of(st.none(), st.sampled_from(["float32", "float16", "bf16-autocast"]), junk))
+@settings(max_examples=150)
+def test_malformed_arguments_give_a_named_error_or_a_verdict_never_another_exception(regimes, seed, timeout,
+                                                                                     tolerance, dtype):
+    rtol, atol = tolerance
+    try:
+        report = ec.check("seed004_linear", regimes, seed=seed, timeout=timeout, rtol=rtol, atol=atol, dtype=dtype,
+                          measure_memory=False)
+    except ec.InvalidArgument as error:
+        assert str(error)
+    else:
+        assert report.outcomes and all(isinstance(o.verdict, ec.Verdict) for o in report.outcomes)
+
+
+@given(changes=st.dictionaries(st.sampled_from(["name", "batch_size", "steps", "model", "data", "loss", "optimizer",
+                                                "split", "dtype", "rtol", "atol", "expect_mismatch", "items"]),
+                               junk, max_size=3))
+@settings(max_examples=100)
+def test_malformed_case_fields_give_a_named_error(changes):
+    try:
+        case = variant(**changes)
+    except ec.InvalidArgument as error:
+        assert str(error)
+        return
+    try:
+        ec.check(case, ["accumulate:chunks=2"], measure_memory=False)
+    except ec.InvalidArgument as error:
+        assert str(error)

@@ -65,11 +65,62 @@ def test_unexpected_verdict_exits_1_and_explains(tmp_path, capsys):
         (["run", "--case", "mlp", "--regime", "accumulate:chunks=0"], "chunks=0 is not allowed"),
         (["run", "--case", "mlp", "--rtol", "1e-3"], "rtol and atol given together"),
         (["run", "--cases-from", "missing_module_xyz"], "cases_from='missing_module_xyz'"),
+        (["run", "--case", "mlp", "--rtol", "inf", "--atol", "inf"], "rtol=inf is not allowed: expected a finite number"),
+        (["run", "--case", "mlp", "--timeout", "inf"], "timeout=inf is not allowed: expected a finite number > 0"),
+        (["run", "--case", "mlp", "--regime", "accumulate:chunks=2,chunks=3"], "chunks is given twice"),
+        (["run", "--case", "mlp", "--json", "/no/such/folder/rows.json"],
+         "--json='/no/such/folder/rows.json' is not allowed: expected a file that can be written (No such file"),
+        (["catalogue", "--json", "/no/such/folder/rows.json"], "--json='/no/such/folder/rows.json' is not allowed"),
     ],
 )
 def test_usage_errors_exit_2(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("source", "message"), [
+    ("x = (\n", "bad_cases.py:1: SyntaxError: '(' was never closed"),
+    ("import equivcheck\nx = 1 / 0\n", "bad_cases.py:2: ZeroDivisionError: division by zero"),
+    ("import no_such_package_xyz\n", "bad_cases.py:1: ModuleNotFoundError: No module named 'no_such_package_xyz'"),
+])
+def test_a_cases_from_file_that_cannot_be_imported_exits_2_naming_file_and_line(tmp_path, capsys, source, message):
+    bad = tmp_path / "bad_cases.py"
+    bad.write_text(source)
+    assert main(["run", "--cases-from", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"cases_from={str(bad)!r} could not be imported: {tmp_path}/{message}" in err
+    assert "Traceback" not in err
+
+
+def test_a_run_that_errored_exits_3_and_its_json_says_so(tmp_path, capsys):
+    import fault_cases  # noqa: F401  (registers fault_raise: rank 1 raises inside DDP)
+
+    path = tmp_path / "rows.json"
+    code = main(["run", "--case", "fault_raise", "--regime", "accumulate:chunks=2", "--regime", "ddp:world_size=2",
+                 "--json", str(path)])
+    assert code == 3
+    document = json.loads(path.read_text())
+    assert document["status"] == "error" and document["interrupted"] is False
+    assert [r["verdict"] for r in document["rows"]] == ["equivalent", "error"]
+    assert "rank 1 raised RuntimeError: injected fault on rank 1" in document["rows"][1]["reason"]
+
+
+def test_a_mismatch_outranks_an_error_in_the_exit_code():
+    import fault_cases  # noqa: F401
+
+    # mlp under naive_accumulate: a finding (exit 1); fault_raise under ddp: an error (exit 3 alone)
+    code = main(["run", "--case", "mlp", "--case", "fault_raise", "--regime", "naive_accumulate:chunks=5",
+                 "--regime", "ddp:world_size=2"])
+    assert code == 1
+
+
+def test_nothing_checked_exits_5_with_the_reason(capsys):
+    code = main(["run", "--case", "mlp", "--regime", "ddp:world_size=2", "--backend", "nccl"])
+    out = capsys.readouterr().out
+    if code != 5:
+        pytest.skip("this machine has GPUs for nccl: the check ran")
+    assert "skipped: nccl needs one CUDA device per rank" in out
+    assert "1 checks: 1 skipped; nothing was checked: every check was skipped" in out
 
 
 def test_python_dash_m_works_the_same():
