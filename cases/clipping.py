@@ -8,7 +8,7 @@ MAX_NORM is below the gradient norm of every step, so clipping is active in the 
 import dataclasses
 
 import equivcheck as ec
-from equivcheck.pitfalls import clipping_optimizer
+from equivcheck.regimes.pitfalls import clipping_optimizer
 
 from .mlp import mlp
 

@@ -2,25 +2,23 @@
 
 __version__ = "0.1.0"  # the one place the version is written (pyproject reads it)
 
-from . import ddp_regimes  # noqa: F401  (registers the distributed regimes)
 from .case import Batch, Case, Objective, default_optimizer
 from .check import Outcome, Report, Verdict, check, check_all, regimes_for
 from .compare import Comparison, Mismatch, Tolerance, compare
 from .errors import EquivcheckError, InvalidArgument, MemoryNotSaved, NotEquivalent, Unavailable, WorkerError
 from .precision import PRECISIONS, Precision
-from .regimes import DEFAULT_REGIMES, REGIMES, Regime, parse_regime
-from . import pitfalls  # noqa: E402,F401  (registers the pitfall regimes into REGIMES)
+from .regimes import DEFAULT_REGIMES, REGIMES, Regime, SummedLoss, parse_regime, register_regime
 from .registry import all_cases, builtin_cases, get_case, load_cases_from, register_case
 from .result import RunResult
-from .execute import run
+from .dispatch import run
 from .seeding import DEFAULT_SEED
 from .step import check_loop, check_step
-from .summed_loss import SummedLoss  # registers the summed_loss regime
 
 __all__ = [
     "DEFAULT_REGIMES", "DEFAULT_SEED", "REGIMES", "Batch", "Case", "Comparison", "EquivcheckError",
     "InvalidArgument", "MemoryNotSaved", "Mismatch", "NotEquivalent", "Objective", "Outcome", "PRECISIONS",
     "Precision", "Regime", "Report", "RunResult", "SummedLoss", "Tolerance", "Unavailable", "Verdict",
     "WorkerError", "all_cases", "builtin_cases", "check", "check_all", "check_loop", "check_step", "compare",
-    "default_optimizer", "get_case", "load_cases_from", "parse_regime", "regimes_for", "register_case", "run",
+    "default_optimizer", "get_case", "load_cases_from", "parse_regime", "regimes_for", "register_case",
+    "register_regime", "run",
 ]

@@ -13,9 +13,9 @@ import torch
 from .case import Case
 from .compare import Comparison, Tolerance, compare
 from .errors import InvalidArgument, MemoryNotSaved, NotEquivalent, Unavailable, expect_seed, expect_timeout
-from .execute import DEFAULT_TIMEOUT, run
+from .dispatch import DEFAULT_TIMEOUT, run
 from .precision import Precision, resolve_precision
-from .regimes import DEFAULT_REGIMES, REGIMES, DetachedPartial, Regime, parse_regime
+from .regimes import DEFAULT_REGIMES, REGIMES, Regime, parse_regime
 from .registry import all_cases, resolve_case
 from .result import RunResult
 from .savings import MemoryUse
@@ -136,7 +136,7 @@ def regimes_for(case: Case) -> tuple[str, ...]:
     """The specs a case is checked under by default: its own list, else the defaults that apply."""
     if case.regimes is not None:
         return case.regimes
-    return tuple(s for s in DEFAULT_REGIMES if case.split is not None or not s.startswith(DetachedPartial.name))
+    return tuple(s for s in DEFAULT_REGIMES if case.split is not None or not parse_regime(s).needs_split)
 
 
 def expected_mismatch(case: Case, regime: Regime) -> str | None:
@@ -313,7 +313,7 @@ def _judge(case: Case, spec: Regime, comparison: Comparison, seconds: float, res
     else:
         verdict = Verdict.EXPECTED_MISMATCH if not comparison.ok else Verdict.UNEXPECTED_MATCH
     return Outcome(case.name, str(spec), verdict, comparison, reason, seconds, result,
-                   memory=MemoryUse.of(spec, result, reference))
+                   memory=MemoryUse.of(spec.micro_batches(case) > 1, result, reference))
 
 
 def _distributed_problems(spec: Regime, result: RunResult, comparison: Comparison) -> tuple[str, ...]:

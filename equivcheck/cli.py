@@ -21,7 +21,7 @@ from . import report as render
 from .check import Report, Status, iter_outcomes, plan_all, regimes_for
 from .distributed import launcher
 from .errors import Interrupted, InvalidArgument
-from .execute import DEFAULT_TIMEOUT
+from .dispatch import DEFAULT_TIMEOUT
 from .precision import PRECISIONS
 from .process_exit import exit_without_teardown
 from .regimes import REGIMES

@@ -9,15 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from .regimes import Regime, SampleBySample
 from .result import RunResult
 
 SAVES_NOTHING = "accumulates gradients but saves no memory"
-
-
-def accumulates(regime: Regime) -> bool:
-    """A regime that cuts the global batch into several micro-batches, presumably to save memory."""
-    return isinstance(regime, SampleBySample) or getattr(regime, "chunks", 1) > 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,10 +24,11 @@ class MemoryUse:
     accumulates: bool
 
     @classmethod
-    def of(cls, regime: Regime, result: RunResult, reference: RunResult) -> MemoryUse:
+    def of(cls, accumulates: bool, result: RunResult, reference: RunResult) -> MemoryUse:
+        """``accumulates``: the regime cuts its batch into several micro-batches, presumably to save memory."""
         same_method = result.memory_method == reference.memory_method
         return cls(result.peak_activation_bytes, reference.peak_activation_bytes if same_method else None,
-                   result.memory_method, accumulates(regime))
+                   result.memory_method, accumulates)
 
     @property
     def ratio(self) -> float | None:

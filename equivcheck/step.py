@@ -1,4 +1,4 @@
-"""A team's own training code as a regime, so CI can gate it against a reference.
+"""The CI gate on a team's own training code: ``check_step`` and ``check_loop``.
 
 ``check_step(case, step)`` runs ``step(model, optimizer, (inputs, targets))`` once per global batch
 of the case, from the same seeded start as the reference, and compares every gradient (taken when
@@ -10,68 +10,11 @@ out of the comparison.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Iterable, Sequence
-
-from torch import Tensor, nn
-from torch.optim import Optimizer
-
-from .case import Batch, Case, Objective
+from .case import Case
 from .check import Report, check
-from .ddp_step import DdpStep, import_path
-from .errors import InvalidArgument, expect_callable
+from .errors import expect_callable
 from .regimes import Regime
-
-StepFn = Callable[[nn.Module, Optimizer, tuple[Tensor, Tensor]], object]
-LoopFn = Callable[[nn.Module, Optimizer, list[tuple[Tensor, Tensor]]], "Iterable[object] | None"]
-
-
-def _label(fn: Callable) -> str:
-    return getattr(fn, "__qualname__", None) or type(fn).__name__
-
-
-@dataclasses.dataclass(frozen=True)
-class UserCode(Regime):
-    """A regime whose work is done by the team's function ``fn``; named after it (``step:my_step``)."""
-
-    fn: Callable
-
-    def __post_init__(self) -> None:
-        expect_callable(self.name, self.fn)
-
-    def __str__(self) -> str:
-        return f"{self.name}:{_label(self.fn)}"
-
-
-@dataclasses.dataclass(frozen=True)
-class UserStep(UserCode):
-    """One optimizer step on one global batch, computed by the team's own ``fn``."""
-
-    name = "step"
-    summary = "a team's own step function: one optimizer step on one global batch"
-
-    def train_step(self, model, optimizer, batch: Batch, objective: Objective):
-        return self.fn(model, optimizer, (batch.inputs, batch.targets))
-
-
-@dataclasses.dataclass(frozen=True)
-class UserLoop(UserCode):
-    """The team's own loop over every global batch; it returns one loss per batch, or None."""
-
-    name = "loop"
-    summary = "a team's own training loop over the global batches"
-
-    def train(self, model, optimizer, batches: Sequence[Batch], objective: Objective):
-        losses = self.fn(model, optimizer, [(b.inputs, b.targets) for b in batches])
-        if losses is None:
-            return [None] * len(batches)
-        losses = list(losses)
-        if len(losses) != len(batches):
-            raise InvalidArgument(
-                f"loop {_label(self.fn)!r} returned {len(losses)} losses for {len(batches)} global batches: "
-                "expected one loss per batch, or None"
-            )
-        return losses
+from .regimes.user_code import DdpStep, LoopFn, StepFn, UserLoop, UserStep, import_path
 
 
 def check_step(
@@ -85,7 +28,7 @@ def check_step(
     """Check a team's ``step(model, optimizer, batch)`` against ``reference``: a regime spec, or another
     step function (the code before a refactor, or full batch with the same clipping).
 
-    With ``world_size`` the step runs on that many DDP ranks of the warm pool (see ``ddp_step``).
+    With ``world_size`` the step runs on that many DDP ranks of the warm pool (see ``regimes.user_code``).
     ``options`` go to :func:`equivcheck.check` (rtol, atol, seed, backend, timeout).
     """
     reference = reference if isinstance(reference, (str, Regime)) else UserStep(reference)

@@ -13,8 +13,8 @@ import torch
 
 import equivcheck as ec
 from equivcheck.cli import main
-from equivcheck.memory import SAVED_TENSORS, SavedTensorMeter
-from equivcheck.runner import build_model, load_batches
+from equivcheck.measure.activation import SAVED_TENSORS, SavedTensorMeter
+from equivcheck.training import build_model, load_batches
 from equivcheck.savings import SAVES_NOTHING
 
 BATCH_12 = ["mlp", "cnn", "tokens", "gru_decoder", "seed000_embedding_head", "batchnorm_cnn"]

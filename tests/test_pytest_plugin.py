@@ -94,6 +94,7 @@ ec.register_case(dataclasses.replace(ec.get_case("mlp"), name="wrongly_trusted",
 def isolated_registry(monkeypatch):
     """User cases registered by a test leave the registry of the outer session as it was."""
     monkeypatch.setattr(registry, "_cases", dict(registry._cases))
+    monkeypatch.setattr(registry, "_sources", dict(registry._sources))
 
 
 def test_generated_failure_shows_the_mismatch_not_a_traceback_and_json_matches_the_cli(pytester, isolated_registry):

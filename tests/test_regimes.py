@@ -24,7 +24,7 @@ def test_specs_parse_to_frozen_dataclasses():
 
 def test_uneven_chunks_keep_every_sample_once():
     case = ec.get_case("mlp")
-    from equivcheck.runner import load_batches
+    from equivcheck.training import load_batches
 
     with ec.seeding.seeded():
         batch = load_batches(case)[0]

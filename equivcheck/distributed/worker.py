@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import importlib
 import os
 import shutil
 import signal
@@ -22,12 +23,15 @@ import torch.distributed as dist
 from ..errors import InvalidArgument
 from ..regimes import parse_regime
 from ..registry import get_case, load_cases_from
-from ..runner import run as train
+from ..training import train
 
 
-def execute(job: dict) -> dict:
-    """Train one job in this process (inside an initialised process group) and return plain data."""
+def train_job(job: dict) -> dict:
+    """Train one job in this process (inside an initialised process group) and return plain data.
+
+    The case's module and the regime's are imported first: they register the names the job uses."""
     load_cases_from(job["source"])
+    importlib.import_module(job["regime_source"])
     result = train(get_case(job["case"]), parse_regime(job["regime"]), seed=job["seed"], **job["options"])
     return result.to_plain()
 
@@ -62,7 +66,7 @@ def worker_main(rank: int, world_size: int, backend: str, store: str, conn: Conn
             break
         number, job = message  # every reply names the job it answers
         try:
-            conn.send((number, "ok", execute(job)))
+            conn.send((number, "ok", train_job(job)))
         except InvalidArgument as error:  # a usage error, wherever it surfaced
             conn.send((number, "usage", str(error)))
         except Exception:

@@ -1,4 +1,5 @@
-"""``run``: train a case under a regime wherever the regime runs: in this process or on worker ranks."""
+"""Where a run goes: ``run`` trains a case under a regime in this process, on the warm pool's worker
+ranks, or in a launcher's process group, and returns one RunResult whichever it was."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ from .case import Case
 from .distributed import launcher, pool
 from .errors import InvalidArgument, Unavailable, expect_timeout
 from .precision import Precision, registered_name
-from .regimes import Regime, parse_regime
+from .regimes import Regime, parse_regime, regime_source
 from .registry import all_cases, case_source, resolve_case
 from .result import RunResult
-from .runner import run as run_here
+from .training import train
 from .seeding import DEFAULT_SEED
 
 DEFAULT_TIMEOUT = pool.DEFAULT_TIMEOUT
@@ -32,7 +33,7 @@ def run(case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED, tim
     if reason is not None:
         raise Unavailable(reason)
     if not regime.distributed:
-        return run_here(case, regime, seed=seed, **options)
+        return train(case, regime, seed=seed, **options)
     if all_cases().get(case.name) is not case:
         raise InvalidArgument(
             f"case={case.name!r} is not allowed here: worker processes import cases themselves, so distributed "
@@ -40,8 +41,8 @@ def run(case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED, tim
         )
     if isinstance(options.get("dtype"), Precision):  # workers look precision modes up by name
         options["dtype"] = registered_name(options["dtype"])
-    job = {"case": case.name, "source": case_source(case.name), "regime": str(regime), "seed": seed,
-           "options": options}
+    job = {"case": case.name, "source": case_source(case.name), "regime": str(regime),
+           "regime_source": regime_source(regime), "seed": seed, "options": options}
     backend = regime.resolved_backend
     if launcher.active():
         replies = launcher.run_job(backend, regime.world_size, job)

@@ -1,28 +1,29 @@
-"""The in-process runner: train a case under one regime from the seeded start, record everything."""
+"""Training: a case under one regime, in this process, from the seeded start, recording everything.
+
+On a worker rank this is what each rank runs; :mod:`equivcheck.dispatch` decides where a run goes.
+"""
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from .case import Batch, Case, Objective
-from .communication import CommCounter
 from .errors import InvalidArgument, NonFinite, Unavailable
-from .memory import activation_meter
+from .measure.activation import activation_meter
 from .precision import Precision, resolve_precision
-from .regimes import Regime, parse_regime
+from .regimes import CommunicationCounter, Regime, parse_regime
 from .registry import resolve_case
 from .result import RunResult
 from .seeding import DEFAULT_SEED, default_dtype, seeded
 
 
-def run(
+def train(
     case: Case | str,
     regime: Regime | str,
     *,
@@ -44,16 +45,16 @@ def run(
     with seeded(seed), default_dtype(precision.dtype):
         model = build_model(case, precision, device)
         batches = load_batches(case, precision, device)
-        optimizer = case.optimizer(model.parameters())
+        optimizer = regime.build_optimizer(case, model)
         objective = Objective(case, precision)
         module = regime.wrap(model)
-        counter = CommCounter.attach(module) if isinstance(module, DistributedDataParallel) else None
+        counter = regime.count_communication(module)
         data = [t for batch in batches for t in (batch.inputs, batch.targets)]
-        with GradRecorder(model, optimizer, counter) as recorder, \
+        with GradRecorder(model, optimizer, counter, regime.full_tensor) as recorder, \
                 activation_meter(model, data, enabled=measure_memory) as memory:
             losses = tuple(None if loss is None else float(loss)
                            for loss in regime.train(module, optimizer, batches, objective))
-    weights = snapshot(model.named_parameters())
+    weights = snapshot(model.named_parameters(), regime.full_tensor)
     ensure_finite(str(regime), losses, recorder.grads, weights)
     return RunResult(
         case=case.name,
@@ -61,7 +62,7 @@ def run(
         losses=losses,
         grads=tuple(recorder.grads),
         weights=weights,
-        buffers=snapshot((n, b) for n, b in model.named_buffers() if b.is_floating_point()),
+        buffers=snapshot(((n, b) for n, b in model.named_buffers() if b.is_floating_point()), regime.full_tensor),
         seconds=time.perf_counter() - started,
         syncs=None if counter is None else tuple(recorder.syncs),
         sync_bytes=None if counter is None else tuple(recorder.sync_bytes),
@@ -125,8 +126,10 @@ class GradRecorder:
     """Snapshot every parameter's gradient just before each ``optimizer.step``, whoever calls it,
     and, under DDP, what was communicated since the previous step."""
 
-    def __init__(self, model: nn.Module, optimizer: Optimizer, counter: CommCounter | None = None) -> None:
+    def __init__(self, model: nn.Module, optimizer: Optimizer, counter: CommunicationCounter | None = None,
+                 full_tensor: Callable[[Tensor], Tensor] = lambda t: t) -> None:
         self._named = list(model.named_parameters())
+        self._full_tensor = full_tensor
         self._optimizer = optimizer
         self._counter = counter
         self.grads: list[dict[str, Tensor]] = []
@@ -149,9 +152,11 @@ class GradRecorder:
 
     def _snapshot(self) -> dict[str, Tensor]:
         # A parameter that took no part in the step has no gradient: mathematically a zero one.
-        return snapshot((n, p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self._named)
+        return snapshot(((n, p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self._named),
+                        self._full_tensor)
 
 
-def snapshot(named) -> dict[str, Tensor]:
-    """Plain CPU copies, whatever device the run used."""
-    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in named}
+def snapshot(named, full_tensor: Callable[[Tensor], Tensor] = lambda t: t) -> dict[str, Tensor]:
+    """Plain CPU copies of the whole tensors (gathered by ``full_tensor`` where a wrapper shards them),
+    whatever device the run used."""
+    return {name: full_tensor(tensor.detach()).to("cpu", copy=True) for name, tensor in named}

@@ -5,7 +5,7 @@ DDP averages gradients over ranks equally, so the faithful loss of a rank is its
 the world size over the item count of the whole global batch: the average of those is the global
 mean, however unevenly the items fall. These regimes run inside a process group: equivcheck's
 worker pool, or a launcher's (torchrun). A rank's ``train_step`` returns its *share* of the global
-loss; the runner adds the ranks' shares up, so no extra collective is spent on reporting.
+loss; dispatch adds the ranks' shares up, so no extra collective is spent on reporting.
 """
 
 from __future__ import annotations
@@ -20,9 +20,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .case import Batch, Case, Objective
-from .errors import InvalidArgument, expect_int
-from .regimes import FullBatch, Regime, chunk_pairs, finish_step, register_regime
+from ..case import Batch, Case, Objective
+from ..errors import InvalidArgument, expect_int
+from ..measure.collectives import CommCounter
+from .base import Regime, finish_step
+from .local import FullBatch
+from .loop import backward_chunks
 
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -47,6 +50,7 @@ class Distributed(Regime):
             raise InvalidArgument.value("backend", self.backend, f"one of {', '.join(BACKENDS)}")
 
     def validate(self, case: Case) -> None:
+        super().validate(case)
         if self.world_size > case.batch_size:
             raise InvalidArgument(
                 f"regime {str(self)!r} on case {case.name!r}: world_size={self.world_size} is not allowed: expected "
@@ -79,6 +83,9 @@ class Distributed(Regime):
         device_ids = [self.device().index] if self.resolved_backend == "nccl" else None
         return DistributedDataParallel(model, device_ids=device_ids, **self.ddp_options())
 
+    def count_communication(self, module: nn.Module) -> CommCounter:
+        return CommCounter.attach(module)
+
     def rank_shard(self, batch: Batch) -> Batch:
         return shard(batch, dist.get_rank(), dist.get_world_size())
 
@@ -87,7 +94,6 @@ class Distributed(Regime):
         return lambda output, targets: objective.sum(output, targets) * self.world_size / batch.items
 
 
-@register_regime
 @dataclasses.dataclass(frozen=True)
 class Ddp(Distributed):
     name = "ddp"
@@ -121,32 +127,27 @@ class Accumulating(Distributed):
                 f"world_size={self.world_size})"
             )
 
+    def micro_batches(self, case: Case) -> int:
+        return self.chunks
+
     def sync_context(self, model: nn.Module, last: bool):
         """Skip the all-reduce on all micro-batches but the last: what no_sync() is for."""
         return contextlib.nullcontext() if last else model.no_sync()
 
     def train_step(self, model, optimizer, batch, objective):
         mine = self.rank_shard(batch)
-        parts = chunk_pairs(mine, self.chunks)
-        part_loss = self.rank_part(objective, batch)
-        total = 0.0
-        for i, (x, y) in enumerate(parts):
-            with self.sync_context(model, last=i == len(parts) - 1):
-                part = part_loss(model(x), y)
-                objective.backward(part)
-            total = total + part.detach()
+        total = backward_chunks(model, mine.inputs, mine.targets, self.chunks, self.rank_part(objective, batch),
+                                objective=objective, around=lambda last: self.sync_context(model, last))
         finish_step(optimizer, objective)
         return total / self.world_size
 
 
-@register_regime
 @dataclasses.dataclass(frozen=True)
 class DdpNoSync(Accumulating):
     name = "ddp_no_sync"
     summary = "each rank accumulates K micro-batches, no_sync() on all but the last: one all-reduce per step"
 
 
-@register_regime
 @dataclasses.dataclass(frozen=True)
 class DdpNoSyncFindUnused(Accumulating):
     name = "ddp_no_sync_find_unused"
@@ -156,7 +157,6 @@ class DdpNoSyncFindUnused(Accumulating):
         return {"find_unused_parameters": True}
 
 
-@register_regime
 @dataclasses.dataclass(frozen=True)
 class DdpNoSyncStaticGraph(Accumulating):
     name = "ddp_no_sync_static_graph"
@@ -166,7 +166,6 @@ class DdpNoSyncStaticGraph(Accumulating):
         return {"static_graph": True}
 
 
-@register_regime
 @dataclasses.dataclass(frozen=True)
 class DdpSyncEveryMicroBatch(Accumulating):
     name = "ddp_sync_every_micro_batch"
@@ -177,7 +176,6 @@ class DdpSyncEveryMicroBatch(Accumulating):
         return contextlib.nullcontext()
 
 
-@register_regime
 @dataclasses.dataclass(frozen=True)
 class DdpMeanLoss(Distributed):
     name = "ddp_mean_loss"
@@ -192,7 +190,6 @@ class DdpMeanLoss(Distributed):
         return local.detach() / self.world_size
 
 
-@register_regime
 @dataclasses.dataclass(frozen=True)
 class DdpPaddedSampler(DdpMeanLoss):
     name = "ddp_padded_sampler"
@@ -207,7 +204,6 @@ class DdpPaddedSampler(DdpMeanLoss):
         return Batch(batch.inputs[mine], batch.targets[mine], batch.count)
 
 
-@register_regime
 @dataclasses.dataclass(frozen=True)
 class DataParallel(FullBatch):
     """Full-batch training through nn.DataParallel: it scatters the batch and gathers outputs itself."""

@@ -1,8 +1,8 @@
-"""Pitfall regimes, each the way a real training loop goes wrong, and the faithful twins that fix them.
+"""Pitfall regimes, each the way a real training loop goes wrong, beside the faithful twins that fix them.
 
-Registered into ``REGIMES`` on import. A pitfall regime reproduces a bug people write (a regime's
-``pitfall = True``); the harness must report it as a mismatch wherever the bug changes the
-mathematics. Its twin does the same job the right way and must match full-batch training.
+A pitfall regime reproduces a bug people write (``pitfall = True``); the harness must report it as a
+mismatch wherever the bug changes the mathematics. Its twin does the same job the right way and must
+match full-batch training. Most are the shared micro-batch loop with one difference (``loop.py``).
 """
 
 from __future__ import annotations
@@ -10,29 +10,30 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
 
-from .case import Batch, Case, Objective, default_optimizer
-from .errors import InvalidArgument
-from .regimes import REGIMES, Chunked, Regime, backward_chunks, chunk_pairs, finish_step, global_mean_part
-
-
-def meddling_part(meddle: Callable[[], object], objective: Objective, batch: Batch) -> Callable[[Tensor, Tensor], Tensor]:
-    """A micro-batch's share of the global mean, taken after ``meddle()`` touched the gradients so far."""
-    share = global_mean_part(objective, batch)
-
-    def part(output: Tensor, targets: Tensor) -> Tensor:
-        meddle()
-        return share(output, targets)
-
-    return part
+from ..case import Batch, Objective, default_optimizer
+from ..errors import InvalidArgument, expect_number
+from .base import Chunked, Regime, finish_step
+from .loop import accumulate, backward_chunks, global_mean_part, meddling_part
 
 
 # --- the accumulation loop itself -------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class NaiveAccumulate(Chunked):
+    name = "naive_accumulate"
+    summary = "PITFALL: micro-batch mean / K; wrong whenever chunks or their item counts are uneven"
+    pitfall = True
+
+    def train_step(self, model, optimizer, batch, objective):
+        return accumulate(model, optimizer, batch, objective, self.chunks,
+                          lambda output, targets: objective.mean(output, targets) / self.chunks)
+
 
 @dataclasses.dataclass(frozen=True)
 class ZeroGradInside(Chunked):
@@ -42,9 +43,7 @@ class ZeroGradInside(Chunked):
 
     def train_step(self, model, optimizer, batch, objective):
         zeroing = meddling_part(optimizer.zero_grad, objective, batch)  # the bug: earlier parts thrown away
-        loss = backward_chunks(model, batch.inputs, batch.targets, self.chunks, zeroing, objective=objective)
-        finish_step(optimizer, objective)
-        return loss
+        return accumulate(model, optimizer, batch, objective, self.chunks, zeroing)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,14 +53,8 @@ class StepPerMicroBatch(Chunked):
     pitfall = True
 
     def train_step(self, model, optimizer, batch, objective):
-        part_loss = global_mean_part(objective, batch)
-        total = 0.0
-        for x, y in chunk_pairs(batch, self.chunks):
-            part = part_loss(model(x), y)
-            objective.backward(part)
-            finish_step(optimizer, objective)
-            total = total + part.detach()
-        return total
+        return backward_chunks(model, batch.inputs, batch.targets, self.chunks, global_mean_part(objective, batch),
+                               objective=objective, after=lambda: finish_step(optimizer, objective))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,15 +68,12 @@ class ClipPerMicroBatch(Chunked):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.max_norm, bool) or not isinstance(self.max_norm, (int, float)) or not self.max_norm > 0:
-            raise InvalidArgument.value("max_norm", self.max_norm, "a number > 0")
+        expect_number("max_norm", self.max_norm, minimum=0, maximum=math.inf, strict=True)
 
     def train_step(self, model, optimizer, batch, objective):
         clipping = meddling_part(lambda: nn.utils.clip_grad_norm_(model.parameters(), self.max_norm), objective,
                                  batch)  # the bug: clips each partial sum
-        loss = backward_chunks(model, batch.inputs, batch.targets, self.chunks, clipping, objective=objective)
-        finish_step(optimizer, objective)
-        return loss
+        return accumulate(model, optimizer, batch, objective, self.chunks, clipping)
 
 
 def clipping_optimizer(max_norm: float, make=None):
@@ -148,9 +138,7 @@ class ScalerUnscalePerMicroBatch(Chunked):
                 objective.scaler.update()  # ...and update() lets unscale_ run again on the next one
 
         unscaling = meddling_part(unscale_so_far, objective, batch)
-        loss = backward_chunks(model, batch.inputs, batch.targets, self.chunks, unscaling, objective=objective)
-        finish_step(optimizer, objective)  # step() unscales everything once more
-        return loss
+        return accumulate(model, optimizer, batch, objective, self.chunks, unscaling)  # step() unscales once more
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,10 +233,7 @@ class ReplayedDropout(Chunked):
         device = batch.inputs.device
         # The micro-batch forwards' own draws are discarded: the stream goes on as after the full batch.
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), replay.replaying():
-            loss = backward_chunks(model, batch.inputs, batch.targets, self.chunks, global_mean_part(objective, batch),
-                                   objective=objective)
-        finish_step(optimizer, objective)
-        return loss
+            return accumulate(model, optimizer, batch, objective, self.chunks)
 
 
 # --- recurrent models stepped token by token --------------------------------------------------------
@@ -264,21 +249,15 @@ class PerToken(Regime):
     detach: int = 0
     name = "per_token"
     summary = "one backward per token; detach=0 keeps the graph (full BPTT), detach=1 is seed 002's detach"
-
-    @property
-    def pitfall(self) -> bool:  # type: ignore[override]
-        return bool(self.detach)
+    # The family is seed 002's pitfall (detach=1); detach=0 is its faithful twin. Strategies never draw
+    # it as a faithful regime: their cases have no trunk that steps one token.
+    pitfall = True
+    needs_split = True
+    split_contract = "a function model -> (trunk, head) whose trunk steps one token (initial_hidden, step)"
 
     def __post_init__(self) -> None:
         if self.detach not in (0, 1) or isinstance(self.detach, bool):
             raise InvalidArgument.value("detach", self.detach, "0 (full BPTT) or 1 (hidden state detached per token)")
-
-    def validate(self, case: Case) -> None:
-        if case.split is None:
-            raise InvalidArgument(
-                f"regime {str(self)!r} on case {case.name!r}: split=None is not allowed: expected a function "
-                "model -> (trunk, head) whose trunk steps one token (initial_hidden, step)"
-            )
 
     def train_step(self, model, optimizer, batch, objective):
         trunk, head = objective.split(model)
@@ -310,8 +289,8 @@ class SamplerPad(Chunked):
     def train_step(self, model, optimizer, batch, objective):
         size = math.ceil(len(batch) / self.chunks)
         index = torch.arange(size * self.chunks, device=batch.inputs.device) % len(batch)
-        return _accumulate_on(Batch(batch.inputs[index], batch.targets[index], batch.count),
-                              self.chunks, model, optimizer, objective)
+        return accumulate(model, optimizer, Batch(batch.inputs[index], batch.targets[index], batch.count),
+                          objective, self.chunks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,18 +301,6 @@ class SamplerDrop(Chunked):
 
     def train_step(self, model, optimizer, batch, objective):
         kept = len(batch) // self.chunks * self.chunks
-        return _accumulate_on(Batch(batch.inputs[:kept], batch.targets[:kept], batch.count),
-                              self.chunks, model, optimizer, objective)
-
-
-def _accumulate_on(batch: Batch, chunks: int, model, optimizer, objective) -> Tensor:
-    """Faithful accumulation of whatever batch the sampler produced: the bug is in the data, not the sum."""
-    loss = backward_chunks(model, batch.inputs, batch.targets, chunks, global_mean_part(objective, batch),
-                           objective=objective)
-    finish_step(optimizer, objective)
-    return loss
-
-
-PITFALL_REGIMES = (ZeroGradInside, StepPerMicroBatch, ClipPerMicroBatch, ScalerAccumulate, ScalerUnscalePerMicroBatch,
-                   ScalerStepPerMicroBatch, ReplayedDropout, PerToken, SamplerPad, SamplerDrop)
-REGIMES.update({cls.name: cls for cls in PITFALL_REGIMES})
+        # Faithful accumulation of whatever batch the sampler produced: the bug is in the data, not the sum.
+        return accumulate(model, optimizer, Batch(batch.inputs[:kept], batch.targets[:kept], batch.count),
+                          objective, self.chunks)

@@ -1,0 +1,1 @@
+"""What a run measures beside its numbers: peak activation memory and gradient communication."""

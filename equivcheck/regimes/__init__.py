@@ -1,0 +1,35 @@
+"""The regimes, by family: ``base`` (the interface, specs, the registry), ``loop`` (the micro-batch
+loop they share), ``local`` (full batch and faithful accumulation), ``pitfalls`` (each bug beside its
+faithful twin), ``ddp`` (DistributedDataParallel and DataParallel), ``user_code`` (a team's own step
+or loop). A regime of your own is one module that calls :func:`register_regime` on its class.
+"""
+
+from . import ddp, local, pitfalls, user_code
+from .base import (DEFAULT_REGIMES, REGIMES, Chunked, CommunicationCounter, Regime, chunk_pairs, finish_step,
+                   parse_regime, regime_source, register_regime)
+from .loop import accumulate, backward_chunks, global_mean_part, meddling_part
+
+# Every built-in regime, registered here and only here; a name registered twice is an error.
+BUILT_IN: tuple[type[Regime], ...] = (
+    local.FullBatch, local.SampleBySample, local.Accumulate, local.RetainedGraph, local.DetachedPartial,
+    local.SummedLoss,
+    pitfalls.NaiveAccumulate, pitfalls.ZeroGradInside, pitfalls.StepPerMicroBatch, pitfalls.ClipPerMicroBatch,
+    pitfalls.ScalerAccumulate, pitfalls.ScalerUnscalePerMicroBatch, pitfalls.ScalerStepPerMicroBatch,
+    pitfalls.ReplayedDropout, pitfalls.PerToken, pitfalls.SamplerPad, pitfalls.SamplerDrop,
+    ddp.Ddp, ddp.DdpNoSync, ddp.DdpNoSyncFindUnused, ddp.DdpNoSyncStaticGraph, ddp.DdpSyncEveryMicroBatch,
+    ddp.DdpMeanLoss, ddp.DdpPaddedSampler, ddp.DataParallel,
+    user_code.DdpStep,
+)
+for _regime in BUILT_IN:
+    register_regime(_regime)
+
+# The classes by name, for code that subclasses or checks them.
+from .ddp import Distributed  # noqa: E402
+from .local import Accumulate, DetachedPartial, FullBatch, RetainedGraph, SampleBySample, SummedLoss  # noqa: E402
+
+__all__ = [
+    "BUILT_IN", "DEFAULT_REGIMES", "REGIMES", "Accumulate", "Chunked", "CommunicationCounter", "DetachedPartial",
+    "Distributed", "FullBatch", "Regime", "RetainedGraph", "SampleBySample", "SummedLoss", "accumulate",
+    "backward_chunks", "chunk_pairs", "finish_step", "global_mean_part", "meddling_part", "parse_regime",
+    "regime_source", "register_regime",
+]

@@ -1,0 +1,209 @@
+"""The regime interface, spec parsing and the registry.
+
+A regime is a way of computing one optimizer step on one global batch: a frozen dataclass parsed
+from a short spec (``accumulate:chunks=4``). Its ``train_step`` performs exactly one optimizer step
+the way a training loop would and returns the batch loss. Faithful regimes normalise by the item
+count of the *global* batch, so they reproduce ``full_batch`` up to rounding; pitfall regimes
+reproduce a known bug, and equivcheck must report them as mismatches.
+
+Everything the rest of the harness needs to know about a regime is asked here, never probed:
+where it runs (``world_size``, ``distributed``, ``device``), how it cuts the batch
+(``micro_batches``), what it needs of a case (``needs_split``), how it wraps the model and builds
+the optimizer, how it counts communication and reads full tensors back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import ClassVar, Protocol
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from ..case import Batch, Case, Objective
+from ..errors import InvalidArgument, expect_int
+
+
+@dataclasses.dataclass(frozen=True)
+class Regime:
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    pitfall: ClassVar[bool] = False
+    distributed: ClassVar[bool] = False  # runs on every rank of a process group (see equivcheck.distributed)
+    world_size: ClassVar[int] = 1  # ranks a step runs on; a distributed regime's own field overrides it
+    syncs_per_step: ClassVar[int | None] = None  # gradient all-reduce rounds a faithful step makes
+    needs_split: ClassVar[bool] = False  # trains the case's trunk and head apart: the case must give split=
+    split_contract: ClassVar[str] = "a function model -> (trunk, head) with head(trunk(x)) == model(x)"
+
+    def __str__(self) -> str:
+        """The canonical spec: parameters in declaration order, those left at their default omitted."""
+        params = ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                          if getattr(self, f.name) != f.default)
+        return f"{self.name}:{params}" if params else self.name
+
+    def validate(self, case: Case) -> None:
+        """Raise :class:`InvalidArgument` if this regime cannot run ``case``."""
+        if self.needs_split and case.split is None:
+            raise InvalidArgument(f"regime {str(self)!r} on case {case.name!r}: split=None is not allowed: "
+                                  f"expected {self.split_contract}")
+
+    def micro_batches(self, case: Case) -> int:
+        """How many pieces one rank cuts its batch into per step: above 1, the regime accumulates
+        gradients, presumably to save memory (which the harness then measures)."""
+        return 1
+
+    def unavailable(self) -> str | None:
+        """Why this machine cannot run the regime (missing GPUs), or None: the check is skipped, not faked."""
+        return None
+
+    def device(self) -> torch.device:
+        """Where this process trains: the CPU, or its own GPU under nccl or DataParallel."""
+        return torch.device("cpu")
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """The module ``train_step`` drives: the model itself, or a DDP / DataParallel wrapper around it."""
+        return model
+
+    def build_optimizer(self, case: Case, model: nn.Module) -> Optimizer:
+        """The optimizer this regime steps (a sharded optimizer would wrap the case's own here)."""
+        return case.optimizer(model.parameters())
+
+    def count_communication(self, module: nn.Module) -> CommunicationCounter | None:
+        """A counter of the gradient synchronisations ``module`` makes per step, or None: nothing to count."""
+        return None
+
+    def full_tensor(self, tensor: Tensor) -> Tensor:
+        """``tensor`` whole, as full-batch training holds it (a sharded wrapper gathers its shards here)."""
+        return tensor
+
+    def train_step(self, model: nn.Module, optimizer: Optimizer, batch: Batch, objective: Objective) -> Tensor:
+        raise NotImplementedError
+
+    def train(
+        self, model: nn.Module, optimizer: Optimizer, batches: Sequence[Batch], objective: Objective
+    ) -> Sequence[Tensor | float | None]:
+        """Train on every global batch in turn; the batch losses (None: not reported). A whole-loop
+        regime (a team's own training loop) overrides this instead of ``train_step``."""
+        return [self.train_step(model, optimizer, batch, objective) for batch in batches]
+
+
+def finish_step(optimizer: Optimizer, objective: Objective | None = None) -> None:
+    """One optimizer step (through the objective's GradScaler if given), then clear the gradients."""
+    if objective is None:
+        optimizer.step()
+    else:
+        objective.step(optimizer)
+    optimizer.zero_grad(set_to_none=True)
+
+
+def chunk_pairs(batch: Batch, chunks: int) -> list[tuple[Tensor, Tensor]]:
+    """``chunks`` (inputs, targets) micro-batches of near-equal size (12 samples in 5: 3, 3, 2, 2, 2)."""
+    return list(zip(batch.inputs.tensor_split(chunks), batch.targets.tensor_split(chunks)))
+
+
+class CommunicationCounter(Protocol):
+    def take(self) -> tuple[int, int]:
+        """The synchronisations and bytes per rank since the last call: one optimizer step's worth."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunked(Regime):
+    """A regime that cuts the global batch into ``chunks`` micro-batches (possibly uneven)."""
+
+    chunks: int
+
+    def __post_init__(self) -> None:
+        expect_int("chunks", self.chunks)
+
+    def validate(self, case: Case) -> None:
+        super().validate(case)
+        if self.chunks > case.batch_size:
+            raise InvalidArgument(
+                f"regime {str(self)!r} on case {case.name!r}: chunks={self.chunks} is not allowed: expected an "
+                f"integer from 1 to {case.batch_size} (the case's batch_size)"
+            )
+
+    def micro_batches(self, case: Case) -> int:
+        return self.chunks
+
+
+REGIMES: dict[str, type[Regime]] = {}
+
+
+def register_regime(cls: type[Regime]) -> type[Regime]:
+    """Make a regime class reachable by its spec name; a class decorator. Worker ranks import the
+    module that defines a regime before they parse its spec, so a regime of your own is one module
+    that calls this at its top level."""
+    if cls.name in REGIMES and REGIMES[cls.name] is not cls:
+        raise InvalidArgument.value("name", cls.name, f"a regime name not registered yet (it names "
+                                    f"{REGIMES[cls.name].__module__}.{REGIMES[cls.name].__qualname__})")
+    REGIMES[cls.name] = cls
+    return cls
+
+
+def regime_source(regime: Regime) -> str:
+    """The module a worker rank imports to know ``regime``'s spec: the one that defines its class."""
+    module = type(regime).__module__
+    if module in ("__main__", "__mp_main__"):
+        raise InvalidArgument(
+            f"regime {str(regime)!r} is not allowed here: worker processes import the module that defines a regime, "
+            "so distributed checks need a regime class defined in an importable module, not in __main__"
+        )
+    return module
+
+
+DEFAULT_REGIMES = (
+    "full_batch",
+    "sample_by_sample",
+    "accumulate:chunks=5",
+    "retained_graph:chunks=5",
+    "detached_partial:chunks=5",
+    "ddp:world_size=2",
+    "ddp_no_sync:world_size=2,chunks=3",
+    "data_parallel",
+)
+
+_FIELD_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def parse_regime(spec: str | Regime) -> Regime:
+    """``'accumulate:chunks=4'`` -> ``Accumulate(chunks=4)``; a Regime passes through."""
+    if isinstance(spec, Regime):
+        return spec
+    if not isinstance(spec, str):
+        raise InvalidArgument.type("regime", spec, "a regime spec str such as 'accumulate:chunks=4'")
+    name, _, params_text = spec.strip().partition(":")
+    if name not in REGIMES:
+        raise InvalidArgument.unknown("regime", name, REGIMES)
+    cls = REGIMES[name]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, object] = {}
+    for item in filter(None, params_text.split(",")):
+        key, eq, raw = item.partition("=")
+        key = key.strip()
+        if key not in fields or not eq:
+            allowed = ", ".join(f"{k}=..." for k in fields) or "no parameters"
+            raise InvalidArgument(f"regime spec {spec!r}: {item!r} is not allowed: {name} takes {allowed}")
+        if key in kwargs:
+            raise InvalidArgument(f"regime spec {spec!r}: {key} is given twice: expected each parameter once")
+        kwargs[key] = _convert(key, raw.strip(), _FIELD_TYPES[str(fields[key].type)])
+    missing = [k for k, f in fields.items() if k not in kwargs and f.default is dataclasses.MISSING]
+    if missing:
+        example = ",".join(f"{k}=2" for k in missing)
+        raise InvalidArgument(f"regime spec {spec!r}: {name} needs {', '.join(missing)} (e.g. '{name}:{example}')")
+    return cls(**kwargs)
+
+
+def _convert(key: str, raw: str, kind: type) -> object:
+    if kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            raise InvalidArgument.type(key, raw, kind.__name__) from None
+    if kind is bool:
+        if raw not in ("0", "1", "true", "false"):
+            raise InvalidArgument.value(key, raw, "one of 0, 1, true, false")
+        return raw in ("1", "true")
+    return raw

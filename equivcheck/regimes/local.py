@@ -1,0 +1,99 @@
+"""In-process regimes: full batch (the reference) and the faithful ways of accumulating gradients.
+
+Each reproduces ``full_batch`` up to rounding, and most exist to save activation memory: sample by
+sample, micro-batches, a retained graph cut per loss part, the head of a model accumulated over
+its detached trunk output (seed 000), and seed 002's summed loss, which saves nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .base import Chunked, Regime, chunk_pairs, finish_step
+from .loop import accumulate, backward_chunks, global_mean_part
+
+
+@dataclasses.dataclass(frozen=True)
+class FullBatch(Regime):
+    name = "full_batch"
+    summary = "one forward and one backward on the global batch (the reference)"
+
+    def train_step(self, model, optimizer, batch, objective):
+        loss = objective.sum(model(batch.inputs), batch.targets) / batch.items
+        objective.backward(loss)
+        finish_step(optimizer, objective)
+        return loss.detach()
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleBySample(Regime):
+    name = "sample_by_sample"
+    summary = "one forward and backward per sample, each weighted by 1/items of the global batch"
+
+    def train_step(self, model, optimizer, batch, objective):
+        return accumulate(model, optimizer, batch, objective, len(batch))
+
+    def micro_batches(self, case):
+        return case.batch_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Accumulate(Chunked):
+    name = "accumulate"
+    summary = "K micro-batches, each loss sum / global item count, one optimizer step"
+
+    def train_step(self, model, optimizer, batch, objective):
+        return accumulate(model, optimizer, batch, objective, self.chunks)
+
+
+@dataclasses.dataclass(frozen=True)
+class RetainedGraph(Chunked):
+    name = "retained_graph"
+    summary = "forward once, backward(retain_graph=True) per loss part: same gradients, no memory saved"
+
+    def train_step(self, model, optimizer, batch, objective):
+        output = model(batch.inputs)
+        total = backward_chunks(lambda out: out, output, batch.targets, self.chunks,
+                                global_mean_part(objective, batch), retain_graph=True,
+                                objective=objective)
+        finish_step(optimizer, objective)
+        return total
+
+
+@dataclasses.dataclass(frozen=True)
+class DetachedPartial(Chunked):
+    name = "detached_partial"
+    summary = "trunk forward once, head accumulated per chunk on its detached output, trunk backward once"
+    needs_split = True
+
+    def train_step(self, model, optimizer, batch, objective):
+        trunk, head = objective.split(model)
+        features = trunk(batch.inputs)
+        detached = features.detach().requires_grad_()
+        total = backward_chunks(head, detached, batch.targets, self.chunks, global_mean_part(objective, batch),
+                                objective=objective)
+        if features.requires_grad:  # a trunk with nothing to train (identity, frozen) has no graph to back-propagate
+            features.backward(detached.grad)  # already scaled: the head's backward went through the scaler
+        finish_step(optimizer, objective)
+        return total
+
+
+@dataclasses.dataclass(frozen=True)
+class SummedLoss(Chunked):
+    """Seed 002's ``loss += item_loss``: it looks like accumulation (a forward per micro-batch, each loss
+    scaled by the global item count) but sums the losses and calls backward once, after the last
+    forward. Exact gradients, full-batch memory: every graph waits for that one backward, and the
+    harness must say both (equivalent, and "accumulates gradients but saves no memory")."""
+
+    name = "summed_loss"
+    summary = "seed 002's `loss += item_loss` over K micro-batches, one backward: exact, saves no memory"
+
+    def train_step(self, model, optimizer, batch, objective):
+        part_loss = global_mean_part(objective, batch)
+        loss = 0.0
+        for x, y in chunk_pairs(batch, self.chunks):
+            loss += part_loss(model(x), y)  # the graph of every micro-batch stays alive until backward
+        objective.backward(loss)  # through the precision mode's loss scaler, like every regime
+        finish_step(optimizer, objective)
+        return loss.detach()
+

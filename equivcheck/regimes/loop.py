@@ -1,0 +1,79 @@
+"""The micro-batch loop that every accumulating regime shares, faithful ones and pitfalls alike.
+
+A pitfall differs from its faithful twin in one place: how a micro-batch's loss is weighted, what
+touches the gradients before or after each backward, or what context each micro-batch runs in. So
+each regime is written as that one difference, passed to the same loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+from torch import Tensor
+from torch.optim import Optimizer
+
+from ..case import Batch, Objective
+from .base import finish_step
+
+PartLoss = Callable[[Tensor, Tensor], Tensor]
+
+
+def backward_chunks(
+    forward: Callable[[Tensor], Tensor],
+    inputs: Tensor,
+    targets: Tensor,
+    chunks: int,
+    part_loss: PartLoss,
+    *,
+    retain_graph: bool = False,
+    objective: Objective | None = None,
+    around: Callable[[bool], AbstractContextManager] | None = None,
+    after: Callable[[], object] | None = None,
+) -> Tensor:
+    """Back-propagate ``part_loss(forward(x), y)`` for each of ``chunks`` slices; return their summed loss.
+
+    With ``objective``, each backward goes through its GradScaler (a no-op unless the precision uses
+    one). ``around(last)`` is the context a micro-batch's forward and backward run in (DDP's
+    ``no_sync()`` on all but the last); ``after()`` runs after each backward.
+    """
+    pairs = list(zip(inputs.tensor_split(chunks), targets.tensor_split(chunks)))
+    total = 0.0
+    for i, (x, y) in enumerate(pairs):
+        with around(i == len(pairs) - 1) if around else contextlib.nullcontext():
+            part = part_loss(forward(x), y)
+            if objective is None:
+                part.backward(retain_graph=retain_graph)
+            else:
+                objective.backward(part, retain_graph=retain_graph)
+        if after is not None:
+            after()
+        total = total + part.detach()
+    return total
+
+
+def accumulate(model: Callable[[Tensor], Tensor], optimizer: Optimizer, batch: Batch, objective: Objective,
+               chunks: int, part_loss: PartLoss | None = None) -> Tensor:
+    """Gradient accumulation: a backward per micro-batch (each its share of the global mean unless
+    ``part_loss`` says otherwise), then one optimizer step. Returns the step's loss."""
+    loss = backward_chunks(model, batch.inputs, batch.targets, chunks, part_loss or global_mean_part(objective, batch),
+                           objective=objective)
+    finish_step(optimizer, objective)
+    return loss
+
+
+def global_mean_part(objective: Objective, batch: Batch) -> PartLoss:
+    """A chunk's share of the global mean: its loss sum over the item count of the whole batch."""
+    return lambda output, targets: objective.sum(output, targets) / batch.items
+
+
+def meddling_part(meddle: Callable[[], object], objective: Objective, batch: Batch) -> PartLoss:
+    """A micro-batch's share of the global mean, taken after ``meddle()`` touched the gradients so far."""
+    share = global_mean_part(objective, batch)
+
+    def part(output: Tensor, targets: Tensor) -> Tensor:
+        meddle()
+        return share(output, targets)
+
+    return part

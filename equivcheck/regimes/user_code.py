@@ -1,0 +1,120 @@
+"""A team's own training code as a regime, so CI can gate it against a reference.
+
+``UserStep`` runs ``step(model, optimizer, (inputs, targets))`` once per global batch; ``UserLoop``
+runs ``loop(model, optimizer, batches)`` over all of them (schedulers and other state that lives
+across steps belong there). ``DdpStep`` runs the step on every rank of a process group: the harness
+wraps the model in DistributedDataParallel and hands each rank its contiguous shard of the global
+batch, as a DistributedSampler would. Only plain data crosses to the worker ranks, so that step
+travels as the import path of a module-level function (``module:function``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from ..case import Batch, Objective
+from ..errors import InvalidArgument, expect_callable
+from .base import Regime
+from .ddp import Distributed
+
+
+StepFn = Callable[[nn.Module, Optimizer, tuple[Tensor, Tensor]], object]
+LoopFn = Callable[[nn.Module, Optimizer, list[tuple[Tensor, Tensor]]], "Iterable[object] | None"]
+
+
+def _label(fn: Callable) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+@dataclasses.dataclass(frozen=True)
+class UserCode(Regime):
+    """A regime whose work is done by the team's function ``fn``; named after it (``step:my_step``)."""
+
+    fn: Callable
+
+    def __post_init__(self) -> None:
+        expect_callable(self.name, self.fn)
+
+    def __str__(self) -> str:
+        return f"{self.name}:{_label(self.fn)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class UserStep(UserCode):
+    """One optimizer step on one global batch, computed by the team's own ``fn``."""
+
+    name = "step"
+    summary = "a team's own step function: one optimizer step on one global batch"
+
+    def train_step(self, model, optimizer, batch: Batch, objective: Objective):
+        return self.fn(model, optimizer, (batch.inputs, batch.targets))
+
+
+@dataclasses.dataclass(frozen=True)
+class UserLoop(UserCode):
+    """The team's own loop over every global batch; it returns one loss per batch, or None."""
+
+    name = "loop"
+    summary = "a team's own training loop over the global batches"
+
+    def train(self, model, optimizer, batches: Sequence[Batch], objective: Objective):
+        losses = self.fn(model, optimizer, [(b.inputs, b.targets) for b in batches])
+        if losses is None:
+            return [None] * len(batches)
+        losses = list(losses)
+        if len(losses) != len(batches):
+            raise InvalidArgument(
+                f"loop {_label(self.fn)!r} returned {len(losses)} losses for {len(batches)} global batches: "
+                "expected one loss per batch, or None"
+            )
+        return losses
+
+
+def import_path(fn: Callable) -> str:
+    """``module:qualname`` of ``fn``, checked to import back to ``fn`` in another process."""
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    path = f"{module}:{qualname}"
+    try:
+        found = module not in (None, "__main__") and "<" not in qualname and resolve(path) is fn
+    except (ImportError, AttributeError):
+        found = False
+    if not found:
+        raise InvalidArgument.value("step", fn, "a function defined at the top level of an importable module "
+                                    "(worker processes import the step by name to run it on every rank)")
+    return path
+
+
+def resolve(path: str) -> Callable:
+    module, _, qualname = path.partition(":")
+    found = importlib.import_module(module)
+    for part in qualname.split("."):
+        found = getattr(found, part)
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class DdpStep(Distributed):
+    name = "ddp_step"
+    summary = "a team's own step function on every DDP rank, each given its shard of the global batch"
+    fn: str = dataclasses.field(kw_only=True)  # module:function of the step
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        module, colon, function = self.fn.partition(":")
+        if not (module and colon and function):
+            raise InvalidArgument.value("fn", self.fn, "'module:function', the import path of a step function")
+
+    def train_step(self, model, optimizer, batch, objective):
+        mine = self.rank_shard(batch)
+        loss = resolve(self.fn)(model, optimizer, (mine.inputs, mine.targets))
+        if loss is None:
+            return None
+        # This rank's share of what the ranks' steps returned, averaged (dispatch adds the shares up):
+        # the global mean where shards hold equal item counts.
+        return torch.as_tensor(float(loss), dtype=torch.float64) / self.world_size
