@@ -285,7 +285,7 @@ def check_all(
 
 def with_backend(regime: Regime, backend: str | None) -> Regime:
     """``regime`` on ``backend`` where it is distributed and left to choose its backend."""
-    if backend is None or not regime.distributed or getattr(regime, "backend", None) != "auto":
+    if backend is None or not regime.distributed or regime.backend != "auto":
         return regime
     return dataclasses.replace(regime, backend=backend)
 

@@ -54,7 +54,7 @@ def pytest_report_header(config: pytest.Config) -> str:
 
         from .items import planned
 
-        sizes = sorted({getattr(ec.parse_regime(spec), "world_size", 1) for _, spec in planned(settings)})
+        sizes = sorted({ec.parse_regime(spec).world_size for _, spec in planned(settings)})
         world_sizes = ",".join(map(str, sizes)) + " (generated tests)"
     else:
         world_sizes = "per test"
