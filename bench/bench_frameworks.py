@@ -44,6 +44,8 @@ def rows():
     yield lightning, "accumulate_grad_batches=4, precision=bf16-mixed", lambda: pl.check_bf16(pl.Classifier, 4)
     yield lightning, "bug: module divides the loss by K=4 again", lambda: ec.check_loop(
         "mlp", lightning_loop(lightning_bug, accumulate_grad_batches=4))
+    yield lightning, "bug: K=5, uneven micro-batches (3,3,2,2,2), mean / K", lambda: ec.check_loop(
+        "mlp", lightning_loop(pl.Classifier, accumulate_grad_batches=5))
     accelerate = f"accelerate {version('accelerate')}"
     for k in (3, 4):
         yield accelerate, f"gradient_accumulation_steps={k}", lambda k=k: ec.check_loop("mlp", acc.accelerate_loop(k))

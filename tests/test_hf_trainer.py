@@ -72,6 +72,7 @@ def bug_case():
 def test_the_per_micro_batch_mean_is_caught():
     (outcome,) = ec.check_loop(bug_case(), trainer_loop(gradient_accumulation_steps=4)).outcomes
     assert outcome.verdict is Verdict.MISMATCH and outcome.comparison.first_divergent_step == 0
+    assert outcome.regime == "loop:trainer_loop(gradient_accumulation_steps=4)"
 
 
 def test_accumulation_steps_that_do_not_divide_the_batch_are_named():

@@ -45,6 +45,13 @@ def test_a_module_that_divides_by_k_on_top_of_lightning_is_caught():
     loop = lightning_loop(lambda model: Classifier(model, divide_by=4), accumulate_grad_batches=4)
     (outcome,) = ec.check_loop("mlp", loop).outcomes
     assert outcome.verdict is Verdict.MISMATCH and outcome.comparison.first_divergent_step == 0
+    assert outcome.regime == "loop:lightning_loop(accumulate_grad_batches=4)"
+
+
+def test_uneven_micro_batches_are_caught():
+    """12 samples in K=5 micro-batches of 3,3,2,2,2: Lightning's mean / K over-weights the big ones."""
+    (outcome,) = ec.check_loop("mlp", lightning_loop(Classifier, accumulate_grad_batches=5)).outcomes
+    assert outcome.verdict is Verdict.MISMATCH and outcome.comparison.first_divergent_step == 0
 
 
 def test_clipping_missing_from_the_reference_is_caught():

@@ -17,6 +17,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ..errors import InvalidArgument
+from .naming import call_arguments
 
 # What the reference shares with the loop, so that only the configuration under test differs: the
 # samples in order, the case's optimizer at its own learning rate, no clipping unless asked for.
@@ -47,5 +48,5 @@ def trainer_loop(**training_arguments) -> Callable:
                                         "max_steps": len(batches), **training_arguments})
             Trainer(model=model, args=args, train_dataset=samples, optimizers=(optimizer, None)).train()
 
-    loop.__qualname__ = "hf_trainer:" + ",".join(f"{key}={value}" for key, value in training_arguments.items())
+    loop.__qualname__ = f"trainer_loop({call_arguments(training_arguments)})"
     return loop

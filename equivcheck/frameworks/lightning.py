@@ -15,8 +15,10 @@ from collections.abc import Callable
 
 from torch import nn
 from torch.optim import Optimizer
+from torch.utils.data import DataLoader
 
 from ..errors import InvalidArgument, expect_callable
+from .naming import call_arguments
 
 # Plumbing only: what the loop must not do (log, save, print, validate) and where it runs.
 QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -35,8 +37,6 @@ def lightning_loop(module: Callable[[nn.Module], object], **trainer_options) -> 
     expect_callable("module", module)
 
     def loop(model: nn.Module, optimizer: Optimizer, batches: list) -> None:
-        from torch.utils.data import DataLoader
-
         lightning_module = module(model)
         trainer_class = _trainer_class(lightning_module)
         lightning_module.configure_optimizers = lambda: optimizer
@@ -45,7 +45,7 @@ def lightning_loop(module: Callable[[nn.Module], object], **trainer_options) -> 
         micro = [pair for inputs, targets in batches for pair in zip(inputs.tensor_split(k), targets.tensor_split(k))]
         trainer.fit(lightning_module, DataLoader(micro, batch_size=None))
 
-    loop.__qualname__ = "lightning:" + ",".join(f"{key}={value}" for key, value in trainer_options.items())
+    loop.__qualname__ = f"lightning_loop({call_arguments(trainer_options)})"
     return loop
 
 
