@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # The cases are tiny: one torch thread per process beats several fighting over 2 cores.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo test test-dev bench bench-speed bench-memory clean
+.PHONY: install demo test test-dev test-frameworks bench bench-speed bench-memory clean
 
 # The developer's venv: an editable install, for make demo, make test-dev and the benchmarks.
 install: $(STAMP)
@@ -52,6 +52,13 @@ test: $(INSTALLED)/venv/.installed
 	mkdir -p $(SUITE) && cp -r tests conftest.py pyproject.toml README.md $(SUITE)/
 	cd $(SUITE) && EQUIVCHECK_SOURCE_TREE="$(CURDIR)" EQUIVCHECK_DIST="$(CURDIR)/$(DIST)" \
 		../venv/bin/python -m pytest -q -p no:cacheprovider
+
+# The framework recipes against pinned releases, installed after the pinned torch (pip keeps it).
+FRAMEWORKS ?= pytorch-lightning==2.6.6 accelerate==1.15.0 transformers==5.23.0
+FRAMEWORK_TESTS := tests/test_lightning.py tests/test_accelerate.py tests/test_hf_trainer.py
+test-frameworks: install
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check "$(TORCH)" $(FRAMEWORKS)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q $(FRAMEWORK_TESTS)
 
 bench: install bench-speed
 	$(BIN)/python bench/bench_pool.py

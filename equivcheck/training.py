@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from .case import Batch, Case, Objective
+from .closure import evaluate_closure
 from .errors import InvalidArgument, NonFinite, Unavailable
 from .measure.activation import activation_meter
 from .precision import Precision, resolve_precision
@@ -123,8 +124,9 @@ def load_batches(case: Case, precision: Precision | None = None, device: torch.d
 
 
 class GradRecorder:
-    """Snapshot every parameter's gradient just before each ``optimizer.step``, whoever calls it,
-    and, under DDP, what was communicated since the previous step."""
+    """Snapshot every parameter's gradient as each ``optimizer.step`` uses it, whoever calls it, and,
+    under DDP, what was communicated since the previous step. A step given a closure has its closure
+    run first (see :mod:`equivcheck.closure`): its backward belongs to the step."""
 
     def __init__(self, model: nn.Module, optimizer: Optimizer, counter: CommunicationCounter | None = None,
                  full_tensor: Callable[[Tensor], Tensor] = lambda t: t) -> None:
@@ -137,8 +139,13 @@ class GradRecorder:
         self.sync_bytes: list[int] = []
 
     def __enter__(self) -> GradRecorder:
-        self._handle = self._optimizer.register_step_pre_hook(lambda *_: self._record())
+        self._handle = self._optimizer.register_step_pre_hook(self._before_step)
         return self
+
+    def _before_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        call = evaluate_closure(args, kwargs)
+        self._record()
+        return call
 
     def _record(self) -> None:
         self.grads.append(self._snapshot())
