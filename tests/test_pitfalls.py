@@ -17,7 +17,7 @@ def test_specs_round_trip(spec):
 
 @pytest.mark.parametrize(("spec", "case", "message"), [
     ("per_token:detach=2", "gru_decoder", "detach=2 is not allowed: expected 0 \\(full BPTT\\) or 1"),
-    ("clip_per_micro_batch:chunks=2,max_norm=0", "mlp", "max_norm=0.0 is not allowed: expected a number > 0"),
+    ("clip_per_micro_batch:chunks=2,max_norm=0", "mlp", "max_norm=0.0 is not allowed: expected a finite number > 0"),
     ("clip_per_micro_batch:chunks=2,max_norm=big", "mlp", "Expected float but got max_norm='big'"),
     ("per_token", "seed004_linear", "split=None is not allowed"),
     ("per_token", "mlp", "has no initial_hidden\\(\\)"),
