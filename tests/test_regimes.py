@@ -1,6 +1,7 @@
 """Regime specs and the mathematics of each regime, including uneven chunkings drawn by hypothesis."""
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -22,14 +23,16 @@ def test_specs_parse_to_frozen_dataclasses():
         Accumulate(chunks=4).chunks = 5
 
 
-def test_uneven_chunks_keep_every_sample_once():
-    case = ec.get_case("mlp")
+def test_uneven_chunks_keep_every_sample_once_in_order():
+    from equivcheck.regimes import chunk_pairs
     from equivcheck.training import load_batches
 
     with ec.seeding.seeded():
-        batch = load_batches(case)[0]
-    sizes = [len(chunk) for chunk in batch.targets.tensor_split(5)]
-    assert sizes == [3, 3, 2, 2, 2]
+        batch = load_batches(ec.get_case("mlp"))[0]
+    pairs = chunk_pairs(batch, 5)
+    assert [len(x) for x, _ in pairs] == [3, 3, 2, 2, 2] and all(len(x) == len(y) for x, y in pairs)
+    assert torch.equal(torch.cat([x for x, _ in pairs]), batch.inputs)
+    assert torch.equal(torch.cat([y for _, y in pairs]), batch.targets)
 
 
 @given(case=st.sampled_from(["mlp", "tokens", "gru_decoder", "seed000_embedding_head", "cnn"]),
