@@ -1,4 +1,5 @@
-"""Cases whose rank 1 misbehaves inside a process group: raises, hangs, or is killed by SIGKILL.
+"""Cases whose rank 1 misbehaves inside a process group: raises, hangs, or is killed by SIGKILL
+(``fault_late_kill``: after rank 0 has raised, as a peer's broken collective does when rank 1 dies).
 
 On a single process (the reference run) they train normally, so only the distributed job fails.
 """
@@ -28,10 +29,15 @@ class Faulty(nn.Module):
                 time.sleep(3600)  # rank 0 waits in DDP's all-reduce for a rank that never comes
             if self.fault == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if self.fault == "late_kill":
+                time.sleep(0.3)  # rank 0's error reaches the parent first
+                os.kill(os.getpid(), signal.SIGKILL)
+        if dist.is_initialized() and dist.get_rank() == 0 and self.fault == "late_kill":
+            raise RuntimeError("rank 0's collective broke: its peer is gone")
         return self.linear(x)
 
 
-for fault in ("raise", "hang", "kill"):
+for fault in ("raise", "hang", "kill", "late_kill"):
     ec.register_case(dataclasses.replace(
         ec.get_case("mlp"), name=f"fault_{fault}", model=lambda fault=fault: Faulty(fault), split=None, regimes=None,
     ))
