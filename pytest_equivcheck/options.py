@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import pytest
 
 # equivcheck.precision.PRECISIONS by name, written out so that loading the plugin imports no torch.
-DTYPES = ("float64", "float32", "bf16-autocast", "fp16-autocast")
+DTYPES = ("float64", "float32", "bf16-autocast", "fp16-autocast", "float64-shadow")
 # The keywords @pytest.mark.equivcheck(...) accepts: per-test defaults for the fixture's checks.
 MARKER_KEYWORDS = ("reference", "rtol", "atol", "seed", "dtype", "timeout")
 MARKER_HELP = (
