@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The cases are tiny: one torch thread per process beats several fighting over 2 cores.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo test bench bench-speed bench-memory clean
+.PHONY: install demo test bench bench-speed bench-memory bench-false-alarms clean
 
 install: $(STAMP)
 
@@ -42,6 +42,10 @@ bench-speed: install $(PEER_VENV)/.installed
 # Peak activation memory, wall time and process peak per regime, and what measuring costs.
 bench-memory: install
 	$(BIN)/python bench/memory.py
+
+# False alarms of the broadened strategies: 10,000 in-process and 300 DDP faithful configurations (about 40 min on 2 cores).
+bench-false-alarms: install
+	nice -n 10 $(BIN)/python bench/bench_false_alarms.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
