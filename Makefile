@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The cases are tiny: one torch thread per process beats several fighting over 2 cores.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo test bench bench-speed bench-memory bench-false-alarms clean
+.PHONY: install demo test bench bench-speed bench-memory bench-false-alarms mutation clean
 
 install: $(STAMP)
 
@@ -47,5 +47,14 @@ bench-memory: install
 bench-false-alarms: install
 	nice -n 10 $(BIN)/python bench/bench_false_alarms.py
 
+# Mutation testing of the core modules (mutmut, an optional dev tool: the `mutation` extra; settings in
+# pyproject.toml). All of them take hours on 2 cores: pick modules, e.g. make mutation MUTATE='equivcheck.seeding*'.
+MUTATE ?= equivcheck.*
+mutation: install
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[mutation]'
+	rm -rf mutants
+	nice -n 10 $(BIN)/mutmut run $(foreach m,$(MUTATE),"$(m)")
+	$(BIN)/mutmut results
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info mutants

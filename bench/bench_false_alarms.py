@@ -1,10 +1,13 @@
-"""False alarms of the broadened strategies: faithful regimes on drawn cases must all be equivalent.
+"""False alarms of the broadened strategies: faithful regimes on drawn cases must all be equivalent,
+and pitfalls with a real effect must all be caught.
 
-    python bench/bench_false_alarms.py [--in-process N] [--ddp N] [--seed S]
+    python bench/bench_false_alarms.py [--in-process N] [--ddp N] [--pitfalls N] [--seed S]
 
 Draws N in-process configurations (a case from ``equivcheck.hypothesis.cases()`` and a faithful
 in-process regime) and N DDP ones (world size 2 or 3, every faithful distributed regime), checks each
 and prints every verdict that is not ``equivalent``: a false alarm, since nothing drawn is a pitfall.
+Then N pitfall regimes on drawn cases: a pitfall is missed where its float64 shadows differ from the
+reference's (it has a real effect) and the verdict in the case's dtype is still ``equivalent``.
 Draws are derandomized by ``--seed``, so a run is repeatable. DDP ranks rebuild each drawn case from
 its plain values (``CaseSpec``), which this file registers at import from the file named in
 ``EQUIVCHECK_DRAWN_CASES``: the ranks import this file and register the same cases.
@@ -27,10 +30,13 @@ from hypothesis import strategies as st
 import equivcheck as ec
 from equivcheck import Verdict
 from equivcheck.hypothesis import CaseSpec, case_specs, regime_specs
+from equivcheck.precision import SHADOW
 from equivcheck.regimes import REGIMES
 
 DRAWN_CASES = "EQUIVCHECK_DRAWN_CASES"
 IN_PROCESS = ["sample_by_sample", "accumulate", "retained_graph", "detached_partial"]
+PITFALLS = ["naive_accumulate", "zero_grad_inside", "step_per_micro_batch", "sampler_pad", "sampler_drop",
+            "scaler_unscale_per_micro_batch", "scaler_step_per_micro_batch"]
 DISTRIBUTED = sorted(n for n, cls in REGIMES.items() if cls.distributed and not cls.pitfall and not cls.trap
                      and n not in ("ddp_step", "data_parallel"))
 
@@ -92,10 +98,39 @@ def run(configs: list[tuple[CaseSpec, str]], label: str) -> dict:
             "false_alarms": len(alarms), "seconds": round(seconds, 1)}
 
 
+def missed_pitfalls(configs: list[tuple[CaseSpec, str]]) -> dict:
+    """Each pitfall regime on a drawn case, in the case's dtype: missed where it has a real effect (in
+    float64 from the same draws it differs from the reference) and the verdict is still equivalent."""
+    tally, missed = collections.Counter(), []
+    started = time.perf_counter()
+    for spec, regime in configs:
+        case = spec.build()
+        try:
+            (outcome,) = ec.check(case, [regime], measure_memory=False).outcomes
+            # The exact maths from the same draws: the run itself in float64, the shadow of a float32 one.
+            exact = SHADOW if spec.dtype == "float32" else spec.dtype
+            (maths,) = ec.check(case, [regime], measure_memory=False, dtype=exact).outcomes
+        except ec.InvalidArgument:  # a pitfall that cannot apply to this case (a sampler with nothing to pad)
+            tally["not applicable"] += 1
+            continue
+        effect = maths.verdict is not Verdict.EQUIVALENT
+        caught = outcome.verdict is not Verdict.EQUIVALENT
+        tally[("effect" if effect else "no effect") + (", caught" if caught else ", passed")] += 1
+        if effect and not caught:
+            missed.append(outcome)
+            print(f"MISSED PITFALL: {outcome.describe()[:400]}\n  float64: {maths.describe()[:300]}\n  case: {spec}",
+                  flush=True)
+    seconds = time.perf_counter() - started
+    print(f"pitfalls: {len(configs)} configurations in {seconds:.0f} s: {dict(tally)}; {len(missed)} missed "
+          "with a real effect", flush=True)
+    return {"configurations": len(configs), "outcomes": dict(tally), "missed": len(missed), "seconds": round(seconds, 1)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--in-process", type=int, default=10_000)
     parser.add_argument("--ddp", type=int, default=300)
+    parser.add_argument("--pitfalls", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the ranks' DDP warnings (find_unused_parameters)
@@ -115,8 +150,10 @@ def main(argv: list[str] | None = None) -> int:
             os.unlink(listing.name)
     if args.in_process:
         results["in_process"] = run(draws(configurations(IN_PROCESS), args.in_process, args.seed), "in-process")
+    if args.pitfalls:
+        results["pitfalls"] = missed_pitfalls(draws(configurations(PITFALLS), args.pitfalls, args.seed))
     print(json.dumps(results))
-    return 1 if any(r["false_alarms"] for r in results.values()) else 0
+    return 1 if any(r.get("false_alarms") or r.get("missed") for r in results.values()) else 0
 
 
 if __name__ == "__main__":
