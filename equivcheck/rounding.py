@@ -77,14 +77,12 @@ def judge(case: Case, comparison: Comparison, reference: RunResult, candidate: R
     return Comparison(comparison.tolerance, (), (), comparison.max_abs, comparison.max_rel, margin, note=note)
 
 
-def _start_gap(reference: RunResult, shadow: RunResult, tol: Tolerance) -> str | None:
+def _start_gap(run: RunResult, shadow: RunResult, tol: Tolerance) -> str | None:
     """How the step-0 losses differ, where the shadow evidently trained from other weights or data."""
-    first, again = reference.losses[:1], shadow.losses[:1]
-    if not first or first[0] is None or again[0] is None:
+    first, again = (r.losses[0] if r.losses else None for r in (run, shadow))
+    if first is None or again is None or abs(first - again) <= tol.atol + tol.rtol * abs(again):
         return None
-    if abs(first[0] - again[0]) <= tol.atol + tol.rtol * abs(again[0]):
-        return None
-    return f"{first[0]:.6g} vs {again[0]:.6g}"
+    return f"{first:.6g} vs {again:.6g}"
 
 
 def _noise_margin(reference: RunResult, candidate: RunResult, ref64: RunResult, cand64: RunResult,

@@ -83,6 +83,10 @@ def test_ranks_that_drift_apart_are_caught_even_when_rank_0_matches():
     assert problem.startswith("ranks disagree: their final weights differ by up to")
 
 
+def test_a_single_rank_has_no_drift():
+    assert ec.run(ONE_STEP, "ddp:world_size=1").rank_spread == 0.0
+
+
 def test_data_drawn_with_numpy_is_the_same_in_every_run_and_on_every_rank():
     with seeded(5):
         first = np.random.standard_normal(4)

@@ -2,7 +2,9 @@
 
 import dataclasses
 import sys
+from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,7 +13,7 @@ import equivcheck as ec
 from equivcheck import Verdict
 from equivcheck.compare import Comparison, Tolerance
 from equivcheck.precision import PRECISIONS, SHADOW
-from equivcheck.rounding import applies
+from equivcheck.rounding import _start_gap, applies
 
 
 def layernorm_over_two():
@@ -105,3 +107,16 @@ def test_modes_with_a_grad_scaler_are_judged_by_the_table_alone():
     assert not applies(PRECISIONS["fp16-autocast"], failing)
     assert not applies(PRECISIONS["float64"], failing) and not applies(PRECISIONS[SHADOW], failing)
     assert not applies(PRECISIONS["float32"], dataclasses.replace(failing, problems=("optimizer steps: 5 vs 1",)))
+
+
+@pytest.mark.parametrize(("first", "again", "gap"), [
+    (3.25, 2.0, None),  # |3.25 - 2| = 0.25 + 0.5 * 2 exactly: at the bound, still the same start
+    (3.5, 2.0, "3.5 vs 2"),
+    (0.75, 2.0, None),  # the same bound below
+    (None, 2.0, None),  # a regime that reports no loss: nothing to compare
+    (3.5, None, None),
+])
+def test_the_shadow_starts_where_the_run_did_within_the_modes_tolerance(first, again, gap):
+    runs = (SimpleNamespace(losses=(first, 9.0)), SimpleNamespace(losses=(again, 9.0)))
+    assert _start_gap(*runs, Tolerance(rtol=0.5, atol=0.25)) == gap
+    assert _start_gap(SimpleNamespace(losses=()), runs[1], Tolerance(rtol=0.5, atol=0.25)) is None
