@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # The cases are tiny: one torch thread per process beats several fighting over 2 cores.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo test test-dev test-frameworks bench bench-speed bench-memory clean
+.PHONY: install demo test test-dev test-frameworks bench bench-speed bench-memory bench-false-alarms mutation clean
 
 # The developer's venv: an editable install, for make demo, make test-dev and the benchmarks.
 install: $(STAMP)
@@ -78,5 +78,18 @@ bench-speed: install $(PEER_VENV)/.installed
 bench-memory: install
 	$(BIN)/python bench/memory.py
 
+# False alarms of the broadened strategies: 10,000 in-process and 300 DDP faithful configurations (about 40 min on 2 cores).
+bench-false-alarms: install
+	nice -n 10 $(BIN)/python bench/bench_false_alarms.py
+
+# Mutation testing of the core modules (mutmut, an optional dev tool: the `mutation` extra; settings in
+# pyproject.toml). All of them take hours on 2 cores: pick modules, e.g. make mutation MUTATE='equivcheck.seeding*'.
+MUTATE ?= equivcheck.*
+mutation: install
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[mutation]'
+	rm -rf mutants
+	nice -n 10 $(BIN)/mutmut run $(foreach m,$(MUTATE),"$(m)")
+	$(BIN)/mutmut results
+
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) build dist *.egg-info mutants

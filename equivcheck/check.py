@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import time
 import traceback
 from collections.abc import Iterable, Iterator, Sequence
@@ -14,7 +15,8 @@ from .case import Case
 from .compare import Comparison, Tolerance, compare
 from .errors import InvalidArgument, MemoryNotSaved, NotEquivalent, Unavailable, expect_seed, expect_timeout
 from .dispatch import DEFAULT_TIMEOUT, run
-from .precision import Precision, resolve_precision
+from . import rounding
+from .precision import SHADOW, Precision, resolve_precision
 from .regimes import DEFAULT_REGIMES, REGIMES, Regime, parse_regime
 from .registry import all_cases, resolve_case
 from .result import RunResult
@@ -235,6 +237,8 @@ def iter_outcomes(plan: Plan, *, measure_memory: bool = True) -> Iterator[Outcom
         yield from (Outcome(case.name, str(s), Verdict.NONDETERMINISTIC, self_check, why) for s in plan.specs)
         return
 
+    shadow_reference = functools.cache(
+        lambda: run(case, reference, seed=seed, timeout=plan.timeout, dtype=SHADOW, measure_memory=False))
     for spec in plan.specs:
         if spec == reference:
             yield _judge(case, spec, self_check, ref_seconds / 2, rerun, ref)
@@ -258,6 +262,12 @@ def iter_outcomes(plan: Plan, *, measure_memory: bool = True) -> Iterator[Outcom
                               f"{declared}; it crashed: {crash}", seconds, details=details)
             continue
         comparison = compare(ref, result, rtol=plan.rtol, atol=plan.atol)
+        if rounding.applies(precision, comparison):  # float64 shadows: the maths, or this case's rounding?
+            comparison = rounding.judge(
+                case, comparison, ref, result, seed=seed,
+                shadow_reference=shadow_reference,
+                shadow_candidate=lambda: run(case, spec, seed=seed, timeout=plan.timeout, dtype=SHADOW,
+                                             measure_memory=False))
         yield _judge(case, spec, comparison, time.perf_counter() - started, result, ref)
 
 
@@ -309,7 +319,7 @@ def _judge(case: Case, spec: Regime, comparison: Comparison, seconds: float, res
     reason = expected_mismatch(case, spec)
     if reason is None:
         verdict = Verdict.EQUIVALENT if comparison.ok else Verdict.MISMATCH
-        reason = ""
+        reason = comparison.note if comparison.ok else ""
     else:
         verdict = Verdict.EXPECTED_MISMATCH if not comparison.ok else Verdict.UNEXPECTED_MATCH
     return Outcome(case.name, str(spec), verdict, comparison, reason, seconds, result,

@@ -117,6 +117,7 @@ class Comparison:
     max_rel: float
     margin: float
     hint: str = ""  # the likely pitfall, where the pattern of mismatches is recognisable (hints.py)
+    note: str = ""  # what float64 shadow runs showed of a low-precision run (rounding.py)
 
     @property
     def ok(self) -> bool:
@@ -128,9 +129,10 @@ class Comparison:
         return min(steps) if steps else None
 
     def describe(self) -> str:
+        note = f"\nnote: {self.note}" if self.note else ""
         if self.ok:
-            return f"equivalent: margin {self.margin:.3g} ({self.tolerance})"
-        lines = [f"not equivalent ({self.tolerance}): margin {self.margin:.3g}, max abs {self.max_abs:.3g}"]
+            return f"equivalent: margin {self.margin:.3g} ({self.tolerance}){note}"
+        lines = [f"not equivalent ({self.tolerance}): margin {self.margin:.3g}, max abs {self.max_abs:.3g}{note}"]
         if self.hint:
             lines.append(f"hint: {self.hint}")
         lines += self.problems

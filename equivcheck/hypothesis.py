@@ -26,23 +26,27 @@ from .precision import NAMES_OF_DTYPES, PRECISIONS
 from .errors import InvalidArgument, expect_int
 from .regimes import REGIMES, parse_regime
 
-__all__ = ["ACTIVATIONS", "batch_sizes", "cases", "chunkings", "regime_specs", "world_sizes"]
+__all__ = ["ACTIVATIONS", "CaseSpec", "batch_sizes", "case_specs", "cases", "chunkings", "regime_specs", "world_sizes"]
 
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU, "sigmoid": nn.Sigmoid, "silu": nn.SiLU}
 
 
-def batch_sizes(min_size: int = 1, max_size: int = 16) -> st.SearchStrategy[int]:
-    """Global batch sizes (samples per optimizer step)."""
+def batch_sizes(min_size: int = 1, max_size: int = 64) -> st.SearchStrategy[int]:
+    """Global batch sizes (samples per optimizer step), primes drawn as often as any size: a prime
+    batch has no even chunking but one."""
     expect_int("min_size", min_size)
     expect_int("max_size", max_size, minimum=min_size)
-    return st.integers(min_size, max_size)
+    primes = [n for n in range(max(min_size, 2), max_size + 1) if all(n % d for d in range(2, int(n ** 0.5) + 1))]
+    sizes = st.integers(min_size, max_size)
+    return st.one_of(sizes, st.sampled_from(primes)) if primes else sizes
 
 
 def chunkings(batch_size: int, *, uneven: bool = False) -> st.SearchStrategy[int]:
-    """Chunk counts 1..batch_size; ``uneven``: only counts that cut the batch into unequal chunks."""
+    """Chunk counts 2..batch_size (1 for a batch of one: one chunk is the full batch, nothing to fuzz);
+    ``uneven``: only counts that cut the batch into unequal chunks."""
     expect_int("batch_size", batch_size)
     if not uneven:
-        return st.integers(1, batch_size)
+        return st.integers(min(2, batch_size), batch_size)
     counts = [k for k in range(2, batch_size + 1) if batch_size % k]
     if not counts:
         raise InvalidArgument.value("batch_size", batch_size, "a batch size with an uneven chunking (3 or more)")
@@ -68,7 +72,7 @@ def regime_specs(
     of ``batch_size``.
 
     ``names``: the regimes to draw from (default: every registered one whose parameters can be drawn,
-    pitfalls only if asked). Parameters are drawn by meaning: ``world_size`` from :func:`world_sizes`
+    pitfalls only if asked, traps never). Parameters are drawn by meaning: ``world_size`` from :func:`world_sizes`
     (at most the batch size), then ``chunks`` from :func:`chunkings` of the smallest shard a rank
     gets; parameters with a default keep it. A named regime with another required parameter is refused.
     """
@@ -80,8 +84,9 @@ def regime_specs(
         return [f.name for f in dataclasses.fields(REGIMES[name])
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
 
-    if names is None:
-        chosen = [n for n, cls in REGIMES.items() if (pitfalls or not cls.pitfall) and set(required(n)) <= drawable]
+    if names is None:  # traps crash in PyTorch itself: never drawn as a regime that must stay equivalent
+        chosen = [n for n, cls in REGIMES.items()
+                  if (pitfalls or not cls.pitfall) and not cls.trap and set(required(n)) <= drawable]
     else:
         chosen = list(names)
         for name in chosen:
@@ -118,21 +123,90 @@ class _Classifier(nn.Sequential):
         return self[:-1], self[-1]
 
 
-def _model(widths: Sequence[int], activation: str, batchnorm: bool) -> nn.Module:
-    layers: list[nn.Module] = []
+OPTIMIZERS = ("sgd", "momentum", "nesterov", "weight_decay", "adam", "adamw")
+NORMS = ("none", "layernorm", "groupnorm")
+# Learning rates per optimizer family: SGD's up to 0.5 (with momentum, the issue's float32 false alarm),
+# Adam's up to 0.1 (every update is about lr, whatever the gradient's size).
+LEARNING_RATES = {"sgd": (0.01, 0.1, 0.5), "adam": (1e-3, 1e-2, 1e-1)}
+
+
+@dataclasses.dataclass(frozen=True)
+class CaseSpec:
+    """Everything a drawn case is, in plain values: ``build()`` makes the same case in any process
+    (a DDP rank rebuilds it from these values)."""
+
+    widths: tuple[int, ...]  # input features (the embedding width with a vocabulary), hidden widths, classes
+    activation: str
+    dtype: str
+    batch_size: int
+    steps: int
+    loss: str
+    norm: str = "none"  # after every hidden Linear: none, layernorm or groupnorm
+    groups: tuple[int, ...] = ()  # GroupNorm's group count per hidden layer (divides its width; 0: none)
+    vocab: int = 0  # > 0: the inputs are token ids through an Embedding(vocab, widths[0])
+    optimizer: str = "sgd"
+    lr: float = 0.1
+    batchnorm: bool = False
+
+    @property
+    def name(self) -> str:
+        parts = ["drawn", "x".join(map(str, self.widths)), self.activation, self.dtype, f"b{self.batch_size}",
+                 f"s{self.steps}", self.loss, self.optimizer, f"lr{self.lr:g}"]
+        parts += [self.norm + "".join(f"g{g}" for g in self.groups)] if self.norm != "none" else []
+        parts += [f"vocab{self.vocab}"] if self.vocab else []
+        return "_".join(parts + (["batchnorm"] if self.batchnorm else []))
+
+    def build(self) -> Case:
+        declared = {}
+        if self.batchnorm:
+            declared = {r: "BatchNorm normalises each micro-batch by its own statistics"
+                        for r in ("accumulate", "sample_by_sample")}
+        return Case(
+            name=self.name,
+            model=partial(_model, self),
+            data=partial(_data, self),
+            loss=partial(F.cross_entropy, reduction="none") if self.loss == "cross_entropy" else _squared_error,
+            batch_size=self.batch_size,
+            steps=self.steps,
+            optimizer=partial(_optimizer, self.optimizer, self.lr),
+            split=_Classifier.split,
+            expect_mismatch=declared,
+            dtype=PRECISIONS[self.dtype].dtype,
+            description=f"drawn by equivcheck.hypothesis.cases: {self}",
+        )
+
+
+def _model(spec: CaseSpec) -> nn.Module:
+    widths = spec.widths
+    layers: list[nn.Module] = [nn.Embedding(spec.vocab, widths[0])] if spec.vocab else []
     for i, (width_in, width_out) in enumerate(zip(widths[:-2], widths[1:-1])):
         layers.append(nn.Linear(width_in, width_out))
-        if batchnorm and i == 0:
+        if spec.batchnorm and i == 0:
             layers.append(nn.BatchNorm1d(width_out))
-        layers.append(ACTIVATIONS[activation]())
+        if spec.norm == "layernorm":
+            layers.append(nn.LayerNorm(width_out))
+        elif spec.norm == "groupnorm" and spec.groups[i]:
+            layers.append(nn.GroupNorm(spec.groups[i], width_out))
+        layers.append(ACTIVATIONS[spec.activation]())
     layers.append(nn.Linear(widths[-2], widths[-1]))
     return _Classifier(*layers)
 
 
-def _data(samples: int, width_in: int, classes: int, loss: str):
-    inputs = torch.randn(samples, width_in)
-    targets = torch.randint(0, classes, (samples,)) if loss == "cross_entropy" else torch.randn(samples, classes)
+def _data(spec: CaseSpec):
+    samples, classes = spec.steps * spec.batch_size, spec.widths[-1]
+    inputs = torch.randint(0, spec.vocab, (samples,)) if spec.vocab else torch.randn(samples, spec.widths[0])
+    targets = torch.randint(0, classes, (samples,)) if spec.loss == "cross_entropy" else torch.randn(samples, classes)
     return inputs, targets
+
+
+def _optimizer(name: str, lr: float, params) -> torch.optim.Optimizer:
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=1e-2)
+    momentum = {"sgd": 0.0}.get(name, 0.9)
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=name == "nesterov",
+                           weight_decay=1e-2 if name == "weight_decay" else 0.0)
 
 
 def _squared_error(output, target):
@@ -140,42 +214,45 @@ def _squared_error(output, target):
 
 
 @st.composite
-def cases(
+def case_specs(
     draw,
     *,
     depths: st.SearchStrategy[int] = st.integers(0, 3),
-    widths: st.SearchStrategy[int] = st.integers(1, 12),
+    widths: st.SearchStrategy[int] = st.integers(1, 32),
     activations: st.SearchStrategy[str] = st.sampled_from(sorted(ACTIVATIONS)),
     dtypes: st.SearchStrategy[str] = st.sampled_from(sorted(NAMES_OF_DTYPES.values())),
     batch_sizes: st.SearchStrategy[int] = batch_sizes(),
-    steps: st.SearchStrategy[int] = st.integers(1, 3),
+    steps: st.SearchStrategy[int] = st.integers(1, 4),
     losses: st.SearchStrategy[str] = st.sampled_from(["cross_entropy", "squared_error"]),
+    optimizers: st.SearchStrategy[str] = st.sampled_from(OPTIMIZERS),
+    norms: st.SearchStrategy[str] = st.sampled_from(NORMS),
+    embeddings: st.SearchStrategy[bool] = st.booleans(),
     batchnorm: bool = False,
-) -> Case:
-    """Small MLP cases: ``depth`` hidden layers of drawn widths and activation, a dtype, a batch size,
-    a number of steps and a loss. ``batchnorm`` puts a BatchNorm1d after the first hidden layer
-    (depth >= 1): the accumulation pitfall, which such a case declares."""
+) -> CaseSpec:
+    """The plain values of a drawn case (see :func:`cases`)."""
     depth = draw(depths)
     if batchnorm:
         depth = max(depth, 1)
-    shape = [draw(widths) for _ in range(depth + 1)] + [draw(st.integers(2, 5))]
-    activation, dtype, batch, step_count, loss = (draw(activations), draw(dtypes), draw(batch_sizes), draw(steps),
-                                                  draw(losses))
-    name = f"drawn_{'x'.join(map(str, shape))}_{activation}_{dtype}_b{batch}_s{step_count}_{loss}"
-    declared = {}
-    if batchnorm:
-        name += "_batchnorm"
-        declared = {r: "BatchNorm normalises each micro-batch by its own statistics"
-                    for r in ("accumulate", "sample_by_sample")}
-    return Case(
-        name=name,
-        model=partial(_model, shape, activation, batchnorm),
-        data=partial(_data, step_count * batch, shape[0], shape[-1], loss),
-        loss=partial(F.cross_entropy, reduction="none") if loss == "cross_entropy" else _squared_error,
-        batch_size=batch,
-        steps=step_count,
-        split=_Classifier.split,
-        expect_mismatch=declared,
-        dtype=PRECISIONS[dtype].dtype,
-        description=f"drawn by equivcheck.hypothesis.cases: widths {shape}, {activation}, {dtype}",
+    shape = tuple(draw(widths) for _ in range(depth + 1)) + (draw(st.integers(2, 5)),)
+    norm = draw(norms)
+    # At least 2 channels a group: with one, a sample alone (a micro-batch of 1) has nothing to normalise
+    # and torch refuses it; 0 leaves a layer of width 1 without GroupNorm.
+    groups = tuple(draw(st.sampled_from([g for g in range(1, w // 2 + 1) if w % g == 0] or [0])) for w in shape[1:-1]) \
+        if norm == "groupnorm" else ()
+    optimizer = draw(optimizers)
+    family = "adam" if optimizer.startswith("adam") else "sgd"
+    return CaseSpec(
+        widths=shape, activation=draw(activations), dtype=draw(dtypes), batch_size=draw(batch_sizes),
+        steps=draw(steps), loss=draw(losses), norm=norm, groups=groups,
+        vocab=draw(st.integers(2, 16)) if draw(embeddings) else 0, optimizer=optimizer,
+        lr=draw(st.sampled_from(LEARNING_RATES[family])), batchnorm=batchnorm,
     )
+
+
+def cases(**options) -> st.SearchStrategy[Case]:
+    """Small MLP cases: ``depth`` hidden layers of drawn widths (down to 1) and activation, optionally a
+    LayerNorm or GroupNorm after each and an embedding in front; a dtype, a batch size (up to 64, primes
+    included), a number of steps, a loss and an optimizer (SGD plain, with momentum, nesterov or weight
+    decay; Adam; AdamW). ``batchnorm`` puts a BatchNorm1d after the first hidden layer (depth >= 1): the
+    accumulation pitfall, which such a case declares. Options are :func:`case_specs`'s strategies."""
+    return case_specs(**options).map(CaseSpec.build)

@@ -32,6 +32,9 @@ class Precision:
     device: str = "cpu"
     grad_scaler: bool = False
     description: str = ""
+    # The dtype the model and data are drawn in, where it is not ``dtype``: torch draws other random
+    # numbers in float64 than in float32, so a float64 shadow of a float32 run draws in float32.
+    draw_dtype: torch.dtype | None = None
 
     def unavailable(self) -> str | None:
         """Why this machine cannot run the mode (None when it can): never faked on other hardware."""
@@ -68,6 +71,7 @@ class Precision:
         return torch.amp.GradScaler(self.device, enabled=self.grad_scaler)
 
 
+SHADOW = "float64-shadow"  # the mode that measures a low-precision run's rounding (equivcheck.rounding)
 PRECISIONS: dict[str, Precision] = {p.name: p for p in (
     Precision("float64", torch.float64, rtol=1e-7, atol=1e-7, description="the default; torch.testing's float64 tolerance"),
     Precision("float32", torch.float32, rtol=1.3e-6, atol=1e-5, description="torch.testing's float32 tolerance"),
@@ -75,6 +79,8 @@ PRECISIONS: dict[str, Precision] = {p.name: p for p in (
               description="float32 weights, bfloat16 autocast on CPU"),
     Precision("fp16-autocast", torch.float32, rtol=1e-3, atol=1e-4, autocast=torch.float16, device="cuda",
               grad_scaler=True, description="float32 weights, float16 autocast and GradScaler on CUDA"),
+    Precision(SHADOW, torch.float64, rtol=1e-7, atol=1e-7, draw_dtype=torch.float32,
+              description="float64 from the float32 draws: the exact maths beside a float32 or autocast run"),
 )}
 NAMES_OF_DTYPES = {torch.float64: "float64", torch.float32: "float32"}
 

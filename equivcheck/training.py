@@ -44,8 +44,9 @@ def train(
     started = time.perf_counter()
     device = regime.device() if regime.device().type != "cpu" else torch.device(precision.device)
     with seeded(seed), default_dtype(precision.dtype):
-        model = build_model(case, precision, device)
-        batches = load_batches(case, precision, device)
+        with default_dtype(precision.draw_dtype or precision.dtype):
+            model = build_model(case, precision, device)
+            batches = load_batches(case, precision, device)
         optimizer = regime.build_optimizer(case, model)
         objective = Objective(case, precision)
         module = regime.wrap(model)

@@ -1,6 +1,7 @@
-"""Cases that misbehave inside a process group: rank 1 raises, hangs or is killed by SIGKILL; every
-rank is slow; rank 0 interrupts the process that started the pool (SIGINT or SIGTERM, as Ctrl-C or
-a job scheduler would) in the middle of the job.
+"""Cases that misbehave inside a process group: rank 1 raises, hangs or is killed by SIGKILL (``fault_late_kill``:
+after rank 0 has raised, as a peer's broken collective does when rank 1 dies); every rank is slow; rank 0
+interrupts the process that started the pool (SIGINT or SIGTERM, as Ctrl-C or a job scheduler would) in
+the middle of the job.
 
 On a single process (the reference run) they train normally, so only the distributed job fails.
 """
@@ -38,10 +39,15 @@ class Faulty(nn.Module):
                 time.sleep(3600)  # rank 0 waits in DDP's all-reduce for a rank that never comes
             if self.fault == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if self.fault == "late_kill":
+                time.sleep(0.3)  # rank 0's error reaches the parent first
+                os.kill(os.getpid(), signal.SIGKILL)
+        if dist.is_initialized() and dist.get_rank() == 0 and self.fault == "late_kill":
+            raise RuntimeError("rank 0's collective broke: its peer is gone")
         return self.linear(x)
 
 
-for fault in ("raise", "hang", "kill", "slow", "sigint", "sigterm"):
+for fault in ("raise", "hang", "kill", "late_kill", "slow", "sigint", "sigterm"):
     ec.register_case(dataclasses.replace(
         ec.get_case("mlp"), name=f"fault_{fault}", model=lambda fault=fault: Faulty(fault), split=None, regimes=None,
     ))

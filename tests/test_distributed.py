@@ -87,6 +87,8 @@ def test_data_parallel_is_skipped_without_two_gpus():
         ("fault_raise", 60, "rank 1 raised RuntimeError: injected fault on rank 1"),
         ("fault_hang", 3, "rank(s) 0, 1 of 2 gave no answer within 3 s"),  # rank 0 waits on rank 1
         ("fault_kill", 60, "rank 1 died (killed by SIGKILL)"),
+        # The race the line above once lost, made certain: rank 0's error arrives first; the death is named.
+        ("fault_late_kill", 60, "rank 1 died (killed by SIGKILL); rank 0 then raised RuntimeError"),
     ],
 )
 def test_a_faulty_rank_becomes_an_error_and_the_next_job_gets_a_fresh_pool(case, timeout, message):

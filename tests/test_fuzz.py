@@ -9,12 +9,12 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import find, given, settings
 from hypothesis import strategies as st
 
 import equivcheck as ec
 from equivcheck import Verdict
-from equivcheck.hypothesis import batch_sizes, cases, chunkings, regime_specs, world_sizes
+from equivcheck.hypothesis import OPTIMIZERS, batch_sizes, case_specs, cases, chunkings, regime_specs, world_sizes
 
 FAITHFUL = ["full_batch", "sample_by_sample", "accumulate", "retained_graph", "detached_partial"]
 
@@ -86,6 +86,47 @@ def test_drawn_cases_cover_the_dimensions_asked_for():
     assert len({activation for _, activation in seen}) >= 3
 
 
+def test_drawn_cases_reach_real_models():
+    """Optimizers, normalisation, embeddings, widths of 1, batches past 16 and primes, in 200 draws."""
+    specs = []
+
+    @settings(max_examples=200)
+    @given(spec=case_specs())
+    def collect(spec):
+        specs.append(spec)
+
+    collect()
+    assert {s.optimizer for s in specs} == set(OPTIMIZERS)
+    assert {s.norm for s in specs} == {"none", "layernorm", "groupnorm"}
+    assert {bool(s.vocab) for s in specs} == {True, False} and {s.dtype for s in specs} == {"float32", "float64"}
+    assert any(1 in s.widths[1:-1] for s in specs)
+    assert any(s.batch_size > 16 and all(s.batch_size % d for d in range(2, s.batch_size)) for s in specs)
+    model = specs[-1].build().model()  # a spec builds the model it names
+    assert isinstance(model, torch.nn.Module) and specs[-1].build().name == specs[-1].name
+
+
+@given(batch=batch_sizes(), data=st.data())
+def test_chunkings_are_never_one_where_the_batch_can_be_cut(batch, data):
+    chunks = data.draw(chunkings(batch))
+    assert (chunks == 1) == (batch == 1) and chunks <= batch
+
+
+def test_traps_are_never_drawn_as_faithful_regimes():
+    """ddp_no_sync_static_graph crashes in DDP's reducer whenever chunks >= 2: never drawn unless named."""
+    names = set()
+
+    @settings(max_examples=300)
+    @given(spec=regime_specs(12))
+    def collect(spec):
+        names.add(ec.parse_regime(spec).name)
+
+    collect()
+    assert "ddp_no_sync_static_graph" not in names and {"ddp_no_sync", "ddp_no_sync_find_unused"} <= names
+    assert "chunks >= 2" in ec.REGIMES["ddp_no_sync_static_graph"].trap
+    named = find(regime_specs(12, names=["ddp_no_sync_static_graph"]), lambda spec: True)
+    assert named.startswith("ddp_no_sync_static_graph")
+
+
 @pytest.mark.parametrize(
     ("strategy", "message"),
     [
@@ -106,8 +147,6 @@ def test_bad_strategy_arguments_are_named(strategy, message):
 
 def test_detached_partial_with_a_trunk_that_has_nothing_to_train():
     """Found by the faithful-regimes property (dev profile): depth 0 makes the trunk an empty Sequential."""
-    from hypothesis import find
-
     case = find(cases(depths=st.just(0), batch_sizes=batch_sizes(1, 1)), lambda c: True)
     (outcome,) = ec.check(case, ["detached_partial:chunks=1"]).outcomes
     assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()

@@ -32,6 +32,7 @@ from .worker import INSIDE_RANK_VARIABLE, stack_file
 DEFAULT_TIMEOUT = 60.0  # seconds a job may take on its ranks
 START_TIMEOUT = 120.0  # seconds to start the ranks and join the process group
 WORKER_THREADS = 1  # torch threads per rank: ranks share the machine's cores
+DEATH_GRACE = 1.0  # seconds a rank's error waits for a peer's death to show: the death is the cause
 
 
 class WorkerPool:
@@ -113,6 +114,11 @@ class WorkerPool:
                 if status == "usage":
                     raise InvalidArgument(f"on worker rank {rank}: {payload}")
                 if status == "error":
+                    dead = _dead_peer(self._processes, rank, DEATH_GRACE)
+                    if dead is not None:
+                        raise WorkerError(f"{what}: rank {dead} died ({_exit_reason(self._processes[dead])}); "
+                                          f"rank {rank} then raised {_exception_line(payload)}",
+                                          remote_traceback=f"rank {rank}: {payload}")
                     raise WorkerError(f"{what}: rank {rank} raised {_exception_line(payload)}",
                                       remote_traceback=f"rank {rank}: {payload}")
                 replies[rank] = payload
@@ -164,6 +170,20 @@ def _exception_line(traceback_text: str) -> str:
     lines = traceback_text.rstrip().splitlines()
     last_frame = max((i for i, line in enumerate(lines) if line.startswith("  ")), default=-1)
     return lines[last_frame + 1] if last_frame + 1 < len(lines) else lines[-1]
+
+
+def _dead_peer(processes: list[subprocess.Popen], raised: int, grace: float) -> int | None:
+    """A rank other than ``raised`` that has died or dies within ``grace`` seconds, else None.
+
+    When a rank dies, its peers' collectives break and they raise; which the parent reads first is a
+    race. The death is the cause, so it is what a fault names, whichever arrived first.
+    """
+    deadline = time.monotonic() + grace
+    while True:
+        dead = [rank for rank, process in enumerate(processes) if rank != raised and process.poll() is not None]
+        if dead or time.monotonic() >= deadline:
+            return min(dead, default=None)
+        time.sleep(0.02)
 
 
 def _exit_reason(process: subprocess.Popen) -> str:

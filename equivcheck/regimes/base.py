@@ -31,6 +31,9 @@ class Regime:
     name: ClassVar[str]
     summary: ClassVar[str]
     pitfall: ClassVar[bool] = False
+    # Where PyTorch itself refuses the regime in general (it crashes), why: kept to show the crash, and
+    # never drawn by equivcheck.hypothesis as a regime that must stay equivalent.
+    trap: ClassVar[str] = ""
     distributed: ClassVar[bool] = False  # runs on every rank of a process group (see equivcheck.distributed)
     world_size: ClassVar[int] = 1  # ranks a step runs on; a distributed regime's own field overrides it
     syncs_per_step: ClassVar[int | None] = None  # gradient all-reduce rounds a faithful step makes

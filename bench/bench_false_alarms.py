@@ -1,0 +1,160 @@
+"""False alarms of the broadened strategies: faithful regimes on drawn cases must all be equivalent,
+and pitfalls with a real effect must all be caught.
+
+    python bench/bench_false_alarms.py [--in-process N] [--ddp N] [--pitfalls N] [--seed S]
+
+Draws N in-process configurations (a case from ``equivcheck.hypothesis.cases()`` and a faithful
+in-process regime) and N DDP ones (world size 2 or 3, every faithful distributed regime), checks each
+and prints every verdict that is not ``equivalent``: a false alarm, since nothing drawn is a pitfall.
+Then N pitfall regimes on drawn cases: a pitfall is missed where its float64 shadows differ from the
+reference's (it has a real effect) and the verdict in the case's dtype is still ``equivalent``.
+Draws are derandomized by ``--seed``, so a run is repeatable. DDP ranks rebuild each drawn case from
+its plain values (``CaseSpec``), which this file registers at import from the file named in
+``EQUIVCHECK_DRAWN_CASES``: the ranks import this file and register the same cases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+
+from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis import strategies as st
+
+import equivcheck as ec
+from equivcheck import Verdict
+from equivcheck.hypothesis import CaseSpec, case_specs, regime_specs
+from equivcheck.precision import SHADOW
+from equivcheck.regimes import REGIMES
+
+DRAWN_CASES = "EQUIVCHECK_DRAWN_CASES"
+IN_PROCESS = ["sample_by_sample", "accumulate", "retained_graph", "detached_partial"]
+PITFALLS = ["naive_accumulate", "zero_grad_inside", "step_per_micro_batch", "sampler_pad", "sampler_drop",
+            "scaler_unscale_per_micro_batch", "scaler_step_per_micro_batch"]
+DISTRIBUTED = sorted(n for n, cls in REGIMES.items() if cls.distributed and not cls.pitfall and not cls.trap
+                     and n not in ("ddp_step", "data_parallel"))
+
+
+def register_drawn(path: str) -> list[ec.Case]:
+    """Register every case spec listed in the JSON file ``path`` (at the top level: ranks import this file)."""
+    with open(path) as listing:
+        specs = [CaseSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec.items()})
+                 for spec in json.load(listing)]
+    return [ec.register_case(spec.build()) for spec in specs]
+
+
+if os.environ.get(DRAWN_CASES):
+    DRAWN = register_drawn(os.environ[DRAWN_CASES])
+
+
+def draws(strategy: st.SearchStrategy, count: int, draw_seed: int) -> list:
+    """``count`` draws of ``strategy``, the same for the same ``draw_seed`` (generation only, no shrinking)."""
+    drawn = []
+
+    @seed(draw_seed)
+    @settings(max_examples=count, database=None, deadline=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def collect(value):
+        drawn.append(value)
+
+    collect()
+    return drawn[:count]
+
+
+@st.composite
+def configurations(draw, names: list[str], min_world_size: int = 1, max_world_size: int = 4):
+    spec = draw(case_specs())
+    regime = draw(regime_specs(spec.batch_size, names=names, min_world_size=min(min_world_size, spec.batch_size),
+                               max_world_size=max_world_size))
+    return spec, regime
+
+
+def run(configs: list[tuple[CaseSpec, str]], label: str) -> dict:
+    """Check every configuration; tally the verdicts and print each false alarm."""
+    tally, notes, chunks_one, alarms = collections.Counter(), 0, 0, []
+    started = time.perf_counter()
+    for spec, regime in configs:
+        case = ec.get_case(spec.name) if spec.name in ec.all_cases() else spec.build()
+        (outcome,) = ec.check(case, [regime], measure_memory=False).outcomes
+        tally[outcome.verdict.value] += 1
+        notes += outcome.verdict is Verdict.EQUIVALENT and outcome.reason.startswith("ill-conditioned")
+        chunks_one += getattr(ec.parse_regime(regime), "chunks", None) == 1
+        if outcome.verdict is not Verdict.EQUIVALENT:
+            alarms.append(outcome)
+            print(f"FALSE ALARM {label}: {outcome.describe()[:600]}\n  case: {spec}", flush=True)
+    seconds = time.perf_counter() - started
+    print(f"{label}: {len(configs)} configurations in {seconds:.0f} s: {dict(tally)}; "
+          f"{notes} equivalent as ill-conditioned (float32 rounding, float64 maths equal); "
+          f"{chunks_one} with chunks=1 ({chunks_one / max(len(configs), 1):.1%}); {len(alarms)} false alarms",
+          flush=True)
+    return {"configurations": len(configs), "verdicts": dict(tally), "ill_conditioned": notes,
+            "false_alarms": len(alarms), "seconds": round(seconds, 1)}
+
+
+def missed_pitfalls(configs: list[tuple[CaseSpec, str]]) -> dict:
+    """Each pitfall regime on a drawn case, in the case's dtype: missed where it has a real effect (in
+    float64 from the same draws it differs from the reference) and the verdict is still equivalent."""
+    tally, missed = collections.Counter(), []
+    started = time.perf_counter()
+    for spec, regime in configs:
+        case = spec.build()
+        try:
+            (outcome,) = ec.check(case, [regime], measure_memory=False).outcomes
+            # The exact maths from the same draws: the run itself in float64, the shadow of a float32 one.
+            exact = SHADOW if spec.dtype == "float32" else spec.dtype
+            (maths,) = ec.check(case, [regime], measure_memory=False, dtype=exact).outcomes
+        except ec.InvalidArgument:  # a pitfall that cannot apply to this case (a sampler with nothing to pad)
+            tally["not applicable"] += 1
+            continue
+        effect = maths.verdict is not Verdict.EQUIVALENT
+        caught = outcome.verdict is not Verdict.EQUIVALENT
+        tally[("effect" if effect else "no effect") + (", caught" if caught else ", passed")] += 1
+        if effect and not caught:
+            missed.append(outcome)
+            print(f"MISSED PITFALL: {outcome.describe()[:400]}\n  float64: {maths.describe()[:300]}\n  case: {spec}",
+                  flush=True)
+    seconds = time.perf_counter() - started
+    print(f"pitfalls: {len(configs)} configurations in {seconds:.0f} s: {dict(tally)}; {len(missed)} missed "
+          "with a real effect", flush=True)
+    return {"configurations": len(configs), "outcomes": dict(tally), "missed": len(missed), "seconds": round(seconds, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--in-process", type=int, default=10_000)
+    parser.add_argument("--ddp", type=int, default=300)
+    parser.add_argument("--pitfalls", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the ranks' DDP warnings (find_unused_parameters)
+    print(f"torch {__import__('torch').__version__}; seed {args.seed}; in-process regimes {IN_PROCESS}; "
+          f"DDP regimes {DISTRIBUTED}", flush=True)
+    results = {}
+    if args.ddp:
+        ddp = draws(configurations(DISTRIBUTED, min_world_size=2, max_world_size=3), args.ddp, args.seed)
+        listing = tempfile.NamedTemporaryFile("w", suffix=".json", prefix="equivcheck-drawn-", delete=False)
+        with listing:
+            json.dump([dataclasses.asdict(spec) for spec in dict.fromkeys(spec for spec, _ in ddp)], listing)
+        os.environ[DRAWN_CASES] = listing.name  # before the pool starts: its ranks inherit it
+        try:
+            register_drawn(listing.name)
+            results["ddp"] = run(ddp, "DDP")
+        finally:
+            os.unlink(listing.name)
+    if args.in_process:
+        results["in_process"] = run(draws(configurations(IN_PROCESS), args.in_process, args.seed), "in-process")
+    if args.pitfalls:
+        results["pitfalls"] = missed_pitfalls(draws(configurations(PITFALLS), args.pitfalls, args.seed))
+    print(json.dumps(results))
+    return 1 if any(r.get("false_alarms") or r.get("missed") for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
