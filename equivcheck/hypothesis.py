@@ -13,7 +13,7 @@ Needs hypothesis (equivcheck's ``test`` extra); ``import equivcheck`` alone does
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from functools import partial
 
 import torch

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from .case import Case
 from .compare import Comparison, Tolerance, compare
-from .precision import SHADOW, Precision
+from .precision import Precision
 from .result import RunResult
 from .seeding import seeded
 

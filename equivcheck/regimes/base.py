@@ -15,7 +15,7 @@ the optimizer, how it counts communication and reads full tensors back.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import ClassVar, Protocol
 
 import torch
