@@ -5,6 +5,7 @@ __version__ = "0.1.0"  # the one place the version is written (pyproject reads i
 from .case import Batch, Case, Objective, default_optimizer
 from .check import Outcome, Report, Verdict, check, check_all, regimes_for
 from .compare import Comparison, Mismatch, Tolerance, compare
+from .hints import diagnose
 from .errors import EquivcheckError, InvalidArgument, MemoryNotSaved, NotEquivalent, Unavailable, WorkerError
 from .precision import PRECISIONS, Precision
 from .regimes import DEFAULT_REGIMES, REGIMES, Regime, SummedLoss, parse_regime, register_regime
@@ -19,6 +20,6 @@ __all__ = [
     "InvalidArgument", "MemoryNotSaved", "Mismatch", "NotEquivalent", "Objective", "Outcome", "PRECISIONS",
     "Precision", "Regime", "Report", "RunResult", "SummedLoss", "Tolerance", "Unavailable", "Verdict",
     "WorkerError", "all_cases", "builtin_cases", "check", "check_all", "check_loop", "check_step", "compare",
-    "default_optimizer", "get_case", "load_cases_from", "parse_regime", "regimes_for", "register_case",
+    "default_optimizer", "diagnose", "get_case", "load_cases_from", "parse_regime", "regimes_for", "register_case",
     "register_regime", "run",
 ]

@@ -14,6 +14,7 @@ import torch
 from .case import Case
 from .compare import Comparison, Tolerance, compare
 from .errors import InvalidArgument, MemoryNotSaved, NotEquivalent, Unavailable, expect_seed, expect_timeout
+from .hints import diagnose
 from .dispatch import DEFAULT_TIMEOUT, run
 from . import rounding
 from .precision import SHADOW, Precision, resolve_precision
@@ -316,6 +317,7 @@ def _judge(case: Case, spec: Regime, comparison: Comparison, seconds: float, res
     problems = _distributed_problems(spec, result, comparison)
     if problems:
         comparison = dataclasses.replace(comparison, problems=comparison.problems + problems)
+    comparison = diagnose(reference, result, comparison)
     reason = expected_mismatch(case, spec)
     if reason is None:
         verdict = Verdict.EQUIVALENT if comparison.ok else Verdict.MISMATCH

@@ -14,7 +14,6 @@ import torch
 from torch import Tensor
 
 from .errors import InvalidArgument, expect_tolerances
-from .hints import diagnose
 from .precision import PRECISIONS, Precision, resolve_precision
 from .result import RunResult
 
@@ -116,7 +115,7 @@ class Comparison:
     max_abs: float
     max_rel: float
     margin: float
-    hint: str = ""  # the likely pitfall, where the pattern of mismatches is recognisable (hints.py)
+    hint: str = ""  # the likely pitfall, where the pattern of mismatches is recognisable: set by hints.diagnose
     note: str = ""  # what float64 shadow runs showed of a low-precision run (rounding.py)
 
     @property
@@ -193,8 +192,7 @@ def compare(
                 mismatches.append(Mismatch(kind, name, _first_bad(entries[0], tol), None, worst[1]))
             else:
                 mismatches.append(Mismatch(kind, name, first[0], worst[0], worst[1]))
-    hint = diagnose(reference, candidate, mismatches, problems) if mismatches or problems else ""
-    return Comparison(tol, tuple(mismatches), tuple(problems), max_abs, max_rel, margin, hint)
+    return Comparison(tol, tuple(mismatches), tuple(problems), max_abs, max_rel, margin)
 
 
 def _first_bad(entry: tuple[int | None, Tensor, Tensor], tol: Tolerance) -> int:

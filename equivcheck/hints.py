@@ -10,22 +10,27 @@ The rules run in that order and the first that fits speaks; a hint says "likely"
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import dataclasses
 
 import torch
 
+from .compare import Comparison, Mismatch
 from .result import RunResult
-
-if TYPE_CHECKING:
-    from .compare import Mismatch
 
 # A common factor must explain every gradient to this relative residual to count as "one factor".
 FACTOR_RESIDUAL = 1e-3
 
 
-def diagnose(reference: RunResult, candidate: RunResult, mismatches: Sequence[Mismatch], problems: Sequence[str]) -> str:
-    """The hint for a comparison that failed, or "" where no rule fits."""
+def diagnose(reference: RunResult, candidate: RunResult, comparison: Comparison) -> Comparison:
+    """``comparison`` with its hint: kept where one is set already (the float64 shadows' of a low-precision
+    run speak first), else the first rule's that fits a failed comparison, else none."""
+    if comparison.ok or comparison.hint:
+        return comparison
+    return dataclasses.replace(comparison, hint=_hint(reference, candidate, comparison.mismatches))
+
+
+def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch, ...]) -> str:
+    """The one line for a comparison that failed, or "" where no rule fits."""
     first_grads = {m.name for m in mismatches if m.kind == "grad" and m.first_step == 0}
     kinds = {m.kind for m in mismatches}
     loss_first = next((m.first_step for m in mismatches if m.kind == "loss"), None)

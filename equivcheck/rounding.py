@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from .case import Case
 from .compare import Comparison, Tolerance, compare
+from .hints import diagnose
 from .precision import Precision
 from .result import RunResult
 from .seeding import seeded
@@ -58,7 +59,7 @@ def judge(case: Case, comparison: Comparison, reference: RunResult, candidate: R
         ref64, cand64 = shadow_reference(), shadow_candidate()
     except Exception as error:  # the low-precision verdict stands; say why it could not be weighed
         return dataclasses.replace(comparison, note=f"the float64 shadow runs failed: {type(error).__name__}: {error}")
-    maths = compare(ref64, cand64)
+    maths = diagnose(ref64, cand64, compare(ref64, cand64))
     if not maths.ok:  # the float64 runs' hint names the pitfall without rounding in the way
         note = f"the float64 runs differ too (margin {maths.margin:.3g}): the maths differs"
         return dataclasses.replace(comparison, hint=maths.hint or comparison.hint, note=note)

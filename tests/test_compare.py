@@ -122,3 +122,18 @@ def test_one_element_just_past_tolerance_leaves_the_fast_path(reference):
     assert not cmp.ok
     (mismatch,) = cmp.mismatches
     assert (mismatch.kind, mismatch.name, mismatch.diff.abs_index) == ("weight", "0.bias", (3,))
+
+
+def test_compare_measures_and_diagnose_names_the_pitfall_once(reference):
+    """The comparator only measures; the hint is diagnosis's, which ``ec.check`` calls and never overrides."""
+    doubled = dataclasses.replace(reference, grads=tuple({n: 2 * g for n, g in step.items()} for step in reference.grads[:1])
+                                  + reference.grads[1:])
+    measured = ec.compare(reference, doubled)
+    assert not measured.ok and measured.hint == ""
+    named = ec.diagnose(reference, doubled, measured)
+    assert named.hint.startswith("every gradient is 2 x the reference's from step 0: likely loss scaling")
+    assert dataclasses.replace(named, hint="") == measured
+    kept = dataclasses.replace(measured, hint="the float64 shadows' hint")
+    assert ec.diagnose(reference, doubled, kept).hint == "the float64 shadows' hint"
+    matching = ec.compare(reference, ec.run("mlp", "full_batch"))
+    assert ec.diagnose(reference, reference, matching).hint == ""
