@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import math
 import time
 import traceback
 from collections.abc import Iterable, Iterator, Sequence
@@ -13,7 +14,7 @@ import torch
 
 from .case import Case
 from .compare import Comparison, Tolerance, compare
-from .errors import InvalidArgument, MemoryNotSaved, NotEquivalent, Unavailable, expect_seed, expect_timeout
+from .errors import InvalidArgument, MemoryNotSaved, NotEquivalent, Unavailable, expect_number, expect_seed, expect_timeout
 from .hints import diagnose
 from .dispatch import DEFAULT_TIMEOUT, run
 from . import rounding
@@ -116,9 +117,9 @@ class Report:
     def assert_saves_memory(self, regime: str | Regime, max_ratio: float, *, case: str | None = None) -> None:
         """Raise :class:`MemoryNotSaved` unless ``regime`` peaks at most ``max_ratio`` of the reference's
         activation memory in every case checked (or in ``case``)."""
-        if isinstance(max_ratio, bool) or not isinstance(max_ratio, (int, float)) or not max_ratio > 0:
-            raise InvalidArgument.value("max_ratio", max_ratio, "a number > 0 (peak / the reference's peak)")
-        spec = str(parse_regime(regime))
+        max_ratio = expect_number("max_ratio", max_ratio, minimum=0, maximum=math.inf, strict=True)
+        checked = {o.regime for o in self.outcomes}  # a team step's label ("step:train_step") is no spec to parse
+        spec = regime if regime in checked else str(parse_regime(regime))
         chosen = [o for o in self.outcomes if o.regime == spec and case in (None, o.case)]
         if not chosen:
             checked = (f"{o.case} under {o.regime}" for o in self.outcomes)

@@ -60,11 +60,11 @@ def expect_callable(argument: str, value: object) -> None:
 
 def expect_number(argument: str, value: object, *, minimum: float, maximum: float, strict: bool = False) -> float:
     """Return ``value`` if it is a finite real number within bounds (above ``minimum`` when ``strict``)."""
-    low = f"> {minimum:g}" if strict else f">= {minimum:g}"
+    bounds = (f"> {minimum:g}" if strict else f">= {minimum:g}") + (f" and <= {maximum:g}" if maximum < math.inf else "")
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidArgument.type(argument, value, f"a number {low} and <= {maximum:g}")
+        raise InvalidArgument.type(argument, value, f"a number {bounds}")
     if not (math.isfinite(value) and (value > minimum if strict else value >= minimum) and value <= maximum):
-        raise InvalidArgument.value(argument, value, f"a finite number {low} and <= {maximum:g}")
+        raise InvalidArgument.value(argument, value, f"a finite number {bounds}")
     return float(value)
 
 

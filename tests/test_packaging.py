@@ -119,3 +119,14 @@ def test_pytest_help_shows_the_plugin_options(tmp_path):
     done = run(sys.executable, "-m", "pytest", "--help", cwd=tmp_path)
     assert done.returncode == 0
     assert "--equivcheck-cases" in done.stdout and "--equivcheck-timeout" in done.stdout
+
+
+def test_every_relative_link_in_the_guide_and_the_docs_leads_somewhere():
+    """The README is a guide that points into docs/ and bench/: a moved file must not leave it pointing nowhere."""
+    pages = [SOURCE_TREE / "README.md", SOURCE_TREE / "bench" / "README.md", *sorted((SOURCE_TREE / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if not target.startswith(("http://", "https://")) and not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(SOURCE_TREE)} -> {target}")
+    assert len(pages) > 5 and broken == []
