@@ -14,7 +14,7 @@ import torch
 
 from .case import Case
 from .compare import Comparison, Tolerance, compare
-from .errors import InvalidArgument, MemoryNotSaved, NotEquivalent, Unavailable, expect_number, expect_seed, expect_timeout
+from .errors import InvalidArgument, MemoryNotSaved, NotEquivalent, Unavailable, expect_int, expect_number, expect_seed, expect_timeout
 from .hints import diagnose
 from .dispatch import DEFAULT_TIMEOUT, run
 from . import rounding
@@ -160,6 +160,7 @@ def check(
     timeout: float = DEFAULT_TIMEOUT,
     dtype: str | torch.dtype | Precision | None = None,
     measure_memory: bool = True,
+    threads: int | None = None,
 ) -> Report:
     """Check ``case`` under each regime against ``reference`` (run twice, to prove it deterministic).
 
@@ -167,10 +168,11 @@ def check(
     ``timeout`` bounds each distributed job in seconds. ``dtype`` picks the precision mode
     (``'float64'``, ``'float32'``, ``'bf16-autocast'``, ``'fp16-autocast'``; default: the case's
     dtype); a mode this machine cannot run is skipped. ``measure_memory=False`` skips the peak
-    activation memory (saved-tensor hooks: about a fifth of a tiny check's time).
+    activation memory (saved-tensor hooks: about a fifth of a tiny check's time). ``threads``: intra-op
+    threads per run (default: one, unless ``OMP_NUM_THREADS`` or ``torch.set_num_threads`` chose).
     """
     return Report(tuple(iter_outcomes(plan(case, regimes, reference=reference, rtol=rtol, atol=atol, seed=seed,
-                                          backend=backend, timeout=timeout, dtype=dtype),
+                                          backend=backend, timeout=timeout, dtype=dtype, threads=threads),
                                      measure_memory=measure_memory)))
 
 
@@ -186,12 +188,18 @@ class Plan:
     atol: float | None
     seed: int
     timeout: float
+    threads: int | None = None  # intra-op threads per run (None: one, unless the user chose; intra_op.py)
+
+    def run(self, spec: Regime, dtype: Precision, measure_memory: bool) -> RunResult:
+        """One run of this plan's case under ``spec``, with the plan's seed, timeout and threads."""
+        return run(self.case, spec, seed=self.seed, timeout=self.timeout, threads=self.threads, dtype=dtype,
+                   measure_memory=measure_memory)
 
 
 def plan(case: Case | str, regimes: Iterable[str | Regime] | str | Regime | None = None, *,
          reference: str | Regime = "full_batch", rtol: float | None = None, atol: float | None = None,
          seed: int = DEFAULT_SEED, backend: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-         dtype: str | torch.dtype | Precision | None = None) -> Plan:
+         dtype: str | torch.dtype | Precision | None = None, threads: int | None = None) -> Plan:
     """Validate a check's arguments; every usage error surfaces here, before anything runs."""
     case = resolve_case(case)
     if isinstance(regimes, (str, Regime)):  # one spec where a list was expected: checked as that one spec
@@ -208,8 +216,10 @@ def plan(case: Case | str, regimes: Iterable[str | Regime] | str | Regime | None
     Tolerance.resolve(precision, rtol, atol)
     expect_seed(seed)
     expect_timeout(timeout)
+    if threads is not None:
+        expect_int("threads", threads)
     rtol, atol = (case.rtol, case.atol) if rtol is None and atol is None else (rtol, atol)
-    return Plan(case, specs, reference, precision, rtol, atol, seed, timeout)
+    return Plan(case, specs, reference, precision, rtol, atol, seed, timeout, threads)
 
 
 def iter_outcomes(plan: Plan, *, measure_memory: bool = True) -> Iterator[Outcome]:
@@ -223,8 +233,8 @@ def iter_outcomes(plan: Plan, *, measure_memory: bool = True) -> Iterator[Outcom
 
     started = time.perf_counter()
     try:
-        ref = run(case, reference, seed=seed, timeout=plan.timeout, dtype=precision, measure_memory=measure_memory)
-        rerun = run(case, reference, seed=seed, timeout=plan.timeout, dtype=precision, measure_memory=measure_memory)
+        ref = plan.run(reference, precision, measure_memory)
+        rerun = plan.run(reference, precision, measure_memory)
     except InvalidArgument:
         raise
     except Exception as error:  # nothing can be compared with a reference that did not run
@@ -239,15 +249,14 @@ def iter_outcomes(plan: Plan, *, measure_memory: bool = True) -> Iterator[Outcom
         yield from (Outcome(case.name, str(s), Verdict.NONDETERMINISTIC, self_check, why) for s in plan.specs)
         return
 
-    shadow_reference = functools.cache(
-        lambda: run(case, reference, seed=seed, timeout=plan.timeout, dtype=SHADOW, measure_memory=False))
+    shadow_reference = functools.cache(lambda: plan.run(reference, SHADOW, False))
     for spec in plan.specs:
         if spec == reference:
             yield _judge(case, spec, self_check, ref_seconds / 2, rerun, ref)
             continue
         started = time.perf_counter()
         try:
-            result = run(case, spec, seed=seed, timeout=plan.timeout, dtype=precision, measure_memory=measure_memory)
+            result = plan.run(spec, precision, measure_memory)
         except InvalidArgument:
             raise
         except Unavailable as why:
@@ -268,8 +277,7 @@ def iter_outcomes(plan: Plan, *, measure_memory: bool = True) -> Iterator[Outcom
             comparison = rounding.judge(
                 case, comparison, ref, result, seed=seed,
                 shadow_reference=shadow_reference,
-                shadow_candidate=lambda: run(case, spec, seed=seed, timeout=plan.timeout, dtype=SHADOW,
-                                             measure_memory=False))
+                shadow_candidate=lambda: plan.run(spec, SHADOW, False))
         yield _judge(case, spec, comparison, time.perf_counter() - started, result, ref)
 
 

@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     running.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                          help=f"limit for one distributed job on its ranks (default: {DEFAULT_TIMEOUT:g})")
     running.add_argument("--dtype", choices=PRECISIONS, help="precision mode (default: each case's dtype)")
+    running.add_argument("--threads", type=int, metavar="N",
+                         help="torch intra-op threads per run (default: 1, unless OMP_NUM_THREADS is set)")
     catalogue.add_argument("--dtype", action="append", choices=PRECISIONS,
                            help=f"precision mode (repeatable; default: {', '.join(pitfall_catalogue.DEFAULT_DTYPES)})")
     catalogue.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
@@ -135,7 +137,7 @@ def _list(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     plans = plan_all(args.case, args.regime, rtol=args.rtol, atol=args.atol, backend=args.backend,
-                     timeout=args.timeout, dtype=args.dtype)
+                     timeout=args.timeout, dtype=args.dtype, threads=args.threads)
     output = _open_output(args.json)
     outcomes, interrupted = [], None
     try:

@@ -14,6 +14,7 @@ from .registry import all_cases, case_source, resolve_case
 from .result import RunResult
 from .training import train
 from .seeding import DEFAULT_SEED
+from . import intra_op
 
 DEFAULT_TIMEOUT = pool.DEFAULT_TIMEOUT
 
@@ -32,6 +33,8 @@ def run(case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED, tim
     reason = regime.unavailable()
     if reason is not None:
         raise Unavailable(reason)
+    # Resolved here, where the user's choice is visible: ranks train with the parent's count.
+    options["threads"] = intra_op.resolve(options.get("threads"))
     if not regime.distributed:
         return train(case, regime, seed=seed, **options)
     if all_cases().get(case.name) is not case:

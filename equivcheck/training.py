@@ -22,6 +22,7 @@ from .regimes import CommunicationCounter, Regime, parse_regime
 from .registry import resolve_case
 from .result import RunResult
 from .seeding import DEFAULT_SEED, default_dtype, seeded
+from . import intra_op
 
 
 def train(
@@ -31,9 +32,11 @@ def train(
     seed: int = DEFAULT_SEED,
     dtype: str | torch.dtype | Precision | None = None,
     measure_memory: bool = True,
+    threads: int | None = None,
 ) -> RunResult:
     """Train ``case`` for its steps under ``regime`` in precision ``dtype`` (default: the case's dtype)
-    and return what it produced, with its peak activation memory unless ``measure_memory`` is off."""
+    and return what it produced, with its peak activation memory unless ``measure_memory`` is off;
+    with ``threads`` intra-op threads (default: one, unless the user chose: see ``threads.py``)."""
     case = resolve_case(case)
     regime = parse_regime(regime)
     precision = resolve_precision(dtype, default=case.dtype)
@@ -43,7 +46,7 @@ def train(
         raise Unavailable(f"dtype={precision.name!r} cannot run here: {missing}")
     started = time.perf_counter()
     device = regime.device() if regime.device().type != "cpu" else torch.device(precision.device)
-    with seeded(seed), default_dtype(precision.dtype):
+    with intra_op.using(intra_op.resolve(threads)), seeded(seed), default_dtype(precision.dtype):
         with default_dtype(precision.draw_dtype or precision.dtype):
             model = build_model(case, precision, device)
             batches = load_batches(case, precision, device)

@@ -18,9 +18,9 @@ DTYPES = ("float64", "float32", "bf16-autocast", "fp16-autocast", "float64-shado
 MAX_TIMEOUT = 86_400.0
 MAX_SEED = 2**32 - 1
 # The keywords @pytest.mark.equivcheck(...) accepts: per-test defaults for the fixture's checks.
-MARKER_KEYWORDS = ("reference", "rtol", "atol", "seed", "dtype", "timeout")
+MARKER_KEYWORDS = ("reference", "rtol", "atol", "seed", "dtype", "timeout", "threads")
 MARKER_HELP = (
-    "equivcheck(reference=SPEC, rtol=R, atol=A, seed=N, dtype='float64'|'float32'|'bf16-autocast'|'fp16-autocast', timeout=SECONDS): "
+    "equivcheck(reference=SPEC, rtol=R, atol=A, seed=N, dtype='float64'|'float32'|'bf16-autocast'|'fp16-autocast', timeout=SECONDS, threads=N): "
     "defaults for the equivcheck fixture's checks in this test"
 )
 
@@ -45,6 +45,8 @@ def add_options(parser: pytest.Parser) -> None:
     group.addoption("--equivcheck-timeout", type=float, default=None, metavar="SECONDS",
                     help="fail an in-process check, or a distributed job on the worker pool, that runs longer "
                          "than this")
+    group.addoption("--equivcheck-threads", type=int, default=None, metavar="N",
+                    help="torch intra-op threads per run (default: 1, unless OMP_NUM_THREADS is set)")
     group.addoption("--equivcheck-json", default=None, metavar="PATH",
                     help="write the outcomes of every check as JSON rows (the CLI's format) to PATH")
 
@@ -61,6 +63,7 @@ class Settings:
     rtol: float | None
     atol: float | None
     timeout: float | None
+    threads: int | None
     json: str | None
 
     @classmethod
@@ -69,7 +72,7 @@ class Settings:
         settings = cls(
             cases=tuple(option("cases")), regimes=tuple(option("regimes")), cases_from=tuple(option("cases-from")),
             dtype=option("dtype"), seed=option("seed"), rtol=option("rtol"), atol=option("atol"),
-            timeout=option("timeout"), json=option("json"),
+            timeout=option("timeout"), threads=option("threads"), json=option("json"),
         )
         settings.validate("--equivcheck-")
         return settings
@@ -81,7 +84,8 @@ class Settings:
 
     def defaults(self) -> dict[str, object]:
         """The keyword defaults a check takes from the command line (None: not given)."""
-        return {"seed": self.seed, "rtol": self.rtol, "atol": self.atol, "dtype": self.dtype, "timeout": self.timeout}
+        return {"seed": self.seed, "rtol": self.rtol, "atol": self.atol, "dtype": self.dtype, "timeout": self.timeout,
+                "threads": self.threads}
 
     def validate(self, prefix: str) -> None:
         validate_values(self.defaults(), prefix)
@@ -106,6 +110,9 @@ def validate_values(values: Mapping[str, object], prefix: str) -> None:
     seed = values.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
         fail("seed", f"an integer from 0 to {MAX_SEED}")
+    threads = values.get("threads")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        fail("threads", "an integer >= 1")
     dtype = values.get("dtype")
     if dtype is not None and dtype not in DTYPES:
         fail("dtype", " or ".join(repr(d) for d in DTYPES))
