@@ -10,10 +10,12 @@ out of the comparison.
 
 from __future__ import annotations
 
+from .audit import warn_blind_spots
 from .case import Case
 from .check import Report, check
 from .errors import expect_callable
 from .regimes import Regime
+from .seeding import DEFAULT_SEED
 from .regimes.user_code import DdpStep, LoopFn, StepFn, UserLoop, UserStep, import_path
 
 
@@ -37,6 +39,7 @@ def check_step(
     else:
         expect_callable("step", step)
         candidate = DdpStep(world_size=world_size, fn=import_path(step))
+    warn_blind_spots(case, seed=options.get("seed", DEFAULT_SEED))
     return check(case, [candidate], reference=reference, **options)
 
 
@@ -45,4 +48,5 @@ def check_loop(
 ) -> Report:
     """Check a team's ``loop(model, optimizer, batches)`` against ``reference`` (a spec or another loop)."""
     reference = reference if isinstance(reference, (str, Regime)) else UserLoop(reference)
+    warn_blind_spots(case, seed=options.get("seed", DEFAULT_SEED))
     return check(case, [UserLoop(loop)], reference=reference, **options)
