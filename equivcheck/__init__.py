@@ -7,7 +7,8 @@ from .case import Batch, Case, Objective, default_optimizer
 from .check import Outcome, Report, Verdict, check, check_all, regimes_for
 from .compare import Comparison, Mismatch, Tolerance, compare
 from .hints import diagnose
-from .errors import BlindSpotWarning, EquivcheckError, InvalidArgument, MemoryNotSaved, NotEquivalent, Unavailable, WorkerError
+from .errors import (BlindSpotWarning, EquivcheckError, InvalidArgument, MemoryNotSaved, NotEquivalent,
+                     PrecisionWarning, Unavailable, WorkerError)
 from .precision import PRECISIONS, Precision
 from .regimes import DEFAULT_REGIMES, REGIMES, Regime, SummedLoss, parse_regime, register_regime
 from .registry import all_cases, builtin_cases, get_case, load_cases_from, register_case
@@ -17,10 +18,10 @@ from .seeding import DEFAULT_SEED
 from .step import check_loop, check_step
 
 __all__ = [
-    "DEFAULT_REGIMES", "DEFAULT_SEED", "REGIMES", "Audit", "Batch", "BlindSpotWarning", "Case", "Comparison", "EquivcheckError", "Finding",
-    "InvalidArgument", "MemoryNotSaved", "Mismatch", "NotEquivalent", "Objective", "Outcome", "PRECISIONS",
-    "Precision", "Regime", "Report", "RunResult", "Sensitivity", "SummedLoss", "Tolerance", "Unavailable", "Verdict",
-    "WorkerError", "all_cases", "audit", "builtin_cases", "check", "check_all", "check_loop", "check_step", "compare",
-    "default_optimizer", "diagnose", "get_case", "load_cases_from", "parse_regime", "regimes_for", "register_case",
-    "register_regime", "run",
+    "DEFAULT_REGIMES", "DEFAULT_SEED", "PRECISIONS", "REGIMES", "Audit", "Batch", "BlindSpotWarning", "Case",
+    "Comparison", "EquivcheckError", "Finding", "InvalidArgument", "MemoryNotSaved", "Mismatch", "NotEquivalent",
+    "Objective", "Outcome", "Precision", "PrecisionWarning", "Regime", "Report", "RunResult", "Sensitivity",
+    "SummedLoss", "Tolerance", "Unavailable", "Verdict", "WorkerError", "all_cases", "audit", "builtin_cases",
+    "check", "check_all", "check_loop", "check_step", "compare", "default_optimizer", "diagnose", "get_case",
+    "load_cases_from", "parse_regime", "regimes_for", "register_case", "register_regime", "run",
 ]

@@ -130,6 +130,24 @@ class Objective:
         self.precision = resolve_precision(precision, default=case.dtype)
         self.scaler = self.precision.grad_scaler_for()
         self._loss = self.precision.autocasting(case.loss)
+        self.loss_dtypes: set[torch.dtype] = set()  # what the loss was computed in: a float64 case may not be
+
+    def _call_loss(self, output: object, targets: Tensor) -> object:
+        """The case's loss on ``output``; a model whose output is not a tensor is named when the loss breaks on it."""
+        try:
+            loss = self._loss(output, targets)
+        except (AttributeError, TypeError, IndexError) as error:
+            if isinstance(output, Tensor):
+                raise
+            raise InvalidArgument(
+                f"the model of case {self._case.name!r} returned {_described(output)}, and its loss raised "
+                f"{type(error).__name__}: {error}. The loss receives the model's output as it is: read the logits "
+                "there (loss=lambda output, targets: F.cross_entropy(output[0], targets, reduction='none') for a "
+                "(logits, loss) tuple, output.logits for a Hugging Face ModelOutput)"
+            ) from error
+        if isinstance(loss, Tensor):
+            self.loss_dtypes.add(loss.dtype)
+        return loss
 
     def backward(self, loss: Tensor, *, retain_graph: bool = False) -> None:
         self.scaler.scale(loss).backward(retain_graph=retain_graph)
@@ -140,7 +158,7 @@ class Objective:
         self.scaler.update()
 
     def item_losses(self, output: Tensor, targets: Tensor) -> Tensor:
-        losses = self._loss(output, targets)
+        losses = self._call_loss(output, targets)
         expected = int(self._case.items(targets))
         if not isinstance(losses, Tensor) or losses.dim() != 1 or len(losses) != expected:
             shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
@@ -156,7 +174,7 @@ class Objective:
 
     def _mean_loss(self, output: Tensor, targets: Tensor) -> tuple[Tensor, int]:
         """A ``loss_reduction='mean'`` case's loss: the mean over the batch's items, and their count."""
-        loss, count = self._loss(output, targets), int(self._case.items(targets))
+        loss, count = self._call_loss(output, targets), int(self._case.items(targets))
         if not isinstance(loss, Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
             raise InvalidArgument(f"loss of case {self._case.name!r} returned shape {shape}: with "
@@ -181,3 +199,21 @@ class Objective:
         """The case's ``(trunk, head)`` of ``model``; regimes that need it validate its presence first."""
         assert self._case.split is not None
         return self._case.split(model)
+
+
+def _described(output: object) -> str:
+    """What a model returned, briefly: ``a tuple of (Tensor (12, 3), NoneType)``."""
+    def one(item: object) -> str:
+        return f"Tensor {tuple(item.shape)}" if isinstance(item, Tensor) else type(item).__name__
+    if isinstance(output, (tuple, list)):
+        return f"a {type(output).__name__} of ({', '.join(one(item) for item in output)})"
+    return f"a {type(output).__name__}, not a tensor"
+
+
+class ModelParameters(list):
+    """The model's parameters, as an optimizer factory receives them, with the model itself as ``.model``:
+    a factory that groups parameters by module (nanoGPT's ``configure_optimizers``) reads it there."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model.parameters())
+        self.model = model

@@ -8,13 +8,15 @@ import functools
 import math
 import time
 import traceback
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
 from .case import Case
 from .compare import Comparison, Tolerance, compare
-from .errors import InvalidArgument, MemoryNotSaved, NotEquivalent, Unavailable, expect_int, expect_number, expect_seed, expect_timeout
+from .errors import (InvalidArgument, MemoryNotSaved, NotEquivalent, PrecisionWarning, Unavailable, WorkerError,
+                     expect_int, expect_number, expect_seed, expect_timeout)
 from .hints import diagnose
 from .dispatch import DEFAULT_TIMEOUT, run
 from . import rounding
@@ -257,10 +259,11 @@ def iter_outcomes(plan: Plan, *, measure_memory: bool = True) -> Iterator[Outcom
         yield from (Outcome(case.name, str(s), Verdict.NONDETERMINISTIC, self_check, why) for s in plan.specs)
         return
 
+    _warn_lower_precision(case, precision, ref)
     shadow_reference = functools.cache(lambda: plan.run(reference, SHADOW, False))
     for spec in plan.specs:
         if spec == reference:
-            yield _judge(case, spec, self_check, ref_seconds / 2, rerun, ref)
+            yield _judge(case, spec, self_check, ref_seconds / 2, rerun, ref, reference)
             continue
         started = time.perf_counter()
         try:
@@ -274,7 +277,8 @@ def iter_outcomes(plan: Plan, *, measure_memory: bool = True) -> Iterator[Outcom
             seconds = time.perf_counter() - started
             crash, details = _crash(error)
             declared = expected_mismatch(case, spec)
-            if declared is None:
+            # A rank that died, hung or never started says nothing about the code: never a caught pitfall.
+            if declared is None or (isinstance(error, WorkerError) and not error.raised):
                 yield Outcome(case.name, str(spec), Verdict.ERROR, None, crash, seconds, details=details)
             else:  # a declared pitfall that crashes has surfaced as surely as one that mismatches
                 yield Outcome(case.name, str(spec), Verdict.EXPECTED_MISMATCH, None,
@@ -286,7 +290,18 @@ def iter_outcomes(plan: Plan, *, measure_memory: bool = True) -> Iterator[Outcom
                 case, comparison, ref, result, seed=seed,
                 shadow_reference=shadow_reference,
                 shadow_candidate=lambda: plan.run(spec, SHADOW, False))
-        yield _judge(case, spec, comparison, time.perf_counter() - started, result, ref)
+        yield _judge(case, spec, comparison, time.perf_counter() - started, result, ref, reference)
+
+
+def _warn_lower_precision(case: Case, precision: Precision, reference: RunResult) -> None:
+    """A float64 case whose loss comes out in float32 (a model that upcasts logits to float32, as Hugging Face
+    causal-LM losses do) runs at float32's rounding, which float64's tolerance does not allow for."""
+    lower = [d for d in reference.loss_dtypes if d != str(precision.dtype)]
+    if precision.dtype == torch.float64 and lower:
+        warnings.warn(PrecisionWarning(
+            f"case {case.name!r} trains in float64 but its loss is computed in {', '.join(lower)}: the runs carry "
+            f"{lower[0]} rounding, and float64's tolerance leaves little headroom (a false alarm waits for the "
+            "next seed); check it as dtype=torch.float32, or keep the loss in float64"), stacklevel=4)
 
 
 def _crash(error: Exception) -> tuple[str, str]:
@@ -329,8 +344,23 @@ def _validate(case: Case, specs: Sequence[Regime]) -> None:
         spec.validate(case)
 
 
+CLIPPED = 1e-4  # clip_grad_norm_ leaves the norm at max_norm * total / (total + 1e-6): within this of max_norm
+
+
+def _clipping_note(regime: Regime, result: RunResult) -> str:
+    """Whether a clipping regime's clipping engaged: a clipped reference whose norm never reaches its
+    max_norm checks nothing about clipping. Engaged = the gradient the step used has norm max_norm."""
+    max_norm = regime.clips_at()
+    if max_norm is None or not result.grads:
+        return ""
+    norms = [float(torch.linalg.vector_norm(torch.cat([g.reshape(-1).double() for g in step.values()])))
+             for step in result.grads]
+    engaged = sum(norm >= max_norm * (1 - CLIPPED) for norm in norms)
+    return f"{regime}: clipping engaged at {engaged} of {len(norms)} steps"
+
+
 def _judge(case: Case, spec: Regime, comparison: Comparison, seconds: float, result: RunResult,
-           reference: RunResult) -> Outcome:
+           reference: RunResult, reference_regime: Regime) -> Outcome:
     problems = _distributed_problems(spec, result, comparison)
     if problems:
         comparison = dataclasses.replace(comparison, problems=comparison.problems + problems)
@@ -341,6 +371,8 @@ def _judge(case: Case, spec: Regime, comparison: Comparison, seconds: float, res
         reason = comparison.note if comparison.ok else ""
     else:
         verdict = Verdict.EXPECTED_MISMATCH if not comparison.ok else Verdict.UNEXPECTED_MATCH
+    notes = dict.fromkeys(filter(None, (_clipping_note(reference_regime, reference), _clipping_note(spec, result))))
+    reason = "; ".join(filter(None, (reason, *notes)))
     return Outcome(case.name, str(spec), verdict, comparison, reason, seconds, result,
                    memory=MemoryUse.of(spec.micro_batches(case) > 1, result, reference))
 

@@ -93,12 +93,14 @@ def expect_seed(seed: object) -> int:
 class WorkerError(EquivcheckError, RuntimeError):
     """A worker rank raised, hung past its timeout or died; the message names the rank(s).
 
-    ``remote_traceback`` holds the traceback of the rank that raised, where one did.
+    ``remote_traceback`` holds the traceback of the rank that raised, where one did; ``raised`` says the
+    code checked raised (evidence about that code), as opposed to a rank that died, hung or never started.
     """
 
-    def __init__(self, message: str, *, remote_traceback: str = "") -> None:
+    def __init__(self, message: str, *, remote_traceback: str = "", raised: bool = False) -> None:
         super().__init__(message)
         self.remote_traceback = remote_traceback
+        self.raised = raised
 
 
 class Unavailable(EquivcheckError):
@@ -112,6 +114,11 @@ class NonFinite(EquivcheckError, ArithmeticError):
 class BlindSpotWarning(UserWarning):
     """The case cannot show a class of bug the code checked could plausibly have: a pass proves less
     than it seems. ``ec.audit(case)`` lists every class; silence with the ``warnings`` filters."""
+
+
+class PrecisionWarning(UserWarning):
+    """The case asks for a precision its computation does not run in (a float64 case whose loss comes out
+    in float32): the tolerance then assumes rounding the runs do not have."""
 
 
 class Interrupted(BaseException):

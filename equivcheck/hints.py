@@ -43,8 +43,10 @@ def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch
                 "return that mean or None, or check with compare_losses=False")
     factor = common_factor(reference, candidate) if first_grads else None
     if factor is not None:
+        clipping = (", or gradient clipping that engages in only one of the two (clip_grad_norm_ scales every "
+                    "gradient by one factor below 1): give the reference the same clipping") if factor < 1 else ""
         return (f"every gradient is {factor:.6g} x the reference's from step 0: likely loss scaling "
-                "(sum vs mean, a missing or extra / K, or gradients left scaled by a GradScaler)")
+                f"(sum vs mean, a missing or extra / K, or gradients left scaled by a GradScaler){clipping}")
     if "buffer" in kinds:
         names = ", ".join(sorted(m.name for m in mismatches if m.kind == "buffer"))
         return (f"running statistics differ ({names}): likely BatchNorm seeing other batch statistics per "
@@ -58,14 +60,24 @@ def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch
         return (f"at step 0 only some gradients differ ({', '.join(sorted(first_grads))}) while "
                 f"{', '.join(exact)} match: the backward pass was cut upstream; likely a detach between per-token or "
                 "per-chunk backward calls (an RNN hidden state detached = truncated BPTT)")
+    if first_grads and not _losses_compared(reference, candidate):
+        return ("every gradient differs from step 0 (no losses were reported, so the forward cannot be told apart "
+                "from the backward): likely the loss weighting (a mean of micro-batch means over uneven micro-batches "
+                "or token counts), or zero_grad, clipping or GradScaler unscale_ inside the accumulation loop")
     if first_grads:
         return ("same loss but every gradient differs from step 0: the micro-batch gradients were altered before "
                 "being summed; likely zero_grad, gradient clipping or GradScaler unscale_ inside the accumulation loop")
     steps = [m.first_step for m in mismatches if m.first_step is not None]
     if steps:
         return (f"everything matches at step 0 and diverges from step {min(steps)}: state carried between steps "
-                "differs; likely the RNG stream (dropout), optimizer state, or a learning-rate schedule")
+                "differs, or a difference that clipping hid while the gradient norm stayed above max_norm (a "
+                "missing / K clips to the same gradient); likely the RNG stream (dropout), optimizer state, a "
+                "learning-rate schedule, or a scaling bug under clipping")
     return ""
+
+
+def _losses_compared(reference: RunResult, candidate: RunResult) -> bool:
+    return any(r is not None and c is not None for r, c in zip(reference.losses, candidate.losses))
 
 
 def _step_count(expected: int, taken: int) -> str:

@@ -37,6 +37,7 @@ class RunResult:
     precision: str = ""  # the precision mode's name (equivcheck.precision); "" means the weights' dtype
     peak_activation_bytes: int | None = None
     memory_method: str | None = None
+    loss_dtypes: tuple[str, ...] = ()  # the dtypes the case's loss came out in ("torch.float32"): the real precision
 
     @property
     def optimizer_steps(self) -> int:

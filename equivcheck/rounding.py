@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from .case import Case
+from .case import Case, ModelParameters
 from .compare import Comparison, Tolerance, compare
 from .hints import diagnose
 from .precision import Precision
@@ -125,7 +125,7 @@ def _conditioning(case: Case, seed: int) -> str:
     """Why this case turns rounding into visible differences, as far as its model and optimizer show."""
     with seeded(seed):
         model = case.model()
-        optimizer = case.optimizer(model.parameters())
+        optimizer = case.optimizer(ModelParameters(model))
     causes = []
     for module in model.modules():
         if isinstance(module, nn.LayerNorm) and math.prod(module.normalized_shape) <= FEW_FEATURES:

@@ -74,6 +74,7 @@ def train(
         precision=precision.name,
         peak_activation_bytes=memory.peak,
         memory_method=memory.method,
+        loss_dtypes=tuple(sorted(str(dtype) for dtype in objective.loss_dtypes)),
     )
 
 

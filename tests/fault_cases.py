@@ -51,3 +51,11 @@ for fault in ("raise", "hang", "kill", "late_kill", "slow", "sigint", "sigterm")
     ec.register_case(dataclasses.replace(
         ec.get_case("mlp"), name=f"fault_{fault}", model=lambda fault=fault: Faulty(fault), split=None, regimes=None,
     ))
+
+# The same faults on a case that declares its DDP regime a pitfall: a rank that raises is evidence about the
+# code checked; a rank that dies is not, and must never read as the pitfall caught.
+for fault in ("raise", "kill"):
+    ec.register_case(dataclasses.replace(
+        ec.get_case(f"fault_{fault}"), name=f"declared_fault_{fault}",
+        expect_mismatch={"ddp": "a declared pitfall under DDP"},
+    ))

@@ -27,7 +27,8 @@ def variant(**changes):
         ("accumulate:chunks=2.5", "Expected int but got chunks='2.5' (type=str)"),
         ("accumulate", "accumulate needs chunks (e.g. 'accumulate:chunks=2')"),
         ("accumulate:chunk=2", "'chunk=2' is not allowed: accumulate takes chunks=..."),
-        ("full_batch:chunks=2", "full_batch takes no parameters"),
+        ("full_batch:chunks=2", "full_batch takes max_norm=..."),
+            ("sample_by_sample:chunks=2", "sample_by_sample takes no parameters"),
     ],
 )
 def test_bad_regime_specs(spec, message):

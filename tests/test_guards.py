@@ -164,3 +164,15 @@ def test_every_step_of_a_regime_run_is_compared(reference):
     assert ec.compare(reference, candidate).ok and not outcome.ok
     assert outcome.first_divergent_step == len(grads) - 1
     assert torch.is_tensor(candidate.grads[0]["2.weight"])
+
+
+@pytest.mark.parametrize(("case", "verdict", "reason"), [
+    ("declared_fault_raise", Verdict.EXPECTED_MISMATCH, "it crashed: WorkerError: job declared_fault_raise"),
+    ("declared_fault_kill", Verdict.ERROR, "rank 1 died (killed by SIGKILL)"),
+])
+def test_only_the_code_raising_counts_as_a_declared_pitfall_crashing(case, verdict, reason):
+    """A rank killed (by the OOM killer, a load spike's timeout) says nothing about the code checked."""
+    import fault_cases  # noqa: F401  (registers the cases; ranks import it by name)
+
+    (outcome,) = ec.check(case, ["ddp:world_size=2"]).outcomes
+    assert outcome.verdict is verdict and reason in outcome.reason

@@ -120,7 +120,7 @@ class WorkerPool:
                                           f"rank {rank} then raised {_exception_line(payload)}",
                                           remote_traceback=f"rank {rank}: {payload}")
                     raise WorkerError(f"{what}: rank {rank} raised {_exception_line(payload)}",
-                                      remote_traceback=f"rank {rank}: {payload}")
+                                      remote_traceback=f"rank {rank}: {payload}", raised=True)
                 replies[rank] = payload
         return [replies[r] for r in range(self.world_size)]
 

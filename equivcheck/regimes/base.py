@@ -15,6 +15,7 @@ the optimizer, how it counts communication and reads full tensors back.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import ClassVar, Protocol
 
@@ -22,8 +23,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from ..case import Batch, Case, Objective
-from ..errors import InvalidArgument, expect_int
+from ..case import Batch, Case, ModelParameters, Objective
+from ..errors import InvalidArgument, expect_int, expect_number
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,10 +72,14 @@ class Regime:
 
     def build_optimizer(self, case: Case, model: nn.Module) -> Optimizer:
         """The optimizer this regime steps (a sharded optimizer would wrap the case's own here)."""
-        return case.optimizer(model.parameters())
+        return case.optimizer(ModelParameters(model))
 
     def count_communication(self, module: nn.Module) -> CommunicationCounter | None:
         """A counter of the gradient synchronisations ``module`` makes per step, or None: nothing to count."""
+        return None
+
+    def clips_at(self) -> float | None:
+        """The gradient norm this regime clips to before each step (a clipped reference), or None."""
         return None
 
     def full_tensor(self, tensor: Tensor) -> Tensor:
@@ -92,8 +97,13 @@ class Regime:
         return [self.train_step(model, optimizer, batch, objective) for batch in batches]
 
 
-def finish_step(optimizer: Optimizer, objective: Objective | None = None) -> None:
-    """One optimizer step (through the objective's GradScaler if given), then clear the gradients."""
+def finish_step(optimizer: Optimizer, objective: Objective | None = None, max_norm: float = math.inf) -> None:
+    """One optimizer step (through the objective's GradScaler if given), then clear the gradients; with a
+    finite ``max_norm``, the whole gradient clipped to it first (unscaled first, as the AMP recipe says)."""
+    if max_norm < math.inf:
+        if objective is not None and objective.scaler.is_enabled():
+            objective.scaler.unscale_(optimizer)
+        nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], max_norm)
     if objective is None:
         optimizer.step()
     else:
@@ -210,3 +220,9 @@ def _convert(key: str, raw: str, kind: type) -> object:
             raise InvalidArgument.value(key, raw, "one of 0, 1, true, false")
         return raw in ("1", "true")
     return raw
+
+
+def expect_max_norm(max_norm: float) -> None:
+    """A clipping threshold: a number > 0; inf (the default) clips nothing."""
+    if max_norm != math.inf:
+        expect_number("max_norm", max_norm, minimum=0, maximum=math.inf, strict=True)

@@ -8,20 +8,30 @@ its detached trunk output (seed 000), and seed 002's summed loss, which saves no
 from __future__ import annotations
 
 import dataclasses
+import math
 
-from .base import Chunked, Regime, chunk_pairs, finish_step
+from .base import Chunked, Regime, chunk_pairs, expect_max_norm, finish_step
 from .loop import accumulate, backward_chunks, global_mean_part
 
 
 @dataclasses.dataclass(frozen=True)
 class FullBatch(Regime):
+    """``max_norm=M``: the reference of a team that clips (``clip_grad_norm_(..., M)`` before each step)."""
+
+    max_norm: float = math.inf
     name = "full_batch"
-    summary = "one forward and one backward on the global batch (the reference)"
+    summary = "one forward and one backward on the global batch (the reference); max_norm=M clips before the step"
+
+    def __post_init__(self) -> None:
+        expect_max_norm(self.max_norm)
+
+    def clips_at(self) -> float | None:
+        return self.max_norm if self.max_norm < math.inf else None
 
     def train_step(self, model, optimizer, batch, objective):
         loss = objective.sum(model(batch.inputs), batch.targets) / batch.items
         objective.backward(loss)
-        finish_step(optimizer, objective)
+        finish_step(optimizer, objective, self.max_norm)
         return loss.detach()
 
 
@@ -39,11 +49,19 @@ class SampleBySample(Regime):
 
 @dataclasses.dataclass(frozen=True)
 class Accumulate(Chunked):
+    max_norm: float = math.inf
     name = "accumulate"
-    summary = "K micro-batches, each loss sum / global item count, one optimizer step"
+    summary = "K micro-batches, each loss sum / global item count, one optimizer step; max_norm=M clips the sum"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        expect_max_norm(self.max_norm)
+
+    def clips_at(self) -> float | None:
+        return self.max_norm if self.max_norm < math.inf else None
 
     def train_step(self, model, optimizer, batch, objective):
-        return accumulate(model, optimizer, batch, objective, self.chunks)
+        return accumulate(model, optimizer, batch, objective, self.chunks, max_norm=self.max_norm)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,6 +8,7 @@ each regime is written as that one difference, passed to the same loop.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
@@ -54,12 +55,13 @@ def backward_chunks(
 
 
 def accumulate(model: Callable[[Tensor], Tensor], optimizer: Optimizer, batch: Batch, objective: Objective,
-               chunks: int, part_loss: PartLoss | None = None) -> Tensor:
+               chunks: int, part_loss: PartLoss | None = None, *, max_norm: float = math.inf) -> Tensor:
     """Gradient accumulation: a backward per micro-batch (each its share of the global mean unless
-    ``part_loss`` says otherwise), then one optimizer step. Returns the step's loss."""
+    ``part_loss`` says otherwise), then one optimizer step (the sum clipped to ``max_norm`` first).
+    Returns the step's loss."""
     loss = backward_chunks(model, batch.inputs, batch.targets, chunks, part_loss or global_mean_part(objective, batch),
                            objective=objective)
-    finish_step(optimizer, objective)
+    finish_step(optimizer, objective, max_norm)
     return loss
 
 

@@ -83,10 +83,11 @@ def clipping_optimizer(max_norm: float, make=None):
     per global batch clips the whole accumulated gradient, which is the faithful way.
     """
     def build(params):
-        params = list(params)
-        optimizer = (make or default_optimizer)(params)
+        optimizer = (make or default_optimizer)(params)  # as given: a ModelParameters keeps its .model
+        clipped = [p for group in optimizer.param_groups for p in group["params"]]
+
         def clip_once(*_) -> None:
-            nn.utils.clip_grad_norm_(params, max_norm)
+            nn.utils.clip_grad_norm_(clipped, max_norm)
 
         optimizer.register_step_pre_hook(clip_once)
         return optimizer
