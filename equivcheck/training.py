@@ -52,7 +52,7 @@ def train(
             batches = load_batches(case, precision, device)
         optimizer = regime.build_optimizer(case, model)
         objective = Objective(case, precision)
-        module = regime.wrap(model)
+        module = regime.wrap(model, objective)
         counter = regime.count_communication(module)
         data = [t for batch in batches for t in (batch.inputs, batch.targets)]
         with GradRecorder(model, optimizer, counter, regime.full_tensor) as recorder, \

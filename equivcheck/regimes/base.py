@@ -65,8 +65,9 @@ class Regime:
         """Where this process trains: the CPU, or its own GPU under nccl or DataParallel."""
         return torch.device("cpu")
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        """The module ``train_step`` drives: the model itself, or a DDP / DataParallel wrapper around it."""
+    def wrap(self, model: nn.Module, objective: Objective) -> nn.Module:
+        """The module ``train_step`` drives: the model itself, or a DDP / DataParallel wrapper around it
+        (or around each part of the case's ``split``, which ``objective`` gives)."""
         return model
 
     def build_optimizer(self, case: Case, model: nn.Module) -> Optimizer:
@@ -74,7 +75,8 @@ class Regime:
         return case.optimizer(model.parameters())
 
     def count_communication(self, module: nn.Module) -> CommunicationCounter | None:
-        """A counter of the gradient synchronisations ``module`` makes per step, or None: nothing to count."""
+        """A counter of the gradient synchronisations ``module`` (every wrapper inside it) makes per step, or
+        None: nothing to count."""
         return None
 
     def full_tensor(self, tensor: Tensor) -> Tensor:

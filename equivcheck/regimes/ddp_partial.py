@@ -1,0 +1,150 @@
+"""Seed 000's question: gradient accumulation over part of the model, inside DDP and DataParallel.
+
+The trunk runs once on a rank's shard; the memory-hungry head accumulates over chunks of the trunk's
+detached output; the trunk back-propagates once (``local.backward_detached``). DDP all-reduces only
+what goes through a wrapper's own forward and backward, so the faithful construction wraps the trunk
+and the head separately and keeps the head under ``no_sync()`` for all but its last chunk: one
+all-reduce per wrapped module per step. Each naive version people write is a pitfall here:
+
+- the parts reached inside one wrapper (``model.module``): DDP never all-reduces; ranks drift apart;
+- seed 000's ``accum_forward`` as the wrapped head's forward: DDP ignores a backward that runs inside
+  its own forward, so the head is never all-reduced (and in later steps a partial sum is);
+- the head synchronised every chunk: right numbers, 1 + K all-reduces per step instead of 2.
+
+nn.DataParallel needs no such care (its replicas' gradients flow back to the one model through its
+own autograd graph), so ``data_parallel_detached_partial`` is seed 000's step with both parts in it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+from torch import nn
+
+from ..errors import InvalidArgument
+from .base import finish_step
+from .ddp import Accumulating, OnEveryGpu
+from .local import DetachedPartial, backward_detached
+from .loop import backward_chunks
+
+
+class Parts(nn.Module):
+    """The model's trunk and head, each in a wrapper of its own; the parameters stay the model's."""
+
+    def __init__(self, trunk: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.trunk = trunk
+        self.head = head
+
+
+def split_modules(model, objective, regime) -> tuple[nn.Module, nn.Module]:
+    """The case's ``(trunk, head)`` of ``model``, checked to be modules: a wrapper takes nothing else."""
+    parts = objective.split(model)
+    for role, part in zip(("trunk", "head"), parts):
+        if not isinstance(part, nn.Module):
+            raise InvalidArgument(f"regime {str(regime)!r}: the case's split gave the {role} as "
+                                  f"{type(part).__name__}: expected an nn.Module, which {regime.name} wraps on its own")
+    return parts
+
+
+@dataclasses.dataclass(frozen=True)
+class DdpDetachedPartial(Accumulating):
+    name = "ddp_detached_partial"
+    summary = ("seed 000 under DDP: trunk and head each in DDP, the head accumulated over K chunks of the detached "
+               "trunk output under no_sync() but the last; one all-reduce of each per step")
+    needs_split = True
+    syncs_per_step = 2  # one per wrapped module: the trunk's and the head's
+
+    def wrap(self, model, objective):
+        trunk, head = split_modules(model, objective, self)
+        return Parts(self.ddp(trunk), self.ddp(head))
+
+    def train_step(self, model, optimizer, batch, objective):
+        mine = self.rank_shard(batch)
+        total = backward_detached(model.trunk, model.head, mine.inputs, mine.targets, self.chunks,
+                                  self.rank_part(objective, batch), objective,
+                                  around=lambda last: self.sync_context(model.head, last))
+        finish_step(optimizer, objective)
+        return total / self.world_size
+
+
+@dataclasses.dataclass(frozen=True)
+class DdpDetachedPartialSyncEveryChunk(DdpDetachedPartial):
+    name = "ddp_detached_partial_sync_every_chunk"
+    summary = "PITFALL: ddp_detached_partial without no_sync(): right numbers, 1 + K all-reduces per step instead of 2"
+    pitfall = True
+
+    def sync_context(self, model, last):
+        return contextlib.nullcontext()
+
+
+@dataclasses.dataclass(frozen=True)
+class DdpDetachedPartialBypass(DdpDetachedPartial):
+    name = "ddp_detached_partial_bypass"
+    summary = ("PITFALL: the whole model in one DDP, the step reaching its trunk and head inside it (model.module): "
+               "DDP never all-reduces, every rank keeps its own gradients")
+    pitfall = True
+    syncs_per_step = 1  # what the one wrapper would make, were it used
+
+    def wrap(self, model, objective):
+        return self.ddp(model)
+
+    def train_step(self, model, optimizer, batch, objective):
+        mine = self.rank_shard(batch)
+        trunk, head = objective.split(model.module)  # the bug: around the wrapper, so no hook ever fires
+        total = backward_detached(trunk, head, mine.inputs, mine.targets, self.chunks,
+                                  self.rank_part(objective, batch), objective)
+        finish_step(optimizer, objective)
+        return total / self.world_size
+
+
+class AccumulatingHead(nn.Module):
+    """Seed 000's ``accum_forward`` as a module: its forward back-propagates each chunk of the detached
+    features itself and returns the summed loss and the features' accumulated gradient."""
+
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(self, features, targets, chunks, part_loss, objective):
+        detached = features.detach().requires_grad_()
+        total = backward_chunks(self.head, detached, targets, chunks, part_loss, objective=objective)
+        return total, detached.grad
+
+
+@dataclasses.dataclass(frozen=True)
+class DdpDetachedPartialInForward(DdpDetachedPartial):
+    name = "ddp_detached_partial_in_forward"
+    summary = ("PITFALL: seed 000's accum_forward as the DDP-wrapped head's forward: DDP ignores a backward inside "
+               "its own forward, so the head's gradients are not all-reduced")
+    pitfall = True
+
+    def wrap(self, model, objective):
+        trunk, head = split_modules(model, objective, self)
+        return Parts(self.ddp(trunk), self.ddp(AccumulatingHead(head)))
+
+    def train_step(self, model, optimizer, batch, objective):
+        mine = self.rank_shard(batch)
+        features = model.trunk(mine.inputs)
+        total, gradient = model.head(features, mine.targets, self.chunks, self.rank_part(objective, batch), objective)
+        features.backward(gradient)
+        finish_step(optimizer, objective)
+        return total / self.world_size
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallelDetachedPartial(OnEveryGpu, DetachedPartial):
+    """Seed 000's step with the trunk and the head each in nn.DataParallel: every chunk is scattered over
+    the GPUs, and the replicas' gradients are summed into the one model by DataParallel's own graph."""
+
+    name = "data_parallel_detached_partial"
+    summary = ("seed 000 under nn.DataParallel: trunk and head each in DataParallel, the head accumulated per chunk "
+               "(needs 2 or more GPUs; skipped, never emulated, otherwise)")
+
+    def wrap(self, model, objective):
+        trunk, head = split_modules(model, objective, self)
+        return Parts(nn.DataParallel(trunk), nn.DataParallel(head))
+
+    def parts(self, model, objective):
+        return model.trunk, model.head
