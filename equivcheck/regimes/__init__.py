@@ -19,8 +19,9 @@ BUILT_IN: tuple[type[Regime], ...] = (
     pitfalls.ReplayedDropout, pitfalls.PerToken, pitfalls.SamplerPad, pitfalls.SamplerDrop,
     ddp.Ddp, ddp.DdpNoSync, ddp.DdpNoSyncFindUnused, ddp.DdpNoSyncStaticGraph, ddp.DdpSyncEveryMicroBatch,
     ddp.DdpMeanLoss, ddp.DdpPaddedSampler, ddp.DataParallel,
-    ddp_partial.DdpDetachedPartial, ddp_partial.DdpDetachedPartialBypass, ddp_partial.DdpDetachedPartialInForward,
-    ddp_partial.DdpDetachedPartialSyncEveryChunk, ddp_partial.DataParallelDetachedPartial,
+    ddp_partial.DdpDetachedPartial, ddp_partial.DdpDetachedPartialLastOutside, ddp_partial.DdpDetachedPartialBypass,
+    ddp_partial.DdpDetachedPartialInForward, ddp_partial.DdpDetachedPartialSyncEveryChunk,
+    ddp_partial.DataParallelDetachedPartial,
     user_code.DdpStep,
 )
 for _regime in BUILT_IN:

@@ -11,6 +11,10 @@ all-reduce per wrapped module per step. Each naive version people write is a pit
   its own forward, so the head is never all-reduced (and in later steps a partial sum is);
 - the head synchronised every chunk: right numbers, 1 + K all-reduces per step instead of 2.
 
+Seed 000's own shape, the backward calls inside the wrapped head's forward, is faithful once the last
+chunk's backward runs after that forward returns (``ddp_detached_partial_last_outside``): DDP ignores
+the backward calls inside its forward and all-reduces the accumulated sum on the one after it.
+
 nn.DataParallel needs no such care (its replicas' gradients flow back to the one model through its
 own autograd graph), so ``data_parallel_detached_partial`` is seed 000's step with both parts in it.
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from typing import ClassVar
 
 from torch import nn
 
@@ -100,17 +105,24 @@ class DdpDetachedPartialBypass(DdpDetachedPartial):
 
 
 class AccumulatingHead(nn.Module):
-    """Seed 000's ``accum_forward`` as a module: its forward back-propagates each chunk of the detached
-    features itself and returns the summed loss and the features' accumulated gradient."""
+    """Seed 000's ``accum_forward`` as a module: its forward back-propagates chunks of the detached
+    features itself. It returns the summed loss, the detached features (whose gradient the chunks
+    accumulate) and, with ``last_outside``, the last chunk's loss for the caller to back-propagate."""
 
     def __init__(self, head: nn.Module) -> None:
         super().__init__()
         self.head = head
 
-    def forward(self, features, targets, chunks, part_loss, objective):
+    def forward(self, features, targets, chunks, part_loss, objective, last_outside=False):
         detached = features.detach().requires_grad_()
-        total = backward_chunks(self.head, detached, targets, chunks, part_loss, objective=objective)
-        return total, detached.grad
+        pieces = chunks - 1 if last_outside else chunks  # back-propagated here, inside the forward
+        inside = len(targets) - (len(targets.tensor_split(chunks)[-1]) if last_outside else 0)
+        total = (backward_chunks(self.head, detached[:inside], targets[:inside], pieces, part_loss,
+                                 objective=objective) if pieces else 0.0)
+        if not last_outside:
+            return total, detached, None
+        last = part_loss(self.head(detached[inside:]), targets[inside:])
+        return total + last.detach(), detached, last
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +132,8 @@ class DdpDetachedPartialInForward(DdpDetachedPartial):
                "its own forward, so the head's gradients are not all-reduced")
     pitfall = True
 
+    last_outside: ClassVar[bool] = False  # the last chunk's backward after the wrapped forward returns
+
     def wrap(self, model, objective):
         trunk, head = split_modules(model, objective, self)
         return Parts(self.ddp(trunk), self.ddp(AccumulatingHead(head)))
@@ -127,10 +141,22 @@ class DdpDetachedPartialInForward(DdpDetachedPartial):
     def train_step(self, model, optimizer, batch, objective):
         mine = self.rank_shard(batch)
         features = model.trunk(mine.inputs)
-        total, gradient = model.head(features, mine.targets, self.chunks, self.rank_part(objective, batch), objective)
-        features.backward(gradient)
+        total, detached, last = model.head(features, mine.targets, self.chunks, self.rank_part(objective, batch),
+                                           objective, last_outside=self.last_outside)
+        if last is not None:
+            objective.backward(last)  # after DDP's forward: its hooks fire, the head's sum is all-reduced
+        features.backward(detached.grad)
         finish_step(optimizer, objective)
         return total / self.world_size
+
+
+@dataclasses.dataclass(frozen=True)
+class DdpDetachedPartialLastOutside(DdpDetachedPartialInForward):
+    name = "ddp_detached_partial_last_outside"
+    summary = ("seed 000's accum_forward inside the DDP-wrapped head, all chunks but the last back-propagated in the "
+               "forward, the last after it returns: DDP all-reduces the head's whole sum once")
+    pitfall = False
+    last_outside = True
 
 
 @dataclasses.dataclass(frozen=True)
