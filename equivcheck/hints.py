@@ -33,14 +33,16 @@ def diagnose(reference: RunResult, candidate: RunResult, comparison: Comparison)
 
 def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch, ...], atol: float) -> str:
     """The one line for a comparison that failed, or "" where no rule fits."""
+    first_grads = {m.name for m in mismatches if m.kind == "grad" and m.first_step == 0}
     unsynchronised = unsynchronised_ranks(candidate, atol)
     if unsynchronised is not None:
         step, ranks, spread = unsynchronised
+        some = (f" (at step 0 only {', '.join(sorted(first_grads))} differ from the reference's)"
+                if first_grads and len(first_grads) < len(reference.grads[0]) else "")
         return (f"gradients were not all-reduced: at step {step} rank{'s' if len(ranks) > 1 else ''} "
                 f"{', '.join(map(str, ranks))} held gradients up to {spread:.3g} away from rank 0's when the optimizer "
-                "stepped; likely a module reached around its DDP wrapper (model.module), a backward() inside the "
-                "wrapped module's own forward, or no_sync() still on for the last micro-batch")
-    first_grads = {m.name for m in mismatches if m.kind == "grad" and m.first_step == 0}
+                f"stepped{some}; likely a module reached around its DDP wrapper (model.module), a backward() inside "
+                "the wrapped module's own forward, or no_sync() still on for the last micro-batch")
     kinds = {m.kind for m in mismatches}
     loss_first = next((m.first_step for m in mismatches if m.kind == "loss"), None)
 

@@ -77,6 +77,7 @@ def test_backward_inside_the_wrapped_forward_is_caught(report):
     inside = report.outcome(CASE, "ddp_detached_partial_in_forward:world_size=2,chunks=3")
     assert inside.comparison.margin > 1e4
     assert inside.comparison.hint.startswith("gradients were not all-reduced: at step 0")
+    assert "(at step 0 only 1.bias, 1.weight differ from the reference's)" in inside.comparison.hint
     # DDP ignored the head's backward calls at step 0 (only the trunk's all-reduce); at step 1 the first
     # chunk's backward found DDP expecting hooks and all-reduced a partial sum.
     assert inside.result.syncs == (1, 2)
