@@ -35,6 +35,7 @@ class RunResult:
     seconds: float
     syncs: tuple[int, ...] | None = None
     sync_bytes: tuple[int, ...] | None = None
+    sync_wrappers: int | None = None  # the DDP wrappers counted: a model wrapped in parts has several
     rank_spread: float | None = None
     rank_grad_spread: tuple[tuple[float, ...], ...] | None = None  # [step][rank]: max |grad - rank 0's grad|
     precision: str = ""  # the precision mode's name (equivcheck.precision); "" means the weights' dtype

@@ -46,10 +46,10 @@ def check_step(
         candidate = UserStep(step)
     else:
         expect_callable("step", step)
+        fn = import_path(step)
         if wrap is not None:
             expect_callable("wrap", wrap)
-        wrapper = "" if wrap is None else import_path(wrap, "wrap")
-        candidate = DdpStep(world_size=world_size, fn=import_path(step), wrapper=wrapper)
+        candidate = DdpStep(world_size=world_size, fn=fn, wrapper="" if wrap is None else import_path(wrap, "wrap"))
     return check(case, [candidate], reference=reference, **options)
 
 

@@ -71,6 +71,7 @@ def train(
         seconds=time.perf_counter() - started,
         syncs=None if counter is None else tuple(recorder.syncs),
         sync_bytes=None if counter is None else tuple(recorder.sync_bytes),
+        sync_wrappers=None if counter is None else counter.wrappers,
         precision=precision.name,
         peak_activation_bytes=memory.peak,
         memory_method=memory.method,

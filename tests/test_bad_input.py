@@ -167,6 +167,10 @@ def test_one_spec_given_where_a_list_is_expected_is_checked_as_that_spec():
     assert [(o.regime, o.verdict) for o in report.outcomes] == [("accumulate:chunks=4", ec.Verdict.EQUIVALENT)]
 
 
+def a_step(model, optimizer, batch):
+    """A step importable by name, so that only the argument under test is wrong."""
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [
@@ -176,6 +180,10 @@ def test_one_spec_given_where_a_list_is_expected_is_checked_as_that_spec():
         (lambda: ec.check_step("mlp", None), "Expected a callable but got step=None"),
         (lambda: ec.check_step("mlp", lambda m, o, b: None, world_size=2),
          "expected a function defined at the top level of an importable module"),
+        (lambda: ec.check_step("mlp", a_step, wrap=a_step), "is not allowed without world_size: expected world_size="),
+        (lambda: ec.check_step("mlp", a_step, world_size=2, wrap=3), "Expected a callable but got wrap=3"),
+        (lambda: ec.check_step("mlp", a_step, world_size=2, wrap=lambda m: m),
+         "expected a function defined at the top level of an importable module (worker processes import the wrap"),
         (lambda: ec.check_loop("mlp", "not a loop"), "Expected a callable but got loop='not a loop'"),
         (lambda: ec.check_step("mlp", lambda m, o, b: None, seed=-1), "seed=-1 is not allowed"),
     ],

@@ -80,6 +80,15 @@ def partial_step_no_sync_on_every_chunk(parts, optimizer, batch):
     return loss
 
 
+def partial_step_syncing_every_chunk(parts, optimizer, batch):
+    """Right numbers, wasted communication: the head all-reduces after every chunk."""
+    tokens, targets = batch
+    loss = head_accumulated(parts.trunk, parts.head, tokens, targets, lambda last: contextlib.nullcontext())
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+
+
 def partial_step_inside_the_wrapper(model, optimizer, batch):
     """The naive version: the whole model in one DDP wrapper, the step reaching its parts inside it."""
     tokens, targets = batch
@@ -103,6 +112,13 @@ def test_the_same_check_catches_no_sync_left_on_for_the_last_chunk():
     assert outcome.verdict is ec.Verdict.MISMATCH
     assert outcome.comparison.hint.startswith("gradients were not all-reduced: at step 0 rank 1")
     assert outcome.result.syncs == (1, 1)  # the trunk's only
+
+
+def test_the_same_check_counts_an_all_reduce_per_chunk():
+    (outcome,) = ec.check_step(CASE, partial_step_syncing_every_chunk, world_size=2, wrap=wrap_trunk_and_head).outcomes
+    assert outcome.verdict is ec.Verdict.MISMATCH and not outcome.comparison.mismatches  # the numbers are right
+    assert outcome.comparison.problems[0].startswith("communication: step 0 all-reduced gradients 4 time(s)")
+    assert outcome.comparison.problems[0].endswith("a faithful step does it 2 time(s) (1 per wrapped module, 2 wrapped)")
 
 
 def test_reaching_inside_one_wrapper_is_caught_with_the_synchronisation_named():

@@ -20,6 +20,7 @@ class CommCounter:
     process_group: dist.ProcessGroup | None = None
     syncs: int = 0
     bytes: int = 0
+    wrappers: int = 0
 
     @classmethod
     def attach(cls, module: nn.Module) -> "CommCounter":
@@ -27,6 +28,7 @@ class CommCounter:
         counter = cls()
         for wrapper in (m for m in module.modules() if isinstance(m, DistributedDataParallel)):
             counter.process_group = wrapper.process_group
+            counter.wrappers += 1
             wrapper.register_comm_hook(counter, _counting_allreduce)
         return counter
 

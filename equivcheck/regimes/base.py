@@ -36,7 +36,7 @@ class Regime:
     trap: ClassVar[str] = ""
     distributed: ClassVar[bool] = False  # runs on every rank of a process group (see equivcheck.distributed)
     world_size: ClassVar[int] = 1  # ranks a step runs on; a distributed regime's own field overrides it
-    syncs_per_step: ClassVar[int | None] = None  # gradient all-reduce rounds a faithful step makes
+    syncs_per_step: ClassVar[int | None] = None  # gradient all-reduce rounds a faithful step makes per wrapper
     needs_split: ClassVar[bool] = False  # trains the case's trunk and head apart: the case must give split=
     split_contract: ClassVar[str] = "a function model -> (trunk, head) with head(trunk(x)) == model(x)"
 
@@ -109,6 +109,8 @@ def chunk_pairs(batch: Batch, chunks: int) -> list[tuple[Tensor, Tensor]]:
 
 
 class CommunicationCounter(Protocol):
+    wrappers: int  # the wrappers it counts: a faithful step synchronises each ``syncs_per_step`` times
+
     def take(self) -> tuple[int, int]:
         """The synchronisations and bytes per rank since the last call: one optimizer step's worth."""
 

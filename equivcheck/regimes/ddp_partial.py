@@ -59,7 +59,6 @@ class DdpDetachedPartial(Accumulating):
     summary = ("seed 000 under DDP: trunk and head each in DDP, the head accumulated over K chunks of the detached "
                "trunk output under no_sync() but the last; one all-reduce of each per step")
     needs_split = True
-    syncs_per_step = 2  # one per wrapped module: the trunk's and the head's
 
     def wrap(self, model, objective):
         trunk, head = split_modules(model, objective, self)
@@ -90,7 +89,6 @@ class DdpDetachedPartialBypass(DdpDetachedPartial):
     summary = ("PITFALL: the whole model in one DDP, the step reaching its trunk and head inside it (model.module): "
                "DDP never all-reduces, every rank keeps its own gradients")
     pitfall = True
-    syncs_per_step = 1  # what the one wrapper would make, were it used
 
     def wrap(self, model, objective):
         return self.ddp(model)

@@ -114,11 +114,6 @@ class DdpStep(Distributed):
                 raise InvalidArgument.value(argument, getattr(self, argument),
                                             f"'module:function', the import path of a {argument} function")
 
-    @property
-    def syncs_per_step(self) -> int | None:
-        """One all-reduce per step in the harness's wrapper; a team's own wrapper may hold several."""
-        return None if self.wrapper else 1
-
     def wrap(self, model, objective):
         return resolve(self.wrapper)(model) if self.wrapper else super().wrap(model, objective)
 
