@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # The cases are tiny: one torch thread per process beats several fighting over 2 cores.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install demo test test-dev test-frameworks bench bench-speed bench-memory bench-false-alarms mutation clean
+.PHONY: install demo test test-dev test-frameworks bench bench-speed bench-threads bench-memory bench-false-alarms mutation clean
 
 # The developer's venv: an editable install, for make demo, make test-dev and the benchmarks.
 install: $(STAMP)
@@ -60,8 +60,12 @@ test-frameworks: install
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check "$(TORCH)" $(FRAMEWORKS)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q $(FRAMEWORK_TESTS)
 
-bench: install bench-speed
+bench: install bench-speed bench-threads
 	$(BIN)/python bench/bench_pool.py
+
+# A check with and without OMP_NUM_THREADS (unset for its probes, whatever this Makefile exports), quiet and busy.
+bench-threads: install
+	$(BIN)/python bench/bench_threads.py
 
 # The peer trainparity, in its own venv (never a dependency of equivcheck), pinned CPU torch first.
 PEER_VENV := bench/.peer-venv

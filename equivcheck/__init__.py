@@ -2,11 +2,12 @@
 
 __version__ = "0.1.0"  # the one place the version is written (pyproject reads it)
 
+from .audit import Audit, Finding, Sensitivity, audit
 from .case import Batch, Case, Objective, default_optimizer
 from .check import Outcome, Report, Verdict, check, check_all, regimes_for
 from .compare import Comparison, Mismatch, Tolerance, compare
 from .hints import diagnose
-from .errors import EquivcheckError, InvalidArgument, MemoryNotSaved, NotEquivalent, Unavailable, WorkerError
+from .errors import BlindSpotWarning, EquivcheckError, InvalidArgument, MemoryNotSaved, NotEquivalent, Unavailable, WorkerError
 from .precision import PRECISIONS, Precision
 from .regimes import DEFAULT_REGIMES, REGIMES, Regime, SummedLoss, parse_regime, register_regime
 from .registry import all_cases, builtin_cases, get_case, load_cases_from, register_case
@@ -16,10 +17,10 @@ from .seeding import DEFAULT_SEED
 from .step import check_loop, check_step
 
 __all__ = [
-    "DEFAULT_REGIMES", "DEFAULT_SEED", "REGIMES", "Batch", "Case", "Comparison", "EquivcheckError",
+    "DEFAULT_REGIMES", "DEFAULT_SEED", "REGIMES", "Audit", "Batch", "BlindSpotWarning", "Case", "Comparison", "EquivcheckError", "Finding",
     "InvalidArgument", "MemoryNotSaved", "Mismatch", "NotEquivalent", "Objective", "Outcome", "PRECISIONS",
-    "Precision", "Regime", "Report", "RunResult", "SummedLoss", "Tolerance", "Unavailable", "Verdict",
-    "WorkerError", "all_cases", "builtin_cases", "check", "check_all", "check_loop", "check_step", "compare",
+    "Precision", "Regime", "Report", "RunResult", "Sensitivity", "SummedLoss", "Tolerance", "Unavailable", "Verdict",
+    "WorkerError", "all_cases", "audit", "builtin_cases", "check", "check_all", "check_loop", "check_step", "compare",
     "default_optimizer", "diagnose", "get_case", "load_cases_from", "parse_regime", "regimes_for", "register_case",
     "register_regime", "run",
 ]

@@ -8,13 +8,14 @@ Its loss returns one loss per item (``reduction='none'``), leaving out the items
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterable, Mapping
 from functools import cached_property
 
 import torch
 from torch import Tensor, nn
 
-from .errors import InvalidArgument, expect_callable, expect_int, expect_tolerances
+from .errors import InvalidArgument, expect_callable, expect_int, expect_number, expect_tolerances
 from .precision import NAMES_OF_DTYPES, Precision, resolve_precision
 
 ModelFactory = Callable[[], nn.Module]
@@ -32,6 +33,9 @@ def count_samples(targets: Tensor) -> int:
     return len(targets)
 
 
+LOSS_REDUCTIONS = ("none", "mean")
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     """A small deterministic training problem that every regime must solve identically.
@@ -43,6 +47,8 @@ class Case:
     ``expect_mismatch`` maps a regime name (``accumulate``) or exact spec (``accumulate:chunks=5``)
     to the reason it must *not* match: a case that demonstrates a pitfall.
     ``regimes`` lists the specs this case is checked under by default (``None``: the defaults).
+    ``loss_reduction='mean'``: ``loss`` returns the mean over the batch's items instead of one loss per
+    item (a model's own loss). ``max_norm``: the clipping threshold the code checked uses (see audit.py).
     """
 
     name: str
@@ -60,6 +66,8 @@ class Case:
     rtol: float | None = None
     atol: float | None = None
     description: str = ""
+    max_norm: float | None = None  # the clip_grad_norm_ threshold the team's code uses: the audit tells if it engages
+    loss_reduction: str = "none"  # "mean": loss returns the mean over the batch's items (a Hugging Face model's .loss)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip() or any(c in self.name for c in " ,:="):
@@ -78,6 +86,10 @@ class Case:
         if self.dtype not in NAMES_OF_DTYPES:
             raise InvalidArgument.value("dtype", self.dtype, "torch.float64 or torch.float32")
         expect_tolerances(self.rtol, self.atol)
+        if self.loss_reduction not in LOSS_REDUCTIONS:
+            raise InvalidArgument.value("loss_reduction", self.loss_reduction, " or ".join(map(repr, LOSS_REDUCTIONS)))
+        if self.max_norm is not None:
+            expect_number("max_norm", self.max_norm, minimum=0, maximum=math.inf, strict=True)
         if not isinstance(self.expect_mismatch, Mapping):
             raise InvalidArgument.type("expect_mismatch", self.expect_mismatch, "a mapping of regime -> reason")
         if self.regimes is not None:
@@ -132,17 +144,37 @@ class Objective:
         expected = int(self._case.items(targets))
         if not isinstance(losses, Tensor) or losses.dim() != 1 or len(losses) != expected:
             shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
+            scalar = isinstance(losses, Tensor) and losses.dim() == 0
             raise InvalidArgument(
                 f"loss of case {self._case.name!r} returned shape {shape} for {len(targets)} samples holding "
                 f"{expected} items: expected a 1-D tensor of one loss per item (reduction='none'), "
                 "leaving out only the items that don't count"
+                + (". If it is the mean over those items (a Hugging Face model's .loss), declare "
+                   "Case(loss_reduction='mean')" if scalar else "")
             )
         return losses
 
+    def _mean_loss(self, output: Tensor, targets: Tensor) -> tuple[Tensor, int]:
+        """A ``loss_reduction='mean'`` case's loss: the mean over the batch's items, and their count."""
+        loss, count = self._loss(output, targets), int(self._case.items(targets))
+        if not isinstance(loss, Tensor) or loss.dim() != 0:
+            shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+            raise InvalidArgument(f"loss of case {self._case.name!r} returned shape {shape}: with "
+                                  "loss_reduction='mean' it must return one scalar, the mean over the batch's items")
+        if count == 0:
+            raise InvalidArgument(f"case {self._case.name!r}: a (micro-)batch holds 0 items, and a mean over none is "
+                                  "undefined: use loss_reduction='none' (one loss per item) for such batches")
+        return loss, count
+
     def sum(self, output: Tensor, targets: Tensor) -> Tensor:
+        if self._case.loss_reduction == "mean":  # a mean over a known item count is a sum divided by that count
+            loss, count = self._mean_loss(output, targets)
+            return loss * count
         return self.item_losses(output, targets).sum()
 
     def mean(self, output: Tensor, targets: Tensor) -> Tensor:
+        if self._case.loss_reduction == "mean":
+            return self._mean_loss(output, targets)[0]
         return self.item_losses(output, targets).mean()
 
     def split(self, model: nn.Module) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:

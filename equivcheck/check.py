@@ -161,6 +161,7 @@ def check(
     dtype: str | torch.dtype | Precision | None = None,
     measure_memory: bool = True,
     threads: int | None = None,
+    compare_losses: bool = True,
 ) -> Report:
     """Check ``case`` under each regime against ``reference`` (run twice, to prove it deterministic).
 
@@ -170,9 +171,11 @@ def check(
     dtype); a mode this machine cannot run is skipped. ``measure_memory=False`` skips the peak
     activation memory (saved-tensor hooks: about a fifth of a tiny check's time). ``threads``: intra-op
     threads per run (default: one, unless ``OMP_NUM_THREADS`` or ``torch.set_num_threads`` chose).
+    ``compare_losses=False`` compares gradients and weights only: for code that reports a logged loss.
     """
     return Report(tuple(iter_outcomes(plan(case, regimes, reference=reference, rtol=rtol, atol=atol, seed=seed,
-                                          backend=backend, timeout=timeout, dtype=dtype, threads=threads),
+                                          backend=backend, timeout=timeout, dtype=dtype, threads=threads,
+                                          compare_losses=compare_losses),
                                      measure_memory=measure_memory)))
 
 
@@ -189,17 +192,20 @@ class Plan:
     seed: int
     timeout: float
     threads: int | None = None  # intra-op threads per run (None: one, unless the user chose; intra_op.py)
+    compare_losses: bool = True  # False: gradients and weights only (a step that returns a logged loss)
 
     def run(self, spec: Regime, dtype: Precision, measure_memory: bool) -> RunResult:
         """One run of this plan's case under ``spec``, with the plan's seed, timeout and threads."""
-        return run(self.case, spec, seed=self.seed, timeout=self.timeout, threads=self.threads, dtype=dtype,
-                   measure_memory=measure_memory)
+        result = run(self.case, spec, seed=self.seed, timeout=self.timeout, threads=self.threads, dtype=dtype,
+                     measure_memory=measure_memory)
+        return result if self.compare_losses else dataclasses.replace(result, losses=(None,) * len(result.losses))
 
 
 def plan(case: Case | str, regimes: Iterable[str | Regime] | str | Regime | None = None, *,
          reference: str | Regime = "full_batch", rtol: float | None = None, atol: float | None = None,
          seed: int = DEFAULT_SEED, backend: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-         dtype: str | torch.dtype | Precision | None = None, threads: int | None = None) -> Plan:
+         dtype: str | torch.dtype | Precision | None = None, threads: int | None = None,
+         compare_losses: bool = True) -> Plan:
     """Validate a check's arguments; every usage error surfaces here, before anything runs."""
     case = resolve_case(case)
     if isinstance(regimes, (str, Regime)):  # one spec where a list was expected: checked as that one spec
@@ -218,8 +224,10 @@ def plan(case: Case | str, regimes: Iterable[str | Regime] | str | Regime | None
     expect_timeout(timeout)
     if threads is not None:
         expect_int("threads", threads)
+    if not isinstance(compare_losses, bool):
+        raise InvalidArgument.type("compare_losses", compare_losses, "bool")
     rtol, atol = (case.rtol, case.atol) if rtol is None and atol is None else (rtol, atol)
-    return Plan(case, specs, reference, precision, rtol, atol, seed, timeout, threads)
+    return Plan(case, specs, reference, precision, rtol, atol, seed, timeout, threads, compare_losses)
 
 
 def iter_outcomes(plan: Plan, *, measure_memory: bool = True) -> Iterator[Outcome]:

@@ -18,6 +18,7 @@ from typing import TextIO
 
 from . import catalogue as pitfall_catalogue
 from . import report as render
+from .audit import audit
 from .check import Report, Status, iter_outcomes, plan_all, regimes_for
 from .distributed import launcher
 from .errors import Interrupted, InvalidArgument
@@ -25,7 +26,7 @@ from .dispatch import DEFAULT_TIMEOUT
 from .precision import PRECISIONS
 from .process_exit import exit_without_teardown
 from .regimes import REGIMES
-from .registry import all_cases, load_cases_from
+from .registry import all_cases, load_cases_from, resolve_case
 
 
 EXIT_CODES = {Status.OK: 0, Status.NOT_AS_EXPECTED: 1, Status.ERROR: 3, Status.NOTHING_CHECKED: 5}
@@ -49,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     running = commands.add_parser("run", help="check cases under regimes and print the matrix", epilog=EXIT_HELP,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     catalogue = commands.add_parser("catalogue", help="measure every known pitfall and its faithful twin, per precision")
-    for sub in (listing, running, catalogue):
+    auditing = commands.add_parser("audit", help="per class of bug, can each case catch it? (catches / blind, and why)")
+    for sub in (listing, running, catalogue, auditing):
         sub.add_argument("--cases-from", action="append", default=[], metavar="FILE_OR_MODULE",
                          help="import a .py file or module that registers cases (repeatable)")
     running.add_argument("--case", action="append", metavar="NAME", help="a case to check (repeatable; default: all)")
@@ -66,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     catalogue.add_argument("--dtype", action="append", choices=PRECISIONS,
                            help=f"precision mode (repeatable; default: {', '.join(pitfall_catalogue.DEFAULT_DTYPES)})")
     catalogue.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
+    auditing.add_argument("--case", action="append", metavar="NAME", help="a case to audit (repeatable; default: all)")
+    auditing.add_argument("--json", metavar="PATH", help="also write the findings as JSON rows to PATH")
     running.add_argument("--rtol", type=float, help="relative tolerance (with --atol)")
     running.add_argument("--atol", type=float, help="absolute tolerance (with --rtol)")
     return parser
@@ -77,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with _sigterm_interrupts():
             for source in args.cases_from:
                 load_cases_from(source)
-            return {"list": _list, "run": _run, "catalogue": _catalogue}[args.command](args)
+            return {"list": _list, "run": _run, "catalogue": _catalogue, "audit": _audit}[args.command](args)
     except InvalidArgument as error:
         print(f"equivcheck: error: {error}", file=sys.stderr)
         return EXIT_USAGE
@@ -183,3 +187,18 @@ def _catalogue(args: argparse.Namespace) -> int:
           f"precisions); {status}" + (f"; skipped: {', '.join(skipped)}" if skipped else "")
           + f" in {time.perf_counter() - started:.1f} s")
     return 0 if met else 1
+
+
+def _audit(args: argparse.Namespace) -> int:
+    """Informational: every finding printed, exit 0; a gate on a finding belongs in a test (``ec.audit``)."""
+    names = args.case or list(all_cases())
+    for name in names:
+        resolve_case(name)  # every name known before anything trains
+    output = _open_output(args.json)
+    audits = [audit(name) for name in names]
+    print("\n\n".join(a.describe() for a in audits))
+    if output is not None:
+        with output:
+            json.dump([row for a in audits for row in a.to_rows()], output, indent=2)
+            output.write("\n")
+    return 0

@@ -109,5 +109,10 @@ class NonFinite(EquivcheckError, ArithmeticError):
     """A run produced a NaN or an infinity: a loss, a gradient or a weight. Nothing can be compared."""
 
 
+class BlindSpotWarning(UserWarning):
+    """The case cannot show a class of bug the code checked could plausibly have: a pass proves less
+    than it seems. ``ec.audit(case)`` lists every class; silence with the ``warnings`` filters."""
+
+
 class Interrupted(BaseException):
     """SIGTERM asked the command to stop; like KeyboardInterrupt, not an error of the code checked."""

@@ -47,10 +47,11 @@ def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch
     loss_first = next((m.first_step for m in mismatches if m.kind == "loss"), None)
 
     if reference.optimizer_steps != candidate.optimizer_steps:
-        ratio = candidate.optimizer_steps / max(reference.optimizer_steps, 1)
-        per = f" ({ratio:g} per global batch)" if ratio.is_integer() and ratio > 1 else ""
-        return (f"{candidate.optimizer_steps} optimizer steps for the reference's {reference.optimizer_steps}{per}: "
-                "likely optimizer.step() (or GradScaler.step) per micro-batch instead of once per global batch")
+        return _step_count(reference.optimizer_steps, candidate.optimizer_steps)
+    if kinds == {"loss"}:
+        return ("only the reported losses differ; every gradient and weight matches: the step likely returns a logged "
+                "or approximate loss (say the last micro-batch's loss x K) instead of the global batch's mean; "
+                "return that mean or None, or check with compare_losses=False")
     factor = common_factor(reference, candidate) if first_grads else None
     if factor is not None:
         return (f"every gradient is {factor:.6g} x the reference's from step 0: likely loss scaling "
@@ -76,6 +77,20 @@ def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch
         return (f"everything matches at step 0 and diverges from step {min(steps)}: state carried between steps "
                 "differs; likely the RNG stream (dropout), optimizer state, or a learning-rate schedule")
     return ""
+
+
+def _step_count(expected: int, taken: int) -> str:
+    if taken == 0:
+        return (f"0 optimizer steps where the reference took {expected}: the code checked never called "
+                "optimizer.step() (or a GradScaler skipped every step on non-finite gradients)")
+    if taken < expected:
+        return (f"{taken} optimizer steps where the reference took {expected}: some global batches were never "
+                "stepped; likely a step under a condition that misses (an off-by-one in `(i + 1) % K == 0`, a "
+                "partial last window)")
+    ratio = taken / max(expected, 1)
+    per = f" ({ratio:g} per global batch)" if ratio.is_integer() else ""
+    return (f"{taken} optimizer steps where the reference took {expected}{per}: likely optimizer.step() "
+            "(or GradScaler.step) per micro-batch instead of once per global batch")
 
 
 def common_factor(reference: RunResult, candidate: RunResult) -> float | None:

@@ -14,10 +14,12 @@ from collections.abc import Callable
 
 from torch import nn
 
+from .audit import warn_blind_spots
 from .case import Case
 from .check import Report, check
 from .errors import InvalidArgument, expect_callable
 from .regimes import Regime
+from .seeding import DEFAULT_SEED
 from .regimes.user_code import DdpStep, LoopFn, StepFn, UserLoop, UserStep, import_path
 
 
@@ -50,6 +52,7 @@ def check_step(
         if wrap is not None:
             expect_callable("wrap", wrap)
         candidate = DdpStep(world_size=world_size, fn=fn, wrapper="" if wrap is None else import_path(wrap, "wrap"))
+    warn_blind_spots(case, seed=options.get("seed", DEFAULT_SEED))
     return check(case, [candidate], reference=reference, **options)
 
 
@@ -58,4 +61,5 @@ def check_loop(
 ) -> Report:
     """Check a team's ``loop(model, optimizer, batches)`` against ``reference`` (a spec or another loop)."""
     reference = reference if isinstance(reference, (str, Regime)) else UserLoop(reference)
+    warn_blind_spots(case, seed=options.get("seed", DEFAULT_SEED))
     return check(case, [UserLoop(loop)], reference=reference, **options)

@@ -46,6 +46,22 @@ class Checker:
         return self._run(lambda kw: ec.check_loop(self._case(case, kw), loop, **kw),
                          {**options, "reference": reference}, f"check_loop of {case}", False)
 
+    def audit(self, case: ec.Case | str, *, require: Iterable[str] = ()) -> ec.Audit:
+        """Audit ``case`` (``ec.audit``); fail the test unless it catches every class of bug named in ``require``
+        (a part of the class's name: ``"token normalisation"``)."""
+        found = ec.audit(case, seed=self._defaults.get("seed", ec.DEFAULT_SEED), timeout=self._defaults.get("timeout"))
+        missing = []
+        for wanted in [require] if isinstance(require, str) else require:
+            matching = [f for f in found.findings if wanted in f.pitfall]
+            if not matching:
+                raise pytest.UsageError(f"require={wanted!r} names no class of bug; the audit knows: "
+                                        + "; ".join(f.pitfall for f in found.findings))
+            missing += [f for f in matching if f.sensitivity is not ec.Sensitivity.CATCHES]
+        if missing:
+            pytest.fail(f"case {found.case} cannot catch what this test requires:\n" + "\n".join(
+                f"  {f.pitfall}: {f.sensitivity.value}: {f.evidence}" for f in missing), pytrace=False)
+        return found
+
     def _run(self, checking: Callable[[dict], ec.Report], options: dict, what: str, distributed: bool) -> ec.Report:
         kw = {**self._defaults, **{k: v for k, v in options.items() if v is not None}}
         # Distributed jobs are bounded by the pool, which tears itself down cleanly on a timeout; an alarm

@@ -1,0 +1,102 @@
+"""Reports that say what happened: step counts as counted, a logged loss named as such, a mean loss accepted.
+
+Each is written as a user meets it: a team's step with the problem, the report it gets, and its twin.
+"""
+
+import dataclasses
+
+import pytest
+import torch.nn.functional as F
+
+import equivcheck as ec
+
+
+
+def accumulating_step(model, optimizer, batch, micro_batches=4, step=True, logged_loss=False):
+    inputs, targets = batch
+    for x, y in zip(inputs.tensor_split(micro_batches), targets.tensor_split(micro_batches)):
+        loss = F.cross_entropy(model(x), y, reduction="sum") / len(targets)
+        loss.backward()
+    if step:
+        optimizer.step()
+    optimizer.zero_grad()
+    # nanoGPT logs the last micro-batch's loss x K: close to the batch's mean, not it
+    return loss.detach() * micro_batches if logged_loss else None
+
+
+def test_a_step_that_never_steps_is_named_so():
+    (outcome,) = ec.check_step("mlp", lambda m, o, b: accumulating_step(m, o, b, step=False)).outcomes
+    assert outcome.verdict is ec.Verdict.MISMATCH
+    assert outcome.comparison.hint.startswith("0 optimizer steps where the reference took 3: the code checked never "
+                                              "called optimizer.step()")
+    assert "per micro-batch" not in outcome.comparison.hint
+
+
+def test_a_step_that_skips_some_batches_is_not_blamed_on_stepping_per_micro_batch():
+    calls = []
+
+    def off_by_one(model, optimizer, batch):
+        calls.append(1)
+        return accumulating_step(model, optimizer, batch, step=len(calls) % 2 == 1)
+
+    (outcome,) = ec.check_step("mlp", off_by_one).outcomes
+    assert outcome.comparison.hint.startswith("2 optimizer steps where the reference took 3: some global batches "
+                                              "were never stepped")
+
+
+def test_stepping_per_micro_batch_keeps_its_own_hint():
+    (outcome,) = ec.check("mlp", ["step_per_micro_batch:chunks=4"]).outcomes
+    assert outcome.comparison.hint.startswith("12 optimizer steps where the reference took 3 (4 per global batch)")
+
+
+def test_a_logged_loss_fails_on_the_losses_alone_says_so_and_can_be_left_out():
+    logged = lambda m, o, b: accumulating_step(m, o, b, logged_loss=True)  # noqa: E731
+    (outcome,) = ec.check_step("mlp", logged).outcomes
+    assert outcome.verdict is ec.Verdict.MISMATCH
+    assert {m.kind for m in outcome.comparison.mismatches} == {"loss"}
+    assert outcome.comparison.hint.startswith("only the reported losses differ; every gradient and weight matches")
+    ec.check_step("mlp", logged, compare_losses=False).assert_equivalent()
+
+
+def test_leaving_the_losses_out_still_catches_a_gradient_bug():
+    def mean_over_k(model, optimizer, batch, micro_batches=5):
+        inputs, targets = batch
+        for x, y in zip(inputs.tensor_split(micro_batches), targets.tensor_split(micro_batches)):
+            (F.cross_entropy(model(x), y) / micro_batches).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    (outcome,) = ec.check_step("mlp", mean_over_k, compare_losses=False).outcomes
+    assert outcome.verdict is ec.Verdict.MISMATCH and {m.kind for m in outcome.comparison.mismatches} >= {"grad"}
+
+
+def test_compare_losses_takes_a_bool():
+    with pytest.raises(ec.InvalidArgument, match="Expected bool but got compare_losses='no'"):
+        ec.check("mlp", ["accumulate:chunks=2"], compare_losses="no")
+
+
+# --- a loss that returns a mean, as every Hugging Face model's .loss does ---------------------------
+
+def logits_and_loss(output, targets):
+    """A model whose forward returns (logits, loss): the case's loss reads the mean it would compute."""
+    logits = output[0] if isinstance(output, tuple) else output
+    return F.cross_entropy(logits, targets)
+
+
+MEAN_CASE = dataclasses.replace(ec.get_case("mlp"), name="mlp_mean_loss", loss=logits_and_loss, loss_reduction="mean")
+
+
+def test_a_mean_loss_is_accepted_when_declared_and_every_regime_weights_it_by_its_items():
+    report = ec.check(MEAN_CASE, ["accumulate:chunks=5", "sample_by_sample", "naive_accumulate:chunks=5"])
+    verdicts = {o.regime: o.verdict for o in report.outcomes}
+    assert verdicts["accumulate:chunks=5"] is ec.Verdict.EQUIVALENT
+    assert verdicts["sample_by_sample"] is ec.Verdict.EQUIVALENT
+    assert verdicts["naive_accumulate:chunks=5"] is ec.Verdict.MISMATCH  # mean / K over 3,3,2,2,2: still caught
+
+
+def test_an_undeclared_mean_loss_is_refused_with_the_way_to_declare_it():
+    undeclared = dataclasses.replace(MEAN_CASE, name="mlp_mean_undeclared", loss_reduction="none")
+    with pytest.raises(ec.InvalidArgument, match=r"returned shape \(\) .*declare Case\(loss_reduction='mean'\)"):
+        ec.check(undeclared, ["accumulate:chunks=2"])
+    with pytest.raises(ec.InvalidArgument, match="loss_reduction='sum' is not allowed: expected 'none' or 'mean'"):
+        dataclasses.replace(MEAN_CASE, loss_reduction="sum")
