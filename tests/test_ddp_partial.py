@@ -14,9 +14,19 @@ from equivcheck.hints import unsynchronised_ranks
 CASE = "seed000_ddp"
 FAITHFUL = "ddp_detached_partial:world_size=2,chunks=3"
 LAST_OUTSIDE = "ddp_detached_partial_last_outside:world_size=2,chunks=3"
-# The ranks import this module to find it: registered at the top level.
+# The ranks import this module to find them: registered at the top level.
 LAMBDA_SPLIT = ec.register_case(dataclasses.replace(ec.get_case(CASE), name="seed000_ddp_lambda_split",
                                                     split=lambda m: (lambda x: m[0](x), m[1]), regimes=None))
+
+
+def frozen_trunk_model():
+    model = ec.get_case(CASE).model()
+    model[0].requires_grad_(False)
+    return model
+
+
+FROZEN_TRUNK = ec.register_case(dataclasses.replace(ec.get_case(CASE), name="seed000_ddp_frozen_trunk",
+                                                    model=frozen_trunk_model, regimes=None))
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +108,14 @@ def test_data_parallel_is_skipped_with_its_reason(report):
     skipped = report.outcome(CASE, "data_parallel_detached_partial:chunks=3")
     assert skipped.reason == f"DataParallel needs at least 2 CUDA devices; {torch.cuda.device_count()} found"
     assert skipped.result is None
+
+
+@pytest.mark.parametrize("spec", [FAITHFUL, LAST_OUTSIDE])
+def test_a_trunk_with_nothing_to_train_is_not_wrapped(spec):
+    """DDP refuses a module without trainable parameters; a frozen trunk has nothing to synchronise."""
+    (outcome,) = ec.check(FROZEN_TRUNK, [spec]).outcomes
+    assert outcome.verdict is Verdict.EQUIVALENT
+    assert outcome.result.syncs == (1, 1) and outcome.result.sync_wrappers == 1
 
 
 def test_a_split_that_gives_no_modules_is_a_clear_error():

@@ -26,11 +26,12 @@ import dataclasses
 from typing import ClassVar
 
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import InvalidArgument
 from .base import finish_step
 from .ddp import Accumulating, OnEveryGpu
-from .local import DetachedPartial, backward_detached
+from .local import DetachedPartial, backward_detached, backward_trunk
 from .loop import backward_chunks
 
 
@@ -62,7 +63,15 @@ class DdpDetachedPartial(Accumulating):
 
     def wrap(self, model, objective):
         trunk, head = split_modules(model, objective, self)
-        return Parts(self.ddp(trunk), self.ddp(head))
+        return Parts(self.ddp_part(trunk), self.ddp_part(head))
+
+    def ddp_part(self, part: nn.Module) -> nn.Module:
+        """``part`` in DDP, unless it has nothing to train (a frozen trunk): DDP refuses such a module, and
+        there is nothing of it to synchronise."""
+        return self.ddp(part) if any(p.requires_grad for p in part.parameters()) else part
+
+    def sync_context(self, model, last):
+        return super().sync_context(model, last) if isinstance(model, DistributedDataParallel) else contextlib.nullcontext()
 
     def train_step(self, model, optimizer, batch, objective):
         mine = self.rank_shard(batch)
@@ -134,7 +143,7 @@ class DdpDetachedPartialInForward(DdpDetachedPartial):
 
     def wrap(self, model, objective):
         trunk, head = split_modules(model, objective, self)
-        return Parts(self.ddp(trunk), self.ddp(AccumulatingHead(head)))
+        return Parts(self.ddp_part(trunk), self.ddp_part(AccumulatingHead(head)))
 
     def train_step(self, model, optimizer, batch, objective):
         mine = self.rank_shard(batch)
@@ -143,7 +152,7 @@ class DdpDetachedPartialInForward(DdpDetachedPartial):
                                            objective, last_outside=self.last_outside)
         if last is not None:
             objective.backward(last)  # after DDP's forward: its hooks fire, the head's sum is all-reduced
-        features.backward(detached.grad)
+        backward_trunk(features, detached)
         finish_step(optimizer, objective)
         return total / self.world_size
 

@@ -85,9 +85,14 @@ def backward_detached(trunk, head, inputs, targets, chunks, part_loss, objective
     features = trunk(inputs)
     detached = features.detach().requires_grad_()
     total = backward_chunks(head, detached, targets, chunks, part_loss, objective=objective, around=around)
+    backward_trunk(features, detached)
+    return total
+
+
+def backward_trunk(features, detached) -> None:
+    """The trunk's one backward, with the activation gradient the head's chunks accumulated on ``detached``."""
     if features.requires_grad:  # a trunk with nothing to train (identity, frozen) has no graph to back-propagate
         features.backward(detached.grad)  # already scaled: the head's backward went through the scaler
-    return total
 
 
 @dataclasses.dataclass(frozen=True)
