@@ -1,4 +1,5 @@
-"""Seed 000: a cheap embedding trunk under a large, memory-hungry head, split for detached_partial."""
+"""Seed 000: a cheap embedding trunk under a large, memory-hungry head, split for detached_partial; and the
+same model on 2 DDP ranks (seed000_ddp), where the head is accumulated inside each rank's shard."""
 
 import dataclasses
 from functools import partial
@@ -44,7 +45,8 @@ seed000_ddp = ec.register_case(dataclasses.replace(
     seed000_embedding_head,
     name="seed000_ddp",
     regimes=("full_batch", "ddp:world_size=2", f"ddp_detached_partial:{SEED000_DDP}",
-             f"ddp_detached_partial_last_outside:{SEED000_DDP}", f"ddp_detached_partial_bypass:{SEED000_DDP}", f"ddp_detached_partial_in_forward:{SEED000_DDP}",
+             f"ddp_detached_partial_last_outside:{SEED000_DDP}", f"ddp_detached_partial_bypass:{SEED000_DDP}",
+             f"ddp_detached_partial_in_forward:{SEED000_DDP}",
              f"ddp_detached_partial_sync_every_chunk:{SEED000_DDP}", "data_parallel_detached_partial:chunks=3"),
     expect_mismatch={
         "ddp_detached_partial_bypass": "the step reaches the trunk and head inside the DDP wrapper: never all-reduced",

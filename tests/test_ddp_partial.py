@@ -10,6 +10,8 @@ import torch
 import equivcheck as ec
 from equivcheck import Verdict
 from equivcheck.hints import unsynchronised_ranks
+from equivcheck.regimes.ddp_partial import DataParallelDetachedPartial
+from equivcheck.training import train
 
 CASE = "seed000_ddp"
 FAITHFUL = "ddp_detached_partial:world_size=2,chunks=3"
@@ -116,6 +118,18 @@ def test_a_trunk_with_nothing_to_train_is_not_wrapped(spec):
     (outcome,) = ec.check(FROZEN_TRUNK, [spec]).outcomes
     assert outcome.verdict is Verdict.EQUIVALENT
     assert outcome.result.syncs == (1, 1) and outcome.result.sync_wrappers == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="nn.DataParallel is a pass-through only without CUDA")
+def test_data_parallel_regime_code_runs_where_data_parallel_passes_through(monkeypatch):
+    """Without CUDA, nn.DataParallel calls its module directly: this runs the regime's own code (the wrapping,
+    the parts, the chunks, the trunk's backward) on the CPU, never a verdict on DataParallel itself."""
+    monkeypatch.setattr(DataParallelDetachedPartial, "device", lambda self: torch.device("cpu"))
+    wrapped = train(CASE, "data_parallel_detached_partial:chunks=3")
+    plain = train(CASE, "detached_partial:chunks=3")
+    for step, grads in enumerate(plain.grads):
+        for name, grad in grads.items():
+            assert torch.equal(wrapped.grads[step][name], grad), (step, name)
 
 
 def test_a_split_that_gives_no_modules_is_a_clear_error():

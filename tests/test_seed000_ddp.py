@@ -118,7 +118,8 @@ def test_the_same_check_counts_an_all_reduce_per_chunk():
     (outcome,) = ec.check_step(CASE, partial_step_syncing_every_chunk, world_size=2, wrap=wrap_trunk_and_head).outcomes
     assert outcome.verdict is ec.Verdict.MISMATCH and not outcome.comparison.mismatches  # the numbers are right
     assert outcome.comparison.problems[0].startswith("communication: step 0 all-reduced gradients 4 time(s)")
-    assert outcome.comparison.problems[0].endswith("a faithful step does it 2 time(s) (1 per wrapped module, 2 wrapped)")
+    assert outcome.comparison.problems[0].endswith(
+        "a faithful step does it 2 time(s) (1 per wrapped module, 2 wrapped)")
 
 
 def test_reaching_inside_one_wrapper_is_caught_with_the_synchronisation_named():

@@ -15,8 +15,9 @@ Seed 000's own shape, the backward calls inside the wrapped head's forward, is f
 chunk's backward runs after that forward returns (``ddp_detached_partial_last_outside``): DDP ignores
 the backward calls inside its forward and all-reduces the accumulated sum on the one after it.
 
-nn.DataParallel needs no such care (its replicas' gradients flow back to the one model through its
-own autograd graph), so ``data_parallel_detached_partial`` is seed 000's step with both parts in it.
+nn.DataParallel's replicas are copies made inside autograd's graph, so their gradients flow back to the
+one model whichever backward produces them: ``data_parallel_detached_partial`` is seed 000's step with
+each part in nn.DataParallel. It needs 2 or more GPUs, and is skipped with that reason elsewhere.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ class DdpDetachedPartial(Accumulating):
         return self.ddp(part) if any(p.requires_grad for p in part.parameters()) else part
 
     def sync_context(self, model, last):
-        return super().sync_context(model, last) if isinstance(model, DistributedDataParallel) else contextlib.nullcontext()
+        wrapped = isinstance(model, DistributedDataParallel)
+        return super().sync_context(model, last) if wrapped else contextlib.nullcontext()
 
     def train_step(self, model, optimizer, batch, objective):
         mine = self.rank_shard(batch)
