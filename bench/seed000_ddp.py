@@ -2,19 +2,28 @@
 
 Per regime: the verdict, the margin, the gradient all-reduces of each step, the peak activation memory
 of one rank beside plain DDP's, then what equivcheck said of each regime that is not equivalent.
+With ``--repeats N``: the median wall time of one run on the warm pool beside in-process runs, the
+runs alternated so the shared machine's load falls on all alike.
 """
 
 from __future__ import annotations
 
+import argparse
+
 import equivcheck as ec
+from timing import alternated_seconds
 from equivcheck.report import render_columns
 from equivcheck.savings import format_bytes
 
 CASE = "seed000_ddp"
 PLAIN = "ddp:world_size=2"
+TIMED = ("accumulate:chunks=6", "detached_partial:chunks=6", PLAIN, "ddp_detached_partial:world_size=2,chunks=3")
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=0, help="time each of %s this many times" % (TIMED,))
+    args = parser.parse_args()
     report = ec.check(CASE)
     plain = report.outcome(CASE, PLAIN).result.peak_activation_bytes
     table = [["regime", "verdict", "margin", "all-reduces per step", "peak activation (rank 0)", "vs plain DDP"]]
@@ -35,6 +44,11 @@ def main() -> None:
     print(render_columns(table))
     print()
     print("\n".join(said))
+    if args.repeats:
+        times = alternated_seconds(*[lambda spec=spec: ec.run(CASE, spec) for spec in TIMED], repeats=args.repeats)
+        print(f"\none run (2 steps), median of {args.repeats}, alternated:")
+        for spec, seconds in zip(TIMED, times):
+            print(f"  {spec:<44} {seconds * 1e3:6.1f} ms  {seconds / times[0]:5.2f}x {TIMED[0]}")
 
 
 if __name__ == "__main__":
