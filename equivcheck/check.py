@@ -383,11 +383,14 @@ def _distributed_problems(spec: Regime, result: RunResult, comparison: Compariso
     if result.rank_spread is not None and result.rank_spread > comparison.tolerance.atol:
         problems.append(f"ranks disagree: their final weights differ by up to {result.rank_spread:.3g}")
     if spec.syncs_per_step is not None and result.syncs is not None:
+        wrappers = result.sync_wrappers or 1
+        expected = spec.syncs_per_step * wrappers
+        each = f" ({spec.syncs_per_step} per wrapped module, {wrappers} wrapped)" if wrappers > 1 else ""
         for step, syncs in enumerate(result.syncs):
-            if syncs != spec.syncs_per_step:
+            if syncs != expected:
                 problems.append(
                     f"communication: step {step} all-reduced gradients {syncs} time(s) "
-                    f"({result.sync_bytes[step]} bytes per rank); a faithful step does it {spec.syncs_per_step} time(s)"
+                    f"({result.sync_bytes[step]} bytes per rank); a faithful step does it {expected} time(s){each}"
                 )
                 break
     return tuple(problems)

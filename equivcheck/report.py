@@ -199,6 +199,7 @@ def _row(o: Outcome) -> dict:
         "reason": o.reason,
         "seconds": round(o.seconds, 6),
         "optimizer_steps": o.result.optimizer_steps if o.result else None,
+        "syncs": list(o.result.syncs) if o.result and o.result.syncs is not None else None,  # all-reduces per step
         "peak_activation_bytes": o.memory.peak_bytes if o.memory else None,
         "memory_method": o.memory.method if o.memory else None,
         "memory_ratio": o.memory.ratio if o.memory else None,

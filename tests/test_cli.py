@@ -57,7 +57,7 @@ def test_run_with_matrix_prints_the_matrix_and_writes_json(tmp_path, capsys):
     ]
     caught = records[3]
     assert caught["margin"] > 100 and caught["first_divergent_step"] == 0 and caught["reason"]
-    assert {"max_abs", "max_rel", "mismatches", "optimizer_steps"} <= caught.keys()
+    assert {"max_abs", "max_rel", "mismatches", "optimizer_steps", "syncs"} <= caught.keys()
 
 
 def test_unexpected_verdict_exits_1_and_explains(tmp_path, capsys):
