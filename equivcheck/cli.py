@@ -22,7 +22,7 @@ from . import catalogue as pitfall_catalogue
 from . import html_report
 from . import report as render
 from .audit import audit
-from .check import Report, Status, iter_outcomes, plan_all, regimes_for
+from .check import Report, Status, Verdict, iter_outcomes, plan_all, regimes_for
 from .distributed import launcher
 from .errors import Interrupted, InvalidArgument
 from .dispatch import DEFAULT_TIMEOUT
@@ -38,7 +38,8 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = {"SIGINT": 130, "SIGTERM": 143}  # 128 + the signal's number, as shells report it
 EXIT_HELP = """exit status:
   0    every verdict as expected
-  1    a verdict not as expected (a mismatch, an unexpected match, a reference that disagrees with itself)
+  1    a verdict not as expected (a mismatch, an unexpected match, a reference that disagrees with itself,
+       a synchronisation count alone unless --allow-communication)
   2    usage error (a bad option, regime spec or --cases-from file); nothing ran
   3    a run errored (the code checked raised, a worker rank died or timed out) and nothing was found wrong
   5    nothing was checked (every check skipped, for example nccl with no GPU)
@@ -62,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     running.add_argument("--regime", action="append", metavar="SPEC",
                          help="a regime spec such as accumulate:chunks=4 (repeatable; default: each case's own list)")
     running.add_argument("--json", metavar="PATH", help="also write the outcomes as JSON rows to PATH")
+    running.add_argument("--allow-communication", action="store_true",
+                         help="exit 0 where the only finding is a synchronisation count (verdict 'communication')")
     running.add_argument("--matrix", action="store_true",
                          help="print the full matrix (case x regime) and the memory matrix, not only the overview "
                               "(printed anyway when something is not as expected)")
@@ -168,7 +171,9 @@ def _run(args: argparse.Namespace) -> int:
         progress.close()
         launcher.leave_group()
     report = Report(tuple(outcomes))
-    code = EXIT_INTERRUPTED[interrupted] if interrupted else EXIT_CODES[report.status]
+    gated = [Verdict.EQUIVALENT if args.allow_communication and o.verdict is Verdict.COMMUNICATION else o.verdict
+             for o in report.outcomes]  # numbers that match pass the gate; the verdict itself is still reported
+    code = EXIT_INTERRUPTED[interrupted] if interrupted else EXIT_CODES[Status.of(gated)]
     if launcher.active() and launcher.rank() != 0:
         return code  # every rank ran the same checks; rank 0 reports them
     rows = render.to_rows(report)

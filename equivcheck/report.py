@@ -17,11 +17,12 @@ LABELS = {
     Verdict.NONDETERMINISTIC: "NONDET",
     Verdict.SKIPPED: "skipped",
     Verdict.ERROR: "ERROR",
+    Verdict.COMMUNICATION: "COMM",
 }
 LEGEND = (
     "cell: verdict and margin (greatest error / allowed error; below 1 matches). ok = equivalent, "
     "caught = declared pitfall reported, MISMATCH = not equivalent, MISSED = declared pitfall not seen, "
-    "NONDET = reference disagrees with itself"
+    "NONDET = reference disagrees with itself, COMM = numbers match but synchronisation count does not"
 )
 
 
