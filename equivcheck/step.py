@@ -20,7 +20,7 @@ from .check import Report, check
 from .errors import InvalidArgument, expect_callable
 from .regimes import Regime
 from .seeding import DEFAULT_SEED
-from .regimes.user_code import DdpStep, LoopFn, StepFn, UserLoop, UserStep, import_path
+from .regimes.user_code import DdpLoop, DdpStep, LoopFn, StepFn, UserLoop, UserStep, import_path
 
 
 def check_step(
@@ -30,10 +30,13 @@ def check_step(
     *,
     world_size: int | None = None,
     wrap: Callable[[nn.Module], nn.Module] | None = None,
+    per_run: bool = False,
     **options,
 ) -> Report:
     """Check a team's ``step(model, optimizer, batch)`` against ``reference``: a regime spec, or another
-    step function (the code before a refactor, or full batch with the same clipping).
+    step function (the code before a refactor, or full batch with the same clipping). With ``per_run``,
+    ``step`` is a factory called at the start of every run to make the step: a step that keeps state
+    across calls (a GradScaler, a schedule) keeps it there, fresh for each run.
 
     With ``world_size`` the step runs on that many DDP ranks of the warm pool (see ``regimes.user_code``),
     given the model in DistributedDataParallel, or what the team's ``wrap(model)`` makes of it (the
@@ -41,25 +44,43 @@ def check_step(
     backend, timeout).
     """
     reference = reference if isinstance(reference, (str, Regime)) else UserStep(reference)
-    if world_size is None:
-        if wrap is not None:
-            raise InvalidArgument(f"wrap={wrap!r} is not allowed without world_size: expected world_size= with it "
-                                  "(the model is wrapped for DDP ranks only)")
-        candidate = UserStep(step)
-    else:
-        expect_callable("step", step)
-        fn = import_path(step)
-        if wrap is not None:
-            expect_callable("wrap", wrap)
-        candidate = DdpStep(world_size=world_size, fn=fn, wrapper="" if wrap is None else import_path(wrap, "wrap"))
+    if not isinstance(per_run, bool):
+        raise InvalidArgument.type("per_run", per_run, "bool")
+    candidate = (UserStep(step, per_run) if _in_process(world_size, wrap)
+                 else _on_ranks(DdpStep, "step", step, world_size, wrap, per_run=per_run))
     warn_blind_spots(case, seed=options.get("seed", DEFAULT_SEED))
     return check(case, [candidate], reference=reference, **options)
 
 
 def check_loop(
-    case: Case | str, loop: LoopFn, reference: str | Regime | LoopFn = "full_batch", **options
+    case: Case | str,
+    loop: LoopFn,
+    reference: str | Regime | LoopFn = "full_batch",
+    *,
+    world_size: int | None = None,
+    wrap: Callable[[nn.Module], nn.Module] | None = None,
+    **options,
 ) -> Report:
-    """Check a team's ``loop(model, optimizer, batches)`` against ``reference`` (a spec or another loop)."""
+    """Check a team's ``loop(model, optimizer, batches)`` against ``reference`` (a spec or another loop);
+    with ``world_size``, the loop on that many DDP ranks, each given its shard of every global batch."""
     reference = reference if isinstance(reference, (str, Regime)) else UserLoop(reference)
+    candidate = UserLoop(loop) if _in_process(world_size, wrap) else _on_ranks(DdpLoop, "loop", loop, world_size, wrap)
     warn_blind_spots(case, seed=options.get("seed", DEFAULT_SEED))
-    return check(case, [UserLoop(loop)], reference=reference, **options)
+    return check(case, [candidate], reference=reference, **options)
+
+
+def _in_process(world_size: int | None, wrap: Callable | None) -> bool:
+    if world_size is None and wrap is not None:
+        raise InvalidArgument(f"wrap={wrap!r} is not allowed without world_size: expected world_size= with it "
+                              "(the model is wrapped for DDP ranks only)")
+    return world_size is None
+
+
+def _on_ranks(regime: type[DdpStep], argument: str, fn: Callable, world_size: int, wrap: Callable | None,
+              **fields) -> DdpStep:
+    """The team's code on DDP ranks: it and its wrap travel by import path, which the ranks resolve."""
+    expect_callable(argument, fn)
+    path = import_path(fn, argument)
+    if wrap is not None:
+        expect_callable("wrap", wrap)
+    return regime(world_size=world_size, fn=path, wrapper="" if wrap is None else import_path(wrap, "wrap"), **fields)

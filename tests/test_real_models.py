@@ -153,3 +153,77 @@ def test_a_clipped_reference_that_never_clips_says_so():
 def test_a_bad_max_norm_is_a_usage_error(spec):
     with pytest.raises(ec.InvalidArgument, match="max_norm="):
         ec.parse_regime(spec)
+
+
+# --- a team's loop on DDP ranks -----------------------------------------------------------------------
+
+def ddp_training_loop(model, optimizer, batches, zero_grad=True):
+    """A loop as a team writes it for DDP: each rank its shard, the loss sum x W over the global batch."""
+    import torch.distributed as dist
+
+    losses = []
+    for inputs, targets in batches:
+        loss = F.cross_entropy(model(inputs), targets, reduction="sum") * dist.get_world_size() / 12
+        loss.backward()
+        optimizer.step()
+        if zero_grad:
+            optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def ddp_loop_forgetting_zero_grad(model, optimizer, batches):
+    return ddp_training_loop(model, optimizer, batches, zero_grad=False)
+
+
+def test_a_loop_runs_on_ranks_and_its_twin_without_zero_grad_is_caught():
+    (outcome,) = ec.check_loop("mlp", ddp_training_loop, world_size=2).outcomes
+    assert outcome.verdict is ec.Verdict.EQUIVALENT
+    assert outcome.regime == "ddp_loop:world_size=2,fn=test_real_models:ddp_training_loop"
+    assert outcome.result.syncs == (1, 1, 1)
+    (buggy,) = ec.check_loop("mlp", ddp_loop_forgetting_zero_grad, world_size=2).outcomes
+    assert buggy.verdict is ec.Verdict.MISMATCH
+
+
+def test_a_loop_for_ranks_must_be_importable_and_wrap_needs_ranks():
+    with pytest.raises(ec.InvalidArgument, match="loop=.*a function defined at the top level of an importable module"):
+        ec.check_loop("mlp", lambda model, optimizer, batches: None, world_size=2)
+    with pytest.raises(ec.InvalidArgument, match="wrap=.* is not allowed without world_size"):
+        ec.check_loop("mlp", ddp_training_loop, wrap=lambda model: model)
+
+
+# --- a step with state across calls -------------------------------------------------------------------
+
+def make_scheduled_step(decay=0.5, micro_batches=4):
+    """A factory of a step that keeps a learning-rate schedule across calls, made on its first call."""
+    state = {}
+
+    def step(model, optimizer, batch):
+        if "schedule" not in state:
+            state["schedule"] = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: decay ** t)
+        inputs, targets = batch
+        for x, y in zip(inputs.tensor_split(micro_batches), targets.tensor_split(micro_batches)):
+            (F.cross_entropy(model(x), y, reduction="sum") / len(targets)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        state["schedule"].step()
+
+    return step
+
+
+SCHEDULED_REFERENCE = ec.regimes.UserStep(lambda: make_scheduled_step(micro_batches=1), per_run=True)
+
+
+def test_a_stateful_step_made_per_run_matches_a_reference_with_the_same_schedule():
+    ec.check_step("mlp", make_scheduled_step, reference=SCHEDULED_REFERENCE, per_run=True).assert_equivalent()
+    (wrong,) = ec.check_step("mlp", lambda: make_scheduled_step(decay=0.4), reference=SCHEDULED_REFERENCE,
+                             per_run=True).outcomes
+    # the learning rates part after step 0, the weights after step 1, so the gradients from step 2
+    assert wrong.verdict is ec.Verdict.MISMATCH and wrong.comparison.first_divergent_step == 2
+
+
+def test_state_kept_outside_a_run_leaks_into_the_next_one_which_is_why_per_run_exists():
+    shared = make_scheduled_step()  # one step object for every run: its schedule stays bound to the first optimizer
+    ec.check_step("mlp", shared, reference=SCHEDULED_REFERENCE).assert_equivalent()
+    (second,) = ec.check_step("mlp", shared, reference=SCHEDULED_REFERENCE).outcomes
+    assert second.verdict is ec.Verdict.MISMATCH

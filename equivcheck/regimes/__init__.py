@@ -23,6 +23,7 @@ BUILT_IN: tuple[type[Regime], ...] = (
     ddp_partial.DdpDetachedPartialInForward, ddp_partial.DdpDetachedPartialSyncEveryChunk,
     ddp_partial.DataParallelDetachedPartial,
     user_code.DdpStep,
+    user_code.DdpLoop,
 )
 for _regime in BUILT_IN:
     register_regime(_regime)
@@ -30,10 +31,11 @@ for _regime in BUILT_IN:
 # The classes by name, for code that subclasses or checks them.
 from .ddp import Distributed  # noqa: E402
 from .local import Accumulate, DetachedPartial, FullBatch, RetainedGraph, SampleBySample, SummedLoss  # noqa: E402
+from .user_code import UserLoop, UserStep  # noqa: E402
 
 __all__ = [
     "BUILT_IN", "DEFAULT_REGIMES", "REGIMES", "Accumulate", "Chunked", "CommunicationCounter", "DetachedPartial",
     "Distributed", "FullBatch", "Regime", "RetainedGraph", "SampleBySample", "SummedLoss", "accumulate",
     "backward_chunks", "chunk_pairs", "finish_step", "global_mean_part", "meddling_part", "parse_regime",
-    "regime_source", "register_regime",
+    "regime_source", "register_regime", "UserLoop", "UserStep",
 ]

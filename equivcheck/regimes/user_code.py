@@ -48,13 +48,26 @@ class UserCode(Regime):
 
 @dataclasses.dataclass(frozen=True)
 class UserStep(UserCode):
-    """One optimizer step on one global batch, computed by the team's own ``fn``."""
+    """One optimizer step on one global batch, computed by the team's own ``fn``; with ``per_run``,
+    ``fn()`` makes that step afresh for every run, so state it keeps across steps (a GradScaler, a
+    schedule) starts anew where the reference starts."""
 
+    per_run: bool = False
     name = "step"
     summary = "a team's own step function: one optimizer step on one global batch"
 
-    def train_step(self, model, optimizer, batch: Batch, objective: Objective):
-        return self.fn(model, optimizer, (batch.inputs, batch.targets))
+    def train(self, model, optimizer, batches: Sequence[Batch], objective: Objective):
+        step = fresh_step(self.fn, self.per_run)
+        return [step(model, optimizer, (b.inputs, b.targets)) for b in batches]
+
+
+def fresh_step(fn: Callable, per_run: bool) -> Callable:
+    """The step a run uses: ``fn`` itself, or what the factory ``fn`` makes for this run."""
+    if not per_run:
+        return fn
+    step = fn()
+    expect_callable("the step made by per_run's factory", step)
+    return step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,16 +78,19 @@ class UserLoop(UserCode):
     summary = "a team's own training loop over the global batches"
 
     def train(self, model, optimizer, batches: Sequence[Batch], objective: Objective):
-        losses = self.fn(model, optimizer, [(b.inputs, b.targets) for b in batches])
-        if losses is None:
-            return [None] * len(batches)
-        losses = list(losses)
-        if len(losses) != len(batches):
-            raise InvalidArgument(
-                f"loop {_label(self.fn)!r} returned {len(losses)} losses for {len(batches)} global batches: "
-                "expected one loss per batch, or None"
-            )
-        return losses
+        return loop_losses(_label(self.fn), self.fn(model, optimizer, [(b.inputs, b.targets) for b in batches]),
+                           len(batches))
+
+
+def loop_losses(label: str, losses: Iterable[object] | None, batches: int) -> list[object]:
+    """A loop's losses, one per global batch (None: not reported); another count is the loop's mistake."""
+    if losses is None:
+        return [None] * batches
+    losses = list(losses)
+    if len(losses) != batches:
+        raise InvalidArgument(f"loop {label!r} returned {len(losses)} losses for {batches} global batches: "
+                              "expected one loss per batch, or None")
+    return losses
 
 
 def import_path(fn: Callable, argument: str = "step") -> str:
@@ -105,6 +121,7 @@ class DdpStep(Distributed):
     summary = "a team's own step function on every DDP rank, each given its shard of the global batch"
     fn: str = dataclasses.field(kw_only=True)  # module:function of the step
     wrapper: str = dataclasses.field(default="", kw_only=True)  # module:function of the team's wrap; "": DDP
+    per_run: bool = dataclasses.field(default=False, kw_only=True)  # fn is a factory of the step, called per run
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -117,11 +134,25 @@ class DdpStep(Distributed):
     def wrap(self, model, objective):
         return resolve(self.wrapper)(model) if self.wrapper else super().wrap(model, objective)
 
-    def train_step(self, model, optimizer, batch, objective):
-        mine = self.rank_shard(batch)
-        loss = resolve(self.fn)(model, optimizer, (mine.inputs, mine.targets))
-        if loss is None:
-            return None
-        # This rank's share of what the ranks' steps returned, averaged (dispatch adds the shares up):
-        # the global mean where shards hold equal item counts.
-        return torch.as_tensor(float(loss), dtype=torch.float64) / self.world_size
+    def train(self, model, optimizer, batches, objective):
+        step = fresh_step(resolve(self.fn), self.per_run)
+        return [self.share(step(model, optimizer, (mine.inputs, mine.targets)))
+                for mine in (self.rank_shard(batch) for batch in batches)]
+
+    def share(self, loss: object) -> Tensor | None:
+        """This rank's share of what the ranks' code returned, averaged (dispatch adds the shares up): the
+        global mean where shards hold equal item counts."""
+        return None if loss is None else torch.as_tensor(float(loss), dtype=torch.float64) / self.world_size
+
+
+@dataclasses.dataclass(frozen=True)
+class DdpLoop(DdpStep):
+    """The team's own loop on every rank: each global batch reaches it as this rank's shard."""
+
+    name = "ddp_loop"
+    summary = "a team's own training loop on every DDP rank, each given its shard of every global batch"
+
+    def train(self, model, optimizer, batches, objective):
+        shards = [self.rank_shard(b) for b in batches]
+        losses = resolve(self.fn)(model, optimizer, [(s.inputs, s.targets) for s in shards])
+        return [self.share(loss) for loss in loop_losses(self.fn, losses, len(batches))]
