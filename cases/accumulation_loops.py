@@ -7,6 +7,7 @@ padding repeats 3 samples, dropping the remainder loses 2.
 import dataclasses
 
 from equivcheck import register_case
+from equivcheck.catalogue import Entry, add_entry
 
 from .mlp import mlp
 
@@ -42,3 +43,13 @@ sampler_drop = loop_case(
     "sampler_drop", "accumulate:chunks=5", "sampler_drop:chunks=5",
     "dropping to 5 x 2 loses 2 of the 12 samples",
     "pitfall: a sampler that drops the remainder to make micro-batches (shards) equal")
+
+# The catalogue's entries that use these cases.
+for pitfall, case in (("zero_grad inside the accumulation loop", zero_grad_inside_loop),
+                      ("optimizer.step per micro-batch", step_per_micro_batch),
+                      ("GradScaler unscale_ per micro-batch", scaler_unscale_per_micro_batch),
+                      ("GradScaler step per micro-batch", scaler_step_per_micro_batch),
+                      ("sampler pads by repeating samples", sampler_pad),
+                      ("sampler drops the remainder", sampler_drop)):
+    twin, declared = case.regimes[1:]
+    add_entry(Entry(pitfall, case.name, declared, twin))

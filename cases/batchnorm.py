@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import equivcheck as ec
+from equivcheck.catalogue import Entry, add_entry
 
 from .cnn import data
 
@@ -51,3 +52,8 @@ groupnorm_cnn = ec.register_case(dataclasses.replace(
     expect_mismatch={},
     description="twin of batchnorm_cnn: GroupNorm normalises each sample by its own statistics",
 ))
+
+# The catalogue's entries that use these cases.
+add_entry(Entry("BatchNorm under accumulation", "batchnorm_cnn", "accumulate:chunks=5", "accumulate:chunks=5",
+                twin_case="groupnorm_cnn"))
+add_entry(Entry("BatchNorm under DDP", "batchnorm_cnn", "ddp:world_size=2", "ddp:world_size=2", twin_case="groupnorm_cnn"))

@@ -9,6 +9,7 @@ import dataclasses
 
 import equivcheck as ec
 from equivcheck.regimes.pitfalls import clipping_optimizer
+from equivcheck.catalogue import Entry, add_entry
 
 from .mlp import mlp
 
@@ -22,3 +23,7 @@ clip_per_micro_batch = ec.register_case(dataclasses.replace(
     expect_mismatch={"clip_per_micro_batch": f"clipping each partial sum to {MAX_NORM} is not clipping the total once"},
     description=f"pitfall: clip_grad_norm_({MAX_NORM}) per micro-batch; the case clips once before each step",
 ))
+
+# The catalogue's entries that use these cases.
+add_entry(Entry("gradient clipping per micro-batch", "clip_per_micro_batch",
+                f"clip_per_micro_batch:chunks=5,max_norm={MAX_NORM}", "accumulate:chunks=5"))

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import equivcheck as ec
+from equivcheck.catalogue import Entry, add_entry
 
 from .mlp import mlp
 from .tokens import tokens
@@ -93,3 +94,11 @@ routed_experts = ec.register_case(ec.Case(
     },
     description="DDP trap: a parameter used only in the first micro-batch of each rank under no_sync()",
 ))
+
+# The catalogue's entries that use these cases.
+add_entry(Entry("DDP per-rank mean loss, uneven shards", "ddp_uneven_shards", "ddp_mean_loss:world_size=2",
+                "ddp:world_size=2"))
+add_entry(Entry("DDP per-rank mean loss, uneven token counts", "ddp_mean_loss_uneven_tokens", "ddp_mean_loss:world_size=2",
+                "ddp:world_size=2"))
+add_entry(Entry("DDP sampler pads shards by repeating samples", "ddp_uneven_shards", "ddp_padded_sampler:world_size=2",
+                "ddp:world_size=2"))

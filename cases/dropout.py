@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import equivcheck as ec
+from equivcheck.catalogue import Entry, add_entry
 
 from .mlp import data
 
@@ -47,3 +48,7 @@ dropout_one_layer = ec.register_case(dataclasses.replace(
     expect_mismatch={},
     description="one dropout layer on CPU: micro-batches draw the global batch's masks in order (measured)",
 ))
+
+# The catalogue's entries that use these cases.
+add_entry(Entry("dropout masks drawn per micro-batch", "dropout_two_layers", "accumulate:chunks=4",
+                "replayed_dropout:chunks=4"))

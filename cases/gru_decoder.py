@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import equivcheck as ec
+from equivcheck.catalogue import Entry, add_entry
 
 VOCAB, HIDDEN, LENGTH = 12, 10, 5
 
@@ -68,3 +69,7 @@ gru_detached_hidden = ec.register_case(dataclasses.replace(
                                            "truncates back-propagation through time"},
     description="pitfall: per-token backward with the hidden state detached (seed 002) vs full BPTT",
 ))
+
+# The catalogue's entries that use these cases.
+add_entry(Entry("RNN hidden state detached per token (seed 002)", "gru_detached_hidden", "per_token:detach=1",
+                "per_token:detach=0"))

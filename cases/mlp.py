@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import equivcheck as ec
+from equivcheck.catalogue import Entry, add_entry
 
 
 def model():
@@ -36,3 +37,7 @@ naive_scaling_uneven_chunks = ec.register_case(dataclasses.replace(
     expect_mismatch={"naive_accumulate": "12 samples in chunks of 3,3,2,2,2: mean / K over-weights the big chunks"},
     description="negative control: micro-batch mean / K with uneven chunks",
 ))
+
+# The catalogue's entries that use these cases.
+add_entry(Entry("naive scaling: micro-batch mean / K, uneven chunks", "naive_scaling_uneven_chunks",
+                "naive_accumulate:chunks=5", "accumulate:chunks=5"))

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import equivcheck as ec
+from equivcheck.catalogue import Entry, add_entry
 
 VOCAB, DIM = 50, 16
 
@@ -55,3 +56,12 @@ seed000_ddp = ec.register_case(dataclasses.replace(
     },
     description="seed 000 under DDP: the head accumulated over chunks of the detached trunk output on every rank",
 ))
+
+# The catalogue's entries that use these cases.
+add_entry(Entry("DDP partial accumulation reaching inside one wrapper (seed 000)", "seed000_ddp",
+                "ddp_detached_partial_bypass:world_size=2,chunks=3", "ddp_detached_partial:world_size=2,chunks=3"))
+add_entry(Entry("DDP partial accumulation with backward inside the wrapped forward (seed 000)", "seed000_ddp",
+                "ddp_detached_partial_in_forward:world_size=2,chunks=3",
+                "ddp_detached_partial_last_outside:world_size=2,chunks=3"))
+add_entry(Entry("DDP partial accumulation syncing the head every chunk (seed 000)", "seed000_ddp",
+                "ddp_detached_partial_sync_every_chunk:world_size=2,chunks=3", "ddp_detached_partial:world_size=2,chunks=3"))

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import equivcheck as ec
+from equivcheck.catalogue import Entry, add_entry
 
 VOCAB, DIM, MAX_LEN, PAD, IGNORE = 20, 8, 7, 0, -100
 
@@ -57,3 +58,7 @@ naive_scaling_uneven_tokens = ec.register_case(dataclasses.replace(
     expect_mismatch={"naive_accumulate": "equal chunks of 3 samples hold unequal numbers of real tokens"},
     description="negative control: micro-batch mean / K with uneven token counts",
 ))
+
+# The catalogue's entries that use these cases.
+add_entry(Entry("naive scaling: micro-batch mean / K, uneven token counts", "naive_scaling_uneven_tokens",
+                "naive_accumulate:chunks=4", "accumulate:chunks=4"))

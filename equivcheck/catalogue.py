@@ -18,7 +18,7 @@ from .compare import Tolerance
 from .errors import InvalidArgument
 from .precision import PRECISIONS, resolve_precision
 from .regimes import parse_regime
-from .registry import get_case
+from .registry import all_cases, get_case
 from .report import json_number, render_columns
 from .seeding import DEFAULT_SEED
 
@@ -48,48 +48,19 @@ class Entry:
         return self.twin_case or self.case
 
 
-CATALOGUE: list[Entry] = [
-    Entry("naive scaling: micro-batch mean / K, uneven chunks", "naive_scaling_uneven_chunks",
-          "naive_accumulate:chunks=5", "accumulate:chunks=5"),
-    Entry("naive scaling: micro-batch mean / K, uneven token counts", "naive_scaling_uneven_tokens",
-          "naive_accumulate:chunks=4", "accumulate:chunks=4"),
-    Entry("BatchNorm under accumulation", "batchnorm_cnn", "accumulate:chunks=5", "accumulate:chunks=5",
-          twin_case="groupnorm_cnn"),
-    Entry("dropout masks drawn per micro-batch", "dropout_two_layers", "accumulate:chunks=4",
-          "replayed_dropout:chunks=4"),
-    Entry("RNN hidden state detached per token (seed 002)", "gru_detached_hidden", "per_token:detach=1",
-          "per_token:detach=0"),
-    Entry("gradient clipping per micro-batch", "clip_per_micro_batch", "clip_per_micro_batch:chunks=5,max_norm=0.1",
-          "accumulate:chunks=5"),
-    Entry("zero_grad inside the accumulation loop", "zero_grad_inside_loop", "zero_grad_inside:chunks=5",
-          "accumulate:chunks=5"),
-    Entry("optimizer.step per micro-batch", "step_per_micro_batch", "step_per_micro_batch:chunks=5",
-          "accumulate:chunks=5"),
-    Entry("GradScaler unscale_ per micro-batch", "scaler_unscale_per_micro_batch",
-          "scaler_unscale_per_micro_batch:chunks=5", "scaler_accumulate:chunks=5"),
-    Entry("GradScaler step per micro-batch", "scaler_step_per_micro_batch", "scaler_step_per_micro_batch:chunks=5",
-          "scaler_accumulate:chunks=5"),
-    Entry("sampler pads by repeating samples", "sampler_pad", "sampler_pad:chunks=5", "accumulate:chunks=5"),
-    Entry("sampler drops the remainder", "sampler_drop", "sampler_drop:chunks=5", "accumulate:chunks=5"),
-    Entry("BatchNorm under DDP", "batchnorm_cnn", "ddp:world_size=2", "ddp:world_size=2", twin_case="groupnorm_cnn"),
-    Entry("DDP per-rank mean loss, uneven shards", "ddp_uneven_shards", "ddp_mean_loss:world_size=2",
-          "ddp:world_size=2"),
-    Entry("DDP per-rank mean loss, uneven token counts", "ddp_mean_loss_uneven_tokens", "ddp_mean_loss:world_size=2",
-          "ddp:world_size=2"),
-    Entry("DDP sampler pads shards by repeating samples", "ddp_uneven_shards", "ddp_padded_sampler:world_size=2",
-          "ddp:world_size=2"),
-    Entry("DDP partial accumulation reaching inside one wrapper (seed 000)", "seed000_ddp",
-          "ddp_detached_partial_bypass:world_size=2,chunks=3", "ddp_detached_partial:world_size=2,chunks=3"),
-    Entry("DDP partial accumulation with backward inside the wrapped forward (seed 000)", "seed000_ddp",
-          "ddp_detached_partial_in_forward:world_size=2,chunks=3",
-          "ddp_detached_partial_last_outside:world_size=2,chunks=3"),
-    Entry("DDP partial accumulation syncing the head every chunk (seed 000)", "seed000_ddp",
-          "ddp_detached_partial_sync_every_chunk:world_size=2,chunks=3", "ddp_detached_partial:world_size=2,chunks=3"),
-]
+# Every pitfall with its faithful twin. Each entry sits beside the cases it uses (equivcheck_cases' modules
+# add theirs with add_entry when they register their cases); ``catalogue_entries()`` loads them first.
+CATALOGUE: list[Entry] = []
+
+
+def catalogue_entries() -> list[Entry]:
+    """The catalogue, with the built-in cases (and their entries) loaded."""
+    all_cases()
+    return list(CATALOGUE)
 
 
 def add_entry(entry: Entry) -> Entry:
-    """Add a row (the DDP pool adds its own); its case must declare the pitfall regime a mismatch."""
+    """Add a row, from the module that registers its case; that case must declare the pitfall regime a mismatch."""
     if not isinstance(entry, Entry):
         raise InvalidArgument.type("entry", entry, "an equivcheck.catalogue.Entry")
     if any(e.pitfall == entry.pitfall for e in CATALOGUE):
@@ -161,7 +132,7 @@ def run_catalogue(
 ) -> list[Row]:
     """Measure every entry in every precision mode; the rows come grouped by mode."""
     modes = [resolve_precision(d).name for d in dtypes]
-    entries = list(CATALOGUE if entries is None else entries)
+    entries = catalogue_entries() if entries is None else list(entries)
     for entry in entries:  # usage errors before anything runs
         for name, spec in ((entry.case, entry.regime), (entry.fixed_case, entry.twin)):
             parse_regime(spec).validate(get_case(name))

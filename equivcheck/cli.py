@@ -228,7 +228,8 @@ def _catalogue(args: argparse.Namespace) -> int:
     met = pitfall_catalogue.targets_met(rows)
     skipped = sorted({row.dtype for row in rows if row.skipped})
     status = "every target met" if met else f"{sum(bool(r.shortfalls) for r in rows)} rows miss a target"
-    print(f"\n{len(rows)} rows ({len(pitfall_catalogue.CATALOGUE)} pitfalls x {len(rows) // max(len(pitfall_catalogue.CATALOGUE), 1)} "
+    pitfalls = len(pitfall_catalogue.catalogue_entries())
+    print(f"\n{len(rows)} rows ({pitfalls} pitfalls x {len(rows) // max(pitfalls, 1)} "
           f"precisions); {status}" + (f"; skipped: {', '.join(skipped)}" if skipped else "")
           + f" in {time.perf_counter() - started:.1f} s")
     return 0 if met else 1
