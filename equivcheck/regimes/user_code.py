@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.utils.data import TensorDataset
 
 from ..case import Batch, Objective
 from ..errors import InvalidArgument, expect_callable
@@ -64,7 +65,7 @@ class UserLoop(UserCode):
     summary = "a team's own training loop over the global batches"
 
     def train(self, model, optimizer, batches: Sequence[Batch], objective: Objective):
-        losses = self.fn(model, optimizer, [(b.inputs, b.targets) for b in batches])
+        losses = self.fn(model, optimizer, LoopBatches(batches, objective.epochs))
         if losses is None:
             return [None] * len(batches)
         losses = list(losses)
@@ -76,7 +77,23 @@ class UserLoop(UserCode):
         return losses
 
 
-def import_path(fn: Callable) -> str:
+class LoopBatches(list):
+    """What a team's loop receives: every global batch as ``(inputs, targets)``, each epoch's in turn, the
+    last of an epoch smaller where the case keeps a smaller last batch. A loop that builds its own
+    DataLoader finds one epoch's samples, in the case's order, as ``.dataset`` (a TensorDataset), with
+    ``.batch_size`` (samples per global batch) and ``.epochs``: ``DataLoader(batches.dataset,
+    batch_size=batches.batch_size // K)`` (no shuffle, ``drop_last=False``) over ``range(batches.epochs)``
+    yields micro-batches whose windows of K are exactly the global batches the reference steps on."""
+
+    def __init__(self, batches: Sequence[Batch], epochs: int) -> None:
+        super().__init__((b.inputs, b.targets) for b in batches)
+        one_epoch = list(batches)[: len(batches) // epochs]
+        self.epochs = epochs
+        self.batch_size = len(one_epoch[0])
+        self.dataset = TensorDataset(torch.cat([b.inputs for b in one_epoch]), torch.cat([b.targets for b in one_epoch]))
+
+
+def import_path(fn: Callable, argument: str = "step") -> str:
     """``module:qualname`` of ``fn``, checked to import back to ``fn`` in another process."""
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
     path = f"{module}:{qualname}"
@@ -85,8 +102,8 @@ def import_path(fn: Callable) -> str:
     except (ImportError, AttributeError):
         found = False
     if not found:
-        raise InvalidArgument.value("step", fn, "a function defined at the top level of an importable module "
-                                    "(worker processes import the step by name to run it on every rank)")
+        raise InvalidArgument.value(argument, fn, "a function defined at the top level of an importable module "
+                                    f"(worker processes import the {argument} function by name to run it on every rank)")
     return path
 
 
@@ -111,6 +128,12 @@ class DdpStep(Distributed):
             raise InvalidArgument.value("fn", self.fn, "'module:function', the import path of a step function")
 
     def train_step(self, model, optimizer, batch, objective):
+        if len(batch) < self.world_size:  # every rank sees the global batch: they all raise, before any collective
+            raise InvalidArgument(
+                f"regime {str(self)!r}: a global batch of {len(batch)} sample(s) (an epoch's smaller last batch) is "
+                f"not allowed over world_size={self.world_size}: some rank's shard would be empty, and a team's step "
+                "is never handed an empty batch (a DistributedSampler pads the shard by repeating samples instead: "
+                f"see ec.check_eval). Expected a last batch of at least {self.world_size} samples")
         mine = self.rank_shard(batch)
         loss = resolve(self.fn)(model, optimizer, (mine.inputs, mine.targets))
         if loss is None:
