@@ -75,6 +75,7 @@ def train(
         peak_activation_bytes=memory.peak,
         memory_method=memory.method,
         loss_dtypes=tuple(sorted(str(dtype) for dtype in objective.loss_dtypes)),
+        batch_samples=tuple(len(batch) for batch in batches),
     )
 
 

@@ -193,3 +193,14 @@ def test_data_sizes_and_values_that_are_refused():
         ec.Case(name="x", model=make_model, data=make_data, loss=loss_per_sample, batch_size=8, last_batch="drop")
     with pytest.raises(ec.InvalidArgument, match=r"epochs=0 is not allowed"):
         ec.Case(name="x", model=make_model, data=make_data, loss=loss_per_sample, batch_size=8, epochs=0)
+
+
+@pytest.mark.parametrize("loop, says", [
+    (loop_dividing_by_k, "until step 3, an epoch's last, smaller global batch (3 of 8 samples): likely that batch "
+                         "weighted as a full one"),
+    (loop_leaking_the_tail, "until step 4, the first after an epoch's last, smaller global batch (step 3, which "
+                            "matches): likely that partial window's gradients left in .grad into the next epoch"),
+])
+def test_the_hint_names_the_tail(loop, says):
+    (outcome,) = ec.check_loop(TAIL, loop).outcomes
+    assert says in outcome.comparison.hint
