@@ -133,7 +133,7 @@ def _expected_samples(case: Case, held: int) -> str:
     """What a case's data must hold, with the figures (nothing is ever truncated or padded)."""
     if case.last_batch == "exact":
         return (f"expected exactly steps * batch_size = {case.steps} * {case.batch_size} = {case.samples} "
-                "(nothing is truncated or padded; last_batch='keep' allows a smaller last global batch)")
+                "(nothing is truncated or padded); last_batch='keep' allows a smaller last global batch")
     return (f"with last_batch='keep', expected {case.samples - case.batch_size + 1} to {case.samples}: "
             f"steps={case.steps} global batches of batch_size={case.batch_size}, the last one holding the "
             f"remainder; {held} samples make {math.ceil(held / case.batch_size)} global batches: declare "
