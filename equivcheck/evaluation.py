@@ -113,6 +113,10 @@ def check_eval(case: Case | str, evaluate_fn: EvaluateFn, *, world_size: int = 2
                timeout: float = pool.DEFAULT_TIMEOUT) -> EvalReport:
     """Compare ``evaluate_fn(model, dataset)`` on ``world_size`` ranks with the same call in this process.
 
+    ``model`` is the case's freshly built model (eval mode, no gradients), not a trained one: the bugs are in
+    how the data is split and the parts reduced, and a fresh model is the same everywhere without training
+    it W + 1 times. ``dataset`` is one epoch of the case's data (a TensorDataset) for the team's own sampler.
+
     The ranks import ``evaluate_fn`` and the case by name (both at the top level of a module, the case
     registered). Tolerance: ``rtol``/``atol``, else the case's, else its dtype's. Every rank's value is
     compared: a metric the ranks never all-reduced shows as ranks that disagree.

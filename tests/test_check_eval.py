@@ -125,3 +125,19 @@ def test_usage_errors():
 
 def returns_text(model, dataset):
     return "0.5"
+
+
+def test_the_fixture_passes_the_fixed_evaluation(equivcheck):
+    assert equivcheck.check_eval(ELEVEN, evaluate_sums_and_counts, world_size=2).ok
+
+
+def test_the_fixture_fails_the_test_on_padding(pytester):
+    pytester.makepyfile(test_padding="""
+        from test_check_eval import ELEVEN, evaluate_with_distributed_sampler
+
+        def test_eval(equivcheck):
+            equivcheck.check_eval(ELEVEN, evaluate_with_distributed_sampler, world_size=2)
+    """)
+    result = pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*pads them to 12, repeating 1 sample(s)*"])
