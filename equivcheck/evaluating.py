@@ -18,7 +18,7 @@ from .case import Case
 from .errors import InvalidArgument, NonFinite
 from .precision import resolve_precision
 from .registry import get_case, load_cases_from
-from .regimes.user_code import resolve
+from .regimes.user_code import epoch_dataset, resolve
 from .seeding import default_dtype, seeded
 from .training import build_model, load_batches
 
@@ -33,8 +33,7 @@ def evaluate(case: Case, fn: EvaluateFn, *, seed: int, device: torch.device | No
     with seeded(seed), default_dtype(precision.dtype):
         model = build_model(case, precision, device).eval()
         batches = load_batches(case, precision, device)
-    one_epoch = batches[: len(batches) // case.epochs]
-    dataset = TensorDataset(torch.cat([b.inputs for b in one_epoch]), torch.cat([b.targets for b in one_epoch]))
+    dataset = epoch_dataset(batches, case.epochs)
     with default_dtype(precision.dtype), torch.no_grad():
         value = fn(model, dataset)
     return {"metrics": metrics_of(value), "samples": len(dataset)}

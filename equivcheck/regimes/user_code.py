@@ -87,10 +87,15 @@ class LoopBatches(list):
 
     def __init__(self, batches: Sequence[Batch], epochs: int) -> None:
         super().__init__((b.inputs, b.targets) for b in batches)
-        one_epoch = list(batches)[: len(batches) // epochs]
         self.epochs = epochs
-        self.batch_size = len(one_epoch[0])
-        self.dataset = TensorDataset(torch.cat([b.inputs for b in one_epoch]), torch.cat([b.targets for b in one_epoch]))
+        self.batch_size = len(batches[0])
+        self.dataset = epoch_dataset(batches, epochs)
+
+
+def epoch_dataset(batches: Sequence[Batch], epochs: int) -> TensorDataset:
+    """One epoch's samples of ``batches`` (every epoch's, in turn), in order, as one dataset."""
+    one_epoch = list(batches)[: len(batches) // epochs]
+    return TensorDataset(torch.cat([b.inputs for b in one_epoch]), torch.cat([b.targets for b in one_epoch]))
 
 
 def import_path(fn: Callable, argument: str = "step") -> str:
