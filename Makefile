@@ -20,9 +20,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
 	touch $@
 
+# One screen: the catalogue's verdict line (its tables in build/demo/), then the matrix's overview, which
+# ends by saying where the full matrix, the HTML report and the Markdown summary are.
+DEMO := build/demo
 demo: install
-	$(BIN)/equivcheck run
-	$(BIN)/equivcheck catalogue
+	mkdir -p $(DEMO)
+	$(BIN)/equivcheck catalogue --json $(DEMO)/catalogue.json > $(DEMO)/catalogue.txt || (cat $(DEMO)/catalogue.txt; exit 1)
+	@tail -n 1 $(DEMO)/catalogue.txt; echo "the catalogue's tables: $(DEMO)/catalogue.txt"
+	$(BIN)/equivcheck run --html $(DEMO)/report.html --markdown $(DEMO)/summary.md
 
 test-dev: install
 	$(BIN)/python -m pytest -q
@@ -53,9 +58,10 @@ test: $(INSTALLED)/venv/.installed
 	cd $(SUITE) && EQUIVCHECK_SOURCE_TREE="$(CURDIR)" EQUIVCHECK_DIST="$(CURDIR)/$(DIST)" \
 		../venv/bin/python -m pytest -q -p no:cacheprovider
 
-# The framework recipes against pinned releases, installed after the pinned torch (pip keeps it).
-FRAMEWORKS ?= pytorch-lightning==2.6.6 accelerate==1.15.0 transformers==5.23.0
-FRAMEWORK_TESTS := tests/test_lightning.py tests/test_accelerate.py tests/test_hf_trainer.py
+# The framework recipes against pinned releases, installed after the pinned torch (pip keeps it), and the
+# report extra's matplotlib, whose plots tests/test_reports.py then draws.
+FRAMEWORKS ?= pytorch-lightning==2.6.6 accelerate==1.15.0 transformers==5.23.0 matplotlib==3.11.2
+FRAMEWORK_TESTS := tests/test_lightning.py tests/test_accelerate.py tests/test_hf_trainer.py tests/test_reports.py
 test-frameworks: install
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check "$(TORCH)" $(FRAMEWORKS)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q $(FRAMEWORK_TESTS)

@@ -29,8 +29,9 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=30, help="repeats of the millisecond measurements")
     parser.add_argument("--start-repeats", type=int, default=3, help="repeats of the second-long measurements")
+    parser.add_argument("--regime", help="the distributed spec timed (default: ddp:world_size=WORLD_SIZE)")
     args = parser.parse_args()
-    ddp = f"ddp:world_size={args.world_size}"
+    ddp = args.regime or f"ddp:world_size={args.world_size}"
     local = f"accumulate:chunks={args.world_size}"
 
     pool_for("gloo", args.world_size)  # warm up: pool started, case modules imported on every rank

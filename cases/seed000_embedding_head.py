@@ -1,5 +1,7 @@
-"""Seed 000: a cheap embedding trunk under a large, memory-hungry head, split for detached_partial."""
+"""Seed 000: a cheap embedding trunk under a large, memory-hungry head, split for detached_partial; and the
+same model on 2 DDP ranks (seed000_ddp), where the head is accumulated inside each rank's shard."""
 
+import dataclasses
 from functools import partial
 
 import torch
@@ -34,4 +36,22 @@ seed000_embedding_head = ec.register_case(ec.Case(
     steps=2,
     split=lambda m: (m[0], m[1]),
     description="seed 000's embedding trunk + vocab x vocab head; detached_partial accumulates the head only",
+))
+
+
+# Seed 000's real question: the same trunk and head, the accumulation loop inside the GPU split.
+SEED000_DDP = "world_size=2,chunks=3"
+seed000_ddp = ec.register_case(dataclasses.replace(
+    seed000_embedding_head,
+    name="seed000_ddp",
+    regimes=("full_batch", "ddp:world_size=2", f"ddp_detached_partial:{SEED000_DDP}",
+             f"ddp_detached_partial_last_outside:{SEED000_DDP}", f"ddp_detached_partial_bypass:{SEED000_DDP}",
+             f"ddp_detached_partial_in_forward:{SEED000_DDP}",
+             f"ddp_detached_partial_sync_every_chunk:{SEED000_DDP}", "data_parallel_detached_partial:chunks=3"),
+    expect_mismatch={
+        "ddp_detached_partial_bypass": "the step reaches the trunk and head inside the DDP wrapper: never all-reduced",
+        "ddp_detached_partial_in_forward": "DDP ignores the head's backward calls inside its own forward",
+        "ddp_detached_partial_sync_every_chunk": "right gradients, but 4 all-reduces per step instead of 2",
+    },
+    description="seed 000 under DDP: the head accumulated over chunks of the detached trunk output on every rank",
 ))

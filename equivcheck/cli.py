@@ -10,6 +10,8 @@ import argparse
 import json
 import contextlib
 import dataclasses
+import os
+import shutil
 import signal
 import sys
 import time
@@ -17,14 +19,16 @@ from collections.abc import Iterator, Sequence
 from typing import TextIO
 
 from . import catalogue as pitfall_catalogue
+from . import html_report
 from . import report as render
 from .audit import audit
-from .check import Report, Status, iter_outcomes, plan_all, regimes_for
+from .check import Report, Status, Verdict, iter_outcomes, plan_all, regimes_for
 from .distributed import launcher
 from .errors import Interrupted, InvalidArgument
 from .dispatch import DEFAULT_TIMEOUT
 from .precision import PRECISIONS
 from .process_exit import exit_without_teardown
+from .progress import Progress
 from .regimes import REGIMES
 from .registry import all_cases, load_cases_from, resolve_case
 
@@ -34,7 +38,8 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = {"SIGINT": 130, "SIGTERM": 143}  # 128 + the signal's number, as shells report it
 EXIT_HELP = """exit status:
   0    every verdict as expected
-  1    a verdict not as expected (a mismatch, an unexpected match, a reference that disagrees with itself)
+  1    a verdict not as expected (a mismatch, an unexpected match, a reference that disagrees with itself,
+       a synchronisation count alone unless --allow-communication)
   2    usage error (a bad option, regime spec or --cases-from file); nothing ran
   3    a run errored (the code checked raised, a worker rank died or timed out) and nothing was found wrong
   5    nothing was checked (every check skipped, for example nccl with no GPU)
@@ -58,6 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     running.add_argument("--regime", action="append", metavar="SPEC",
                          help="a regime spec such as accumulate:chunks=4 (repeatable; default: each case's own list)")
     running.add_argument("--json", metavar="PATH", help="also write the outcomes as JSON rows to PATH")
+    running.add_argument("--allow-communication", action="store_true",
+                         help="exit 0 where the only finding is a synchronisation count (verdict 'communication')")
+    running.add_argument("--matrix", action="store_true",
+                         help="print the full matrix (case x regime) and the memory matrix, not only the overview "
+                              "(printed anyway when something is not as expected)")
+    running.add_argument("--html", metavar="PATH",
+                         help="write a self-contained HTML report (matrix, divergence plots, memory) to PATH")
+    running.add_argument("--markdown", metavar="PATH",
+                         help="write a compact Markdown summary to PATH (e.g. $GITHUB_STEP_SUMMARY)")
     running.add_argument("--backend", choices=("gloo", "nccl"),
                          help="process-group backend for distributed regimes (default: nccl with a GPU per rank, else gloo)")
     running.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
@@ -108,14 +122,14 @@ def _signal_name(stop: BaseException) -> str:
     return "SIGTERM" if isinstance(stop, Interrupted) else "SIGINT"
 
 
-def _open_output(path: str | None) -> TextIO | None:
-    """The JSON file, opened before anything runs: a path that cannot be written is a usage error."""
+def _open_output(path: str | None, option: str = "--json") -> TextIO | None:
+    """An output file, opened before anything runs: a path that cannot be written is a usage error."""
     if path is None:
         return None
     try:
         return open(path, "w")  # noqa: SIM115 (written and closed at the end of the run)
     except OSError as error:
-        raise InvalidArgument.value("--json", path, f"a file that can be written ({error.strerror})") from None
+        raise InvalidArgument.value(option, path, f"a file that can be written ({error.strerror})") from None
 
 
 def entry() -> None:
@@ -143,31 +157,62 @@ def _run(args: argparse.Namespace) -> int:
     plans = plan_all(args.case, args.regime, rtol=args.rtol, atol=args.atol, backend=args.backend,
                      timeout=args.timeout, dtype=args.dtype, threads=args.threads)
     output = _open_output(args.json)
+    html_output, markdown_output = _open_output(args.html, "--html"), _open_output(args.markdown, "--markdown")
     outcomes, interrupted = [], None
+    progress = Progress(sum(len(p.specs) for p in plans), "checks")
     try:
         for plan in plans:
-            outcomes.extend(iter_outcomes(plan))  # extend keeps each outcome as it arrives
+            for outcome in iter_outcomes(plan):  # each outcome kept as it arrives
+                outcomes.append(outcome)
+                progress.step(f"{outcome.case} {outcome.regime}")
     except (KeyboardInterrupt, Interrupted) as stop:  # the pool in flight closed itself; keep what finished
         interrupted = _signal_name(stop)
     finally:
+        progress.close()
         launcher.leave_group()
     report = Report(tuple(outcomes))
-    code = EXIT_INTERRUPTED[interrupted] if interrupted else EXIT_CODES[report.status]
+    gated = [Verdict.EQUIVALENT if args.allow_communication and o.verdict is Verdict.COMMUNICATION else o.verdict
+             for o in report.outcomes]  # numbers that match pass the gate; the verdict itself is still reported
+    code = EXIT_INTERRUPTED[interrupted] if interrupted else EXIT_CODES[Status.of(gated)]
     if launcher.active() and launcher.rank() != 0:
         return code  # every rank ran the same checks; rank 0 reports them
+    rows = render.to_rows(report)
     if report.outcomes:
-        print(render.render_matrix(report))
+        print(render.render_overview(rows, _width(), colour=_colour()))
+    if report.outcomes and (args.matrix or not report.ok):
+        print("\n" + render.render_matrix(report, _width()))
         print(render.LEGEND)
         print("\n" + render.render_memory(report))
     if render.render_skips(report):
         print(render.render_skips(report))
     if report.failures:
         print("\n" + render.render_failures(report))
-    if output is not None:
-        with output:
-            output.write(render.json_document(render.to_rows(report), interrupted))
+    for opened, write in ((output, lambda f: f.write(render.json_document(rows, interrupted))),
+                          (markdown_output, lambda f: f.write(render.render_markdown(rows))),
+                          (html_output, lambda f: f.write(html_report.render_html(rows, _metadata(args, plans))))):
+        if opened is not None:
+            with opened:
+                write(opened)
     print("\n" + render.render_summary(report, time.perf_counter() - started, interrupted))
+    written = [f"{what} {path}" for what, path in (("JSON", args.json), ("HTML", args.html), ("Markdown", args.markdown))
+               if path]
+    print("; ".join(([] if args.matrix or not report.ok else ["full matrix: equivcheck run --matrix"])
+                    + (written or ["an HTML report with divergence plots: --html PATH"])))
     return code
+
+
+def _width() -> int:
+    """The terminal's width where there is one; 120 in a pipe, as before."""
+    return shutil.get_terminal_size((120, 40)).columns if sys.stdout.isatty() else 120
+
+
+def _colour() -> bool:
+    return sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+
+
+def _metadata(args: argparse.Namespace, plans: list) -> dict[str, str]:
+    return html_report.run_metadata(seed=plans[0].seed if plans else 0, dtype=args.dtype, backend=args.backend,
+                                    world_sizes=[spec.world_size for plan in plans for spec in plan.specs])
 
 
 def _catalogue(args: argparse.Namespace) -> int:

@@ -83,7 +83,8 @@ class Mismatch:
     """One quantity that differs: ``grad`` or ``weight`` of a parameter, a ``buffer``, or the ``loss``.
 
     ``first_step`` is the first optimizer step where it diverged (None for final weights and
-    buffers); ``diff`` is taken at ``worst_step``, the step with the greatest margin.
+    buffers); ``diff`` is taken at ``worst_step``, the step with the greatest margin; ``step_margins``
+    is the margin at each step (gradients and the loss), the shape of the divergence over training.
     """
 
     kind: str
@@ -91,6 +92,7 @@ class Mismatch:
     first_step: int | None
     worst_step: int | None
     diff: TensorDiff
+    step_margins: tuple[float, ...] = ()  # a gradient's (or the loss's) margin at every optimizer step: its divergence
 
     def describe(self, tol: Tolerance) -> str:
         d = self.diff
@@ -175,6 +177,7 @@ def compare(
     mismatches, max_abs, max_rel, margin = [], 0.0, 0.0, 0.0
     for (kind, name), entries in series.items():
         first = worst = None
+        margins = []
         for step, actual, expected in entries:
             if actual is None or actual.shape != expected.shape:
                 problems.append(f"{kind} of {name!r}: candidate has {None if actual is None else tuple(actual.shape)}, "
@@ -182,6 +185,7 @@ def compare(
                 break
             diff = TensorDiff.of(actual.to(expected.dtype), expected, tol)
             max_abs, max_rel, margin = max(max_abs, diff.max_abs), max(max_rel, diff.max_rel), max(margin, diff.margin)
+            margins.append(diff.margin)
             if diff.margin > 1:
                 if first is None:
                     first = (step, diff)
@@ -189,10 +193,19 @@ def compare(
                     worst = (step, diff)
         if first is not None:
             if kind == "loss":  # the loss series is one tensor over steps: its first step is its first bad index
-                mismatches.append(Mismatch(kind, name, _first_bad(entries[0], tol), None, worst[1]))
+                mismatches.append(Mismatch(kind, name, _first_bad(entries[0], tol), None, worst[1],
+                                           _element_margins(entries[0], tol)))
             else:
-                mismatches.append(Mismatch(kind, name, first[0], worst[0], worst[1]))
+                mismatches.append(Mismatch(kind, name, first[0], worst[0], worst[1],
+                                           tuple(margins) if kind == "grad" else ()))
     return Comparison(tol, tuple(mismatches), tuple(problems), max_abs, max_rel, margin)
+
+
+def _element_margins(entry: tuple[int | None, Tensor, Tensor], tol: Tolerance) -> tuple[float, ...]:
+    """The loss series' margin at each step: one element per step."""
+    _, actual, expected = entry
+    ratio = (actual - expected).abs() / (tol.atol + tol.rtol * expected.abs())
+    return tuple(float(r) for r in torch.nan_to_num(ratio, nan=math.inf))
 
 
 def _first_bad(entry: tuple[int | None, Tensor, Tensor], tol: Tolerance) -> int:

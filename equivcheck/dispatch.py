@@ -50,7 +50,8 @@ def run(case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED, tim
     results = [RunResult.from_plain(reply) for reply in replies]
     # Each rank returns its share of the step's loss (None: a step that returns none).
     losses = tuple(None if None in shares else sum(shares) for shares in zip(*(r.losses for r in results)))
-    return dataclasses.replace(results[0], losses=losses, rank_spread=_spread(results))
+    return dataclasses.replace(results[0], losses=losses, rank_spread=_spread(results),
+                               rank_grad_spread=_grad_spread(results))
 
 
 def importable_source(case: Case) -> str:
@@ -67,3 +68,12 @@ def _spread(results: list[RunResult]) -> float:
     """How far the ranks' final weights ended apart: DDP keeps replicas identical, so 0."""
     first = results[0].weights
     return max((float((r.weights[n] - first[n]).abs().max()) for r in results[1:] for n in first), default=0.0)
+
+
+def _grad_spread(results: list[RunResult]) -> tuple[tuple[float, ...], ...]:
+    """Per step, how far each rank's gradients were from rank 0's when its optimizer stepped: all-reduced
+    gradients are the same on every rank, so a rank that differs was never synchronised with rank 0."""
+    def apart(grads: dict, first: dict) -> float:
+        return max((float((grads[n] - first[n]).abs().max()) for n in first), default=0.0)
+
+    return tuple(tuple(apart(grads, step[0]) for grads in step) for step in zip(*(r.grads for r in results)))

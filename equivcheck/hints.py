@@ -1,6 +1,7 @@
 """Diagnosis: one line naming the likely pitfall behind a pattern of mismatches.
 
-Each known pitfall leaves a recognisable trace in what differs first: the step count (stepping per
+Each known pitfall leaves a recognisable trace in what differs first: ranks whose gradients differ
+when their optimizers step (gradients never all-reduced), the step count (stepping per
 micro-batch), one factor across every gradient (loss scaling), the running statistics (BatchNorm),
 the step-0 loss (a forward that differs: dropout masks, batch statistics, mean / K), gradients of the
 early layers only (a cut backward: a detached hidden state), or every gradient while the loss is
@@ -26,12 +27,22 @@ def diagnose(reference: RunResult, candidate: RunResult, comparison: Comparison)
     run speak first), else the first rule's that fits a failed comparison, else none."""
     if comparison.ok or comparison.hint:
         return comparison
-    return dataclasses.replace(comparison, hint=_hint(reference, candidate, comparison.mismatches))
+    return dataclasses.replace(comparison, hint=_hint(reference, candidate, comparison.mismatches,
+                                                      comparison.tolerance.atol))
 
 
-def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch, ...]) -> str:
+def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch, ...], atol: float) -> str:
     """The one line for a comparison that failed, or "" where no rule fits."""
     first_grads = {m.name for m in mismatches if m.kind == "grad" and m.first_step == 0}
+    unsynchronised = unsynchronised_ranks(candidate, atol)
+    if unsynchronised is not None:
+        step, ranks, spread = unsynchronised
+        some = (f" (at step 0 only {', '.join(sorted(first_grads))} differ from the reference's)"
+                if first_grads and len(first_grads) < len(reference.grads[0]) else "")
+        return (f"gradients were not all-reduced: at step {step} rank{'s' if len(ranks) > 1 else ''} "
+                f"{', '.join(map(str, ranks))} held gradients up to {spread:.3g} away from rank 0's when the optimizer "
+                f"stepped{some}; likely a module reached around its DDP wrapper (model.module), a backward() inside "
+                "the wrapped module's own forward, or no_sync() still on for the last micro-batch")
     kinds = {m.kind for m in mismatches}
     loss_first = next((m.first_step for m in mismatches if m.kind == "loss"), None)
 
@@ -125,3 +136,13 @@ def common_factor(reference: RunResult, candidate: RunResult) -> float | None:
     if residual > FACTOR_RESIDUAL or abs(factor - 1.0) < 10 * FACTOR_RESIDUAL:
         return None
     return factor
+
+
+def unsynchronised_ranks(result: RunResult, atol: float) -> tuple[int, tuple[int, ...], float] | None:
+    """The first step at which some ranks' gradients differed from rank 0's by more than ``atol``, those
+    ranks, and the greatest difference; None where every rank held the same gradients (or one ran)."""
+    for step, spreads in enumerate(result.rank_grad_spread or ()):
+        ranks = tuple(rank for rank, spread in enumerate(spreads) if spread > atol)
+        if ranks:
+            return step, ranks, max(spreads)
+    return None

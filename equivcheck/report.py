@@ -17,11 +17,12 @@ LABELS = {
     Verdict.NONDETERMINISTIC: "NONDET",
     Verdict.SKIPPED: "skipped",
     Verdict.ERROR: "ERROR",
+    Verdict.COMMUNICATION: "COMM",
 }
 LEGEND = (
     "cell: verdict and margin (greatest error / allowed error; below 1 matches). ok = equivalent, "
     "caught = declared pitfall reported, MISMATCH = not equivalent, MISSED = declared pitfall not seen, "
-    "NONDET = reference disagrees with itself"
+    "NONDET = reference disagrees with itself, COMM = numbers match but synchronisation count does not"
 )
 
 
@@ -116,6 +117,65 @@ def render_summary(report: Report, seconds: float, interrupted: str | None = Non
     return f"{len(report.outcomes)} checks: {tally}; {status} in {seconds:.1f} s"
 
 
+AS_EXPECTED = {Verdict.EQUIVALENT.value, Verdict.EXPECTED_MISMATCH.value, Verdict.SKIPPED.value}
+NOT_AS_EXPECTED_LABELS = [LABELS[v] for v in Verdict if v.value not in AS_EXPECTED]
+RED, RESET = "\033[31m", "\033[0m"
+
+
+def overview_table(rows: list[dict]) -> list[list[str]]:
+    """Per case: its verdicts counted, then what was not as expected, else the pitfalls it caught with their
+    margins. Built from JSON rows, so the plugin renders it under xdist as the CLI does."""
+    cases: dict[str, list[dict]] = {}
+    for row in rows:
+        cases.setdefault(row["case"], []).append(row)
+    table = [["case", "verdicts", "not as expected / pitfalls caught (margin)"]]
+    for case, found in cases.items():
+        counts: dict[str, int] = {}
+        for row in found:
+            label = LABELS[Verdict(row["verdict"])]
+            counts[label] = counts.get(label, 0) + 1
+        wrong = [f"{LABELS[Verdict(r['verdict'])]} {r['regime']} {_margin(r)}" for r in found
+                 if r["verdict"] not in AS_EXPECTED]
+        caught = [f"{r['regime']} {_margin(r)}" for r in found if r["verdict"] == Verdict.EXPECTED_MISMATCH.value]
+        table.append([case, ", ".join(f"{n} {label}" for label, n in counts.items()), "; ".join(wrong or caught) or "-"])
+    return table
+
+
+def render_overview(rows: list[dict], width: int = 120, *, colour: bool = False) -> str:
+    """The overview as text that fits ``width`` columns; cases not as expected in red when ``colour``."""
+    table = overview_table(rows)
+    lines = render_columns(table).splitlines()
+    lines = [line if len(line) <= width else line[: width - 3] + "..." for line in lines]
+    if colour:
+        bad = {row[0] for row in table[1:] if any(v in row[1] for v in NOT_AS_EXPECTED_LABELS)}
+        lines = lines[:2] + [f"{RED}{line}{RESET}" if row[0] in bad else line for row, line in zip(table[1:], lines[2:])]
+    return "\n".join(lines)
+
+
+def _margin(row: dict) -> str:
+    """As a matrix cell shows it: the margin, or what failed where the numbers match (communication)."""
+    if row["margin"] is None:
+        return "(crash)" if row["verdict"] == Verdict.EXPECTED_MISMATCH.value else ""
+    if row["problems"] and float(row["margin"]) <= 1:
+        return f"({row['problems'][0].split(':')[0]})"
+    return f"{float(row['margin']):.0e}"
+
+
+def render_markdown(rows: list[dict], title: str = "equivcheck") -> str:
+    """A compact Markdown summary (what a CI job shows from ``$GITHUB_STEP_SUMMARY``): the overview, then
+    each check that was not as expected with its hint or reason."""
+    status = Status.of(Verdict(r["verdict"]) for r in rows).value
+    header, *body = overview_table(rows)
+    lines = [f"## {title}: {status.replace('_', ' ')}", "", "| " + " | ".join(header) + " |", "|---|---|---|"]
+    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in body]
+    failed = [r for r in rows if r["verdict"] not in AS_EXPECTED]
+    if failed:
+        lines += ["", "### Not as expected", ""]
+        lines += [f"- **{r['case']}** under `{r['regime']}`: {r['verdict']} {_margin(r)}".rstrip()
+                  + "".join(f"; {text}" for text in (r["hint"], r["reason"]) if text) for r in failed]
+    return "\n".join(lines) + "\n"
+
+
 def to_rows(report: Report) -> list[dict]:
     return [_row(o) for o in report.outcomes]
 
@@ -140,6 +200,7 @@ def _row(o: Outcome) -> dict:
         "reason": o.reason,
         "seconds": round(o.seconds, 6),
         "optimizer_steps": o.result.optimizer_steps if o.result else None,
+        "syncs": list(o.result.syncs) if o.result and o.result.syncs is not None else None,  # all-reduces per step
         "peak_activation_bytes": o.memory.peak_bytes if o.memory else None,
         "memory_method": o.memory.method if o.memory else None,
         "memory_ratio": o.memory.ratio if o.memory else None,
@@ -147,7 +208,7 @@ def _row(o: Outcome) -> dict:
         "problems": list(c.problems) if c else [],
         "mismatches": [
             {"kind": m.kind, "name": m.name, "first_step": m.first_step, "max_abs": json_number(m.diff.max_abs),
-             "margin": json_number(m.diff.margin)}
+             "margin": json_number(m.diff.margin), "step_margins": [json_number(x) for x in m.step_margins]}
             for m in (c.mismatches if c else ())
         ],
     }

@@ -19,7 +19,9 @@ class RunResult:
     micro-batch shows up as a different step count. ``buffers`` holds floating buffers such as
     BatchNorm running statistics. Distributed runs add, per optimizer step, how many gradient
     synchronisations (DDP all-reduce rounds) and bytes each rank sent, and how far the ranks'
-    final weights ended apart (0 when DDP kept them identical). ``peak_activation_bytes`` is the
+    final weights ended apart (0 when DDP kept them identical) and, per step, how far each rank's
+    gradients were from rank 0's as the optimizer took them (``rank_grad_spread``: all 0 when they
+    were all-reduced). ``peak_activation_bytes`` is the
     run's peak activation memory (rank 0's in a distributed run), measured by ``memory_method``
     (see :mod:`equivcheck.memory`); ``None`` where it was not measured.
     """
@@ -33,7 +35,9 @@ class RunResult:
     seconds: float
     syncs: tuple[int, ...] | None = None
     sync_bytes: tuple[int, ...] | None = None
+    sync_wrappers: int | None = None  # the DDP wrappers counted: a model wrapped in parts has several
     rank_spread: float | None = None
+    rank_grad_spread: tuple[tuple[float, ...], ...] | None = None  # [step][rank]: max |grad - rank 0's grad|
     precision: str = ""  # the precision mode's name (equivcheck.precision); "" means the weights' dtype
     peak_activation_bytes: int | None = None
     memory_method: str | None = None

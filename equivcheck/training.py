@@ -52,7 +52,7 @@ def train(
             batches = load_batches(case, precision, device)
         optimizer = regime.build_optimizer(case, model)
         objective = Objective(case, precision)
-        module = regime.wrap(model)
+        module = regime.wrap(model, objective)
         counter = regime.count_communication(module)
         data = [t for batch in batches for t in (batch.inputs, batch.targets)]
         with GradRecorder(model, optimizer, counter, regime.full_tensor) as recorder, \
@@ -71,6 +71,7 @@ def train(
         seconds=time.perf_counter() - started,
         syncs=None if counter is None else tuple(recorder.syncs),
         sync_bytes=None if counter is None else tuple(recorder.sync_bytes),
+        sync_wrappers=None if counter is None else counter.wrappers,
         precision=precision.name,
         peak_activation_bytes=memory.peak,
         memory_method=memory.method,

@@ -28,7 +28,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if settings.cases_from or settings.regimes:  # opted in: import equivcheck (and torch) now, to fail early
         _load(settings)
     if not hasattr(config, "workerinput"):  # xdist workers send their rows to the controller
-        config.pluginmanager.register(Controller(settings.json), "equivcheck-controller")
+        metadata = {"seed": settings.seed or 0, "dtype": settings.dtype, "backend": None, "world_sizes": []}
+        config.pluginmanager.register(Controller(settings.json, settings.html, settings.markdown, metadata),
+                                      "equivcheck-controller")
 
 
 def _load(settings: Settings) -> None:

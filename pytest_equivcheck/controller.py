@@ -1,5 +1,6 @@
 """Controller: gathers the outcome rows of every test, on whichever process renders (the xdist
-controller, or the only process), and writes the matrix and the JSON rows at the end."""
+controller, or the only process), and writes the matrix, the JSON rows, the HTML report and the
+Markdown summary at the end."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ PROPERTY = "equivcheck"  # the user_properties key under which a test's outcome 
 
 
 class Controller:
-    def __init__(self, json_path: str | None) -> None:
-        self.json_path = json_path
+    def __init__(self, json_path: str | None, html_path: str | None = None, markdown_path: str | None = None,
+                 metadata: dict[str, object] | None = None) -> None:
+        self.json_path, self.html_path, self.markdown_path = json_path, html_path, markdown_path
+        self.metadata = metadata or {}
         self.order: dict[str, int] = {}  # test id -> its place in the collection
         self.arrived: list[tuple[str, dict]] = []  # (test id, {"row": the CLI's JSON row, "cell": its text})
 
@@ -45,7 +48,16 @@ class Controller:
         terminalreporter.write_line(LEGEND)
 
     def pytest_sessionfinish(self) -> None:
+        rows = [r["row"] for r in self.rows]
         if self.json_path:
             from equivcheck.report import json_document
 
-            Path(self.json_path).write_text(json_document([r["row"] for r in self.rows]))
+            Path(self.json_path).write_text(json_document(rows))
+        if self.markdown_path:
+            from equivcheck.report import render_markdown
+
+            Path(self.markdown_path).write_text(render_markdown(rows, title="equivcheck (pytest)"))
+        if self.html_path:
+            from equivcheck.html_report import render_html, run_metadata
+
+            Path(self.html_path).write_text(render_html(rows, run_metadata(**self.metadata)))

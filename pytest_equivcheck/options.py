@@ -49,6 +49,10 @@ def add_options(parser: pytest.Parser) -> None:
                     help="torch intra-op threads per run (default: 1, unless OMP_NUM_THREADS is set)")
     group.addoption("--equivcheck-json", default=None, metavar="PATH",
                     help="write the outcomes of every check as JSON rows (the CLI's format) to PATH")
+    group.addoption("--equivcheck-html", default=None, metavar="PATH",
+                    help="write a self-contained HTML report of every check (matrix, divergence plots) to PATH")
+    group.addoption("--equivcheck-markdown", default=None, metavar="PATH",
+                    help="write a compact Markdown summary of every check to PATH (e.g. $GITHUB_STEP_SUMMARY)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +69,8 @@ class Settings:
     timeout: float | None
     threads: int | None
     json: str | None
+    html: str | None = None
+    markdown: str | None = None
 
     @classmethod
     def from_config(cls, config: pytest.Config) -> Settings:
@@ -72,7 +78,8 @@ class Settings:
         settings = cls(
             cases=tuple(option("cases")), regimes=tuple(option("regimes")), cases_from=tuple(option("cases-from")),
             dtype=option("dtype"), seed=option("seed"), rtol=option("rtol"), atol=option("atol"),
-            timeout=option("timeout"), threads=option("threads"), json=option("json"),
+            timeout=option("timeout"), threads=option("threads"), json=option("json"), html=option("html"),
+            markdown=option("markdown"),
         )
         settings.validate("--equivcheck-")
         return settings
@@ -89,9 +96,10 @@ class Settings:
 
     def validate(self, prefix: str) -> None:
         validate_values(self.defaults(), prefix)
-        folder = os.path.dirname(os.path.abspath(self.json)) if self.json else None
-        if folder is not None and not os.path.isdir(folder):  # found now, not after every test has run
-            raise pytest.UsageError(f"{prefix}json={self.json!r} is not allowed: expected a path in an existing folder")
+        for name, path in (("json", self.json), ("html", self.html), ("markdown", self.markdown)):
+            folder = os.path.dirname(os.path.abspath(path)) if path else None
+            if folder is not None and not os.path.isdir(folder):  # found now, not after every test has run
+                raise pytest.UsageError(f"{prefix}{name}={path!r} is not allowed: expected a path in an existing folder")
 
 
 def validate_values(values: Mapping[str, object], prefix: str) -> None:

@@ -20,7 +20,7 @@ def variant(**changes):
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("acumulate:chunks=4", "unknown regime 'acumulate'; known regimes: accumulate, clip_per_micro_batch, data_parallel, ddp,"),
+        ("acumulate:chunks=4", "unknown regime 'acumulate'; known regimes: accumulate, clip_per_micro_batch, data_parallel, data_parallel_detached_partial, ddp,"),
         ("accumulate:chunks=0", "chunks=0 is not allowed: expected an integer >= 1"),
         ("accumulate:chunks=-2", "chunks=-2 is not allowed"),
         ("accumulate:chunks=four", "Expected int but got chunks='four' (type=str)"),
@@ -168,6 +168,10 @@ def test_one_spec_given_where_a_list_is_expected_is_checked_as_that_spec():
     assert [(o.regime, o.verdict) for o in report.outcomes] == [("accumulate:chunks=4", ec.Verdict.EQUIVALENT)]
 
 
+def a_step(model, optimizer, batch):
+    """A step importable by name, so that only the argument under test is wrong."""
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [
@@ -177,6 +181,10 @@ def test_one_spec_given_where_a_list_is_expected_is_checked_as_that_spec():
         (lambda: ec.check_step("mlp", None), "Expected a callable but got step=None"),
         (lambda: ec.check_step("mlp", lambda m, o, b: None, world_size=2),
          "expected a function defined at the top level of an importable module"),
+        (lambda: ec.check_step("mlp", a_step, wrap=a_step), "is not allowed without world_size: expected world_size="),
+        (lambda: ec.check_step("mlp", a_step, world_size=2, wrap=3), "Expected a callable but got wrap=3"),
+        (lambda: ec.check_step("mlp", a_step, world_size=2, wrap=lambda m: m),
+         "expected a function defined at the top level of an importable module (worker processes import the wrap"),
         (lambda: ec.check_loop("mlp", "not a loop"), "Expected a callable but got loop='not a loop'"),
         (lambda: ec.check_step("mlp", lambda m, o, b: None, seed=-1), "seed=-1 is not allowed"),
     ],

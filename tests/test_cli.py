@@ -26,13 +26,26 @@ def test_list_shows_cases_and_regimes(capsys):
         assert name in out
 
 
-def test_run_prints_the_matrix_and_writes_json(tmp_path, capsys):
+def test_run_prints_an_overview_and_only_on_request_the_matrix(capsys):
+    args = ["run", "--case", "mlp", "--case", "batchnorm_cnn", "--regime", "full_batch", "--regime", "accumulate:chunks=5"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    header, rule, mlp, batchnorm = out.splitlines()[:4]
+    assert header.split()[:2] == ["case", "verdicts"]
+    assert mlp.split() == ["mlp", "2", "ok", "-"]
+    assert batchnorm.split() == ["batchnorm_cnn", "1", "ok,", "1", "caught", "accumulate:chunks=5", "2e+06"]
+    assert "full_batch  accumulate:chunks=5" not in out and "full matrix: equivcheck run --matrix" in out
+    assert main([*args, "--matrix"]) == 0
+    assert "case           full_batch  accumulate:chunks=5" in capsys.readouterr().out
+
+
+def test_run_with_matrix_prints_the_matrix_and_writes_json(tmp_path, capsys):
     path = tmp_path / "out.json"
     code = main(["run", "--case", "mlp", "--case", "batchnorm_cnn", "--regime", "full_batch",
-                 "--regime", "accumulate:chunks=5", "--json", str(path)])
+                 "--regime", "accumulate:chunks=5", "--json", str(path), "--matrix"])
     out = capsys.readouterr().out
     assert code == 0
-    header, rule, *rows = out.splitlines()[:4]
+    header, rule, *rows = out.split("\n\n")[1].splitlines()[:4]
     assert header.split() == ["case", "full_batch", "accumulate:chunks=5"]
     assert rows[0].split()[:4] == ["mlp", "ok", "0e+00", "ok"]
     assert rows[1].split()[3] == "caught"
@@ -44,7 +57,7 @@ def test_run_prints_the_matrix_and_writes_json(tmp_path, capsys):
     ]
     caught = records[3]
     assert caught["margin"] > 100 and caught["first_divergent_step"] == 0 and caught["reason"]
-    assert {"max_abs", "max_rel", "mismatches", "optimizer_steps"} <= caught.keys()
+    assert {"max_abs", "max_rel", "mismatches", "optimizer_steps", "syncs"} <= caught.keys()
 
 
 def test_unexpected_verdict_exits_1_and_explains(tmp_path, capsys):

@@ -6,6 +6,7 @@ Each is written as a user meets it: a team's step with the problem, the report i
 import dataclasses
 
 import pytest
+import torch
 import torch.nn.functional as F
 
 import equivcheck as ec
@@ -100,3 +101,47 @@ def test_an_undeclared_mean_loss_is_refused_with_the_way_to_declare_it():
         ec.check(undeclared, ["accumulate:chunks=2"])
     with pytest.raises(ec.InvalidArgument, match="loss_reduction='sum' is not allowed: expected 'none' or 'mean'"):
         dataclasses.replace(MEAN_CASE, loss_reduction="sum")
+
+
+# --- communication alone, gradients alone ------------------------------------------------------------
+
+def test_right_numbers_with_extra_all_reduces_get_their_own_verdict_and_a_gate_may_allow_it(capsys):
+    from equivcheck.cli import main
+
+    report = ec.check("mlp", ["ddp_sync_every_micro_batch:world_size=2,chunks=3", "ddp_no_sync:world_size=2,chunks=3"])
+    extra, faithful = report.outcomes
+    assert extra.verdict is ec.Verdict.COMMUNICATION and not extra.comparison.mismatches
+    assert "all-reduced gradients 3 time(s)" in extra.comparison.problems[0]
+    assert faithful.verdict is ec.Verdict.EQUIVALENT
+    with pytest.raises(ec.NotEquivalent, match="1 of 2 checks failed"):
+        report.assert_equivalent()
+    report.assert_equivalent(allow_communication=True)
+    args = ["run", "--case", "mlp", "--regime", "ddp_sync_every_micro_batch:world_size=2,chunks=3"]
+    assert main(args) == 1 and main([*args, "--allow-communication"]) == 0
+    capsys.readouterr()
+
+
+def test_wrong_numbers_are_never_allowed_as_communication():
+    report = ec.check("mlp", ["naive_accumulate:chunks=5"])
+    assert report.outcomes[0].verdict is ec.Verdict.MISMATCH
+    with pytest.raises(ec.NotEquivalent):
+        report.assert_equivalent(allow_communication=True)
+
+
+def test_gradients_that_differ_while_the_weights_match_are_said_to():
+    """Adam (with a tiny eps) normalises a constant gradient scale away: a loss x 2 changes only the gradients."""
+    adam = dataclasses.replace(ec.get_case("mlp"), name="mlp_adam_tiny_eps",
+                               optimizer=lambda params: torch.optim.Adam(params, lr=1e-2, eps=1e-12))
+
+    def doubled_loss(model, optimizer, batch):
+        inputs, targets = batch
+        (2 * F.cross_entropy(model(inputs), targets)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    (outcome,) = ec.check_step(adam, doubled_loss).outcomes
+    assert outcome.verdict is ec.Verdict.MISMATCH
+    assert outcome.reason.startswith("only the gradients recorded at optimizer.step() differ; the final weights")
+    (plain,) = ec.check_step(dataclasses.replace(adam, name="mlp_adam_sgd", optimizer=ec.default_optimizer),
+                             doubled_loss).outcomes
+    assert plain.verdict is ec.Verdict.MISMATCH and plain.reason == ""  # SGD carries the scale into the weights

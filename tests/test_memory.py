@@ -199,11 +199,11 @@ def test_measurement_can_be_switched_off():
 def test_matrix_and_json_show_peak_and_ratio(tmp_path, capsys):
     path = tmp_path / "out.json"
     code = main(["run", "--case", "mlp", "--regime", "full_batch", "--regime", "accumulate:chunks=4",
-                 "--regime", "summed_loss:chunks=4", "--json", str(path)])
+                 "--regime", "summed_loss:chunks=4", "--json", str(path), "--matrix"])
     out = capsys.readouterr().out
     assert code == 0
-    memory_rows = [line.split() for line in out.splitlines() if line.startswith("mlp ")]
-    assert memory_rows[1] == ["mlp", "1.2", "KiB", "1.00x", "320", "B", "0.25x", "1.2", "KiB", "1.02x!"]
+    memory_rows = [line.split() for line in out.splitlines() if line.startswith("mlp ")]  # overview, verdicts, memory
+    assert memory_rows[2] == ["mlp", "1.2", "KiB", "1.00x", "320", "B", "0.25x", "1.2", "KiB", "1.02x!"]
     assert f"mlp under summed_loss:chunks=4 {SAVES_NOTHING} (peak 1.019x the reference's)" in out
     rows = json.loads(path.read_text())["rows"]
     assert [(r["peak_activation_bytes"], r["memory_ratio"], r["memory_note"]) for r in rows] == [

@@ -109,10 +109,11 @@ def test_the_readme_first_example_runs_as_written_and_its_twin_fails(tmp_path):
 
 def test_the_installed_command_runs_a_ddp_regime_and_catches_a_pitfall(tmp_path):
     done = run(str(BIN / "equivcheck"), "run", "--case", "naive_scaling_uneven_chunks",
-               "--regime", "ddp:world_size=2", "--regime", "naive_accumulate:chunks=5", cwd=tmp_path)
+               "--regime", "ddp:world_size=2", "--regime", "naive_accumulate:chunks=5", "--matrix", cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
-    row = next(line for line in done.stdout.splitlines() if line.startswith("naive_scaling_uneven_chunks"))
-    assert re.fullmatch(r"naive_scaling_uneven_chunks +ok \S+ +caught \S+", row), row
+    overview, matrix, _ = [line for line in done.stdout.splitlines() if line.startswith("naive_scaling_uneven_chunks")]
+    assert re.fullmatch(r"naive_scaling_uneven_chunks +1 ok, 1 caught +naive_accumulate:chunks=5 \S+", overview), overview
+    assert re.fullmatch(r"naive_scaling_uneven_chunks +ok \S+ +caught \S+", matrix), matrix
 
 
 def test_pytest_help_shows_the_plugin_options(tmp_path):

@@ -3,6 +3,7 @@
 import dataclasses
 
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
@@ -11,18 +12,24 @@ from torch.nn.parallel import DistributedDataParallel
 class CommCounter:
     """A DDP communication hook's state: counts every gradient bucket, then all-reduces it as usual.
 
-    A *sync* is one synchronised backward pass: DDP hands its buckets to the hook one by one and
-    the last bucket closes the round, whatever the number of buckets.
+    A *sync* is one synchronised backward pass of one wrapper: DDP hands its buckets to the hook one by
+    one and the last bucket closes the round, whatever the number of buckets. A model wrapped in parts
+    (trunk and head each in DDP) makes one sync per wrapper per step.
     """
 
     process_group: dist.ProcessGroup | None = None
     syncs: int = 0
     bytes: int = 0
+    wrappers: int = 0
 
     @classmethod
-    def attach(cls, module: DistributedDataParallel) -> "CommCounter":
-        counter = cls(module.process_group)
-        module.register_comm_hook(counter, _counting_allreduce)
+    def attach(cls, module: nn.Module) -> "CommCounter":
+        """Count every DDP wrapper in ``module``: the module itself, or the wrappers it holds."""
+        counter = cls()
+        for wrapper in (m for m in module.modules() if isinstance(m, DistributedDataParallel)):
+            counter.process_group = wrapper.process_group
+            counter.wrappers += 1
+            wrapper.register_comm_hook(counter, _counting_allreduce)
         return counter
 
     def take(self) -> tuple[int, int]:

@@ -37,7 +37,7 @@ class Regime:
     trap: ClassVar[str] = ""
     distributed: ClassVar[bool] = False  # runs on every rank of a process group (see equivcheck.distributed)
     world_size: ClassVar[int] = 1  # ranks a step runs on; a distributed regime's own field overrides it
-    syncs_per_step: ClassVar[int | None] = None  # gradient all-reduce rounds a faithful step makes
+    syncs_per_step: ClassVar[int | None] = None  # gradient all-reduce rounds a faithful step makes per wrapper
     needs_split: ClassVar[bool] = False  # trains the case's trunk and head apart: the case must give split=
     split_contract: ClassVar[str] = "a function model -> (trunk, head) with head(trunk(x)) == model(x)"
 
@@ -66,8 +66,9 @@ class Regime:
         """Where this process trains: the CPU, or its own GPU under nccl or DataParallel."""
         return torch.device("cpu")
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        """The module ``train_step`` drives: the model itself, or a DDP / DataParallel wrapper around it."""
+    def wrap(self, model: nn.Module, objective: Objective) -> nn.Module:
+        """The module ``train_step`` drives: the model itself, or a DDP / DataParallel wrapper around it
+        (or around each part of the case's ``split``, which ``objective`` gives)."""
         return model
 
     def build_optimizer(self, case: Case, model: nn.Module) -> Optimizer:
@@ -75,7 +76,8 @@ class Regime:
         return case.optimizer(ModelParameters(model))
 
     def count_communication(self, module: nn.Module) -> CommunicationCounter | None:
-        """A counter of the gradient synchronisations ``module`` makes per step, or None: nothing to count."""
+        """A counter of the gradient synchronisations ``module`` (every wrapper inside it) makes per step, or
+        None: nothing to count."""
         return None
 
     def clips_at(self) -> float | None:
@@ -126,6 +128,8 @@ def chunk_pairs(batch: Batch, chunks: int) -> list[tuple[Tensor, Tensor]]:
 
 
 class CommunicationCounter(Protocol):
+    wrappers: int  # the wrappers it counts: a faithful step synchronises each ``syncs_per_step`` times
+
     def take(self) -> tuple[int, int]:
         """The synchronisations and bytes per rank since the last call: one optimizer step's worth."""
 

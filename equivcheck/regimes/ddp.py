@@ -79,9 +79,13 @@ class Distributed(Regime):
     def ddp_options(self) -> dict:
         return {}
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def wrap(self, model: nn.Module, objective: Objective) -> nn.Module:
+        return self.ddp(model)
+
+    def ddp(self, module: nn.Module) -> DistributedDataParallel:
+        """``module`` in DistributedDataParallel with this regime's options, on this rank's device."""
         device_ids = [self.device().index] if self.resolved_backend == "nccl" else None
-        return DistributedDataParallel(model, device_ids=device_ids, **self.ddp_options())
+        return DistributedDataParallel(module, device_ids=device_ids, **self.ddp_options())
 
     def count_communication(self, module: nn.Module) -> CommCounter:
         return CommCounter.attach(module)
@@ -206,12 +210,9 @@ class DdpPaddedSampler(DdpMeanLoss):
         return Batch(batch.inputs[mine], batch.targets[mine], batch.count)
 
 
-@dataclasses.dataclass(frozen=True)
-class DataParallel(FullBatch):
-    """Full-batch training through nn.DataParallel: it scatters the batch and gathers outputs itself."""
-
-    name = "data_parallel"
-    summary = "torch.nn.DataParallel over every visible GPU (needs 2 or more; skipped, never emulated, otherwise)"
+class OnEveryGpu:
+    """Where nn.DataParallel trains: over every visible GPU, the model kept on the first. It needs two or
+    more; with fewer its regimes are skipped with that reason, never emulated."""
 
     def unavailable(self) -> str | None:
         found = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -220,5 +221,13 @@ class DataParallel(FullBatch):
     def device(self) -> torch.device:
         return torch.device("cuda", 0)
 
-    def wrap(self, model: nn.Module) -> nn.Module:
+
+@dataclasses.dataclass(frozen=True)
+class DataParallel(OnEveryGpu, FullBatch):
+    """Full-batch training through nn.DataParallel: it scatters the batch and gathers outputs itself."""
+
+    name = "data_parallel"
+    summary = "torch.nn.DataParallel over every visible GPU (needs 2 or more; skipped, never emulated, otherwise)"
+
+    def wrap(self, model: nn.Module, objective: Objective) -> nn.Module:
         return nn.DataParallel(model)

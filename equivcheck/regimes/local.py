@@ -85,15 +85,32 @@ class DetachedPartial(Chunked):
     needs_split = True
 
     def train_step(self, model, optimizer, batch, objective):
-        trunk, head = objective.split(model)
-        features = trunk(batch.inputs)
-        detached = features.detach().requires_grad_()
-        total = backward_chunks(head, detached, batch.targets, self.chunks, global_mean_part(objective, batch),
-                                objective=objective)
-        if features.requires_grad:  # a trunk with nothing to train (identity, frozen) has no graph to back-propagate
-            features.backward(detached.grad)  # already scaled: the head's backward went through the scaler
+        trunk, head = self.parts(model, objective)
+        total = backward_detached(trunk, head, batch.inputs, batch.targets, self.chunks,
+                                  global_mean_part(objective, batch), objective)
         finish_step(optimizer, objective)
         return total
+
+    def parts(self, model, objective):
+        """The trunk and the head this step drives: the case's split of the model (a wrapper's own, in parts)."""
+        return objective.split(model)
+
+
+def backward_detached(trunk, head, inputs, targets, chunks, part_loss, objective, around=None):
+    """Seed 000's accum_forward: the trunk forward once, the head back-propagated per chunk of the trunk's
+    detached output (``around(last)``: each chunk's context), then the trunk back-propagated once with the
+    activation gradient the chunks accumulated. Returns the chunks' summed loss."""
+    features = trunk(inputs)
+    detached = features.detach().requires_grad_()
+    total = backward_chunks(head, detached, targets, chunks, part_loss, objective=objective, around=around)
+    backward_trunk(features, detached)
+    return total
+
+
+def backward_trunk(features, detached) -> None:
+    """The trunk's one backward, with the activation gradient the head's chunks accumulated on ``detached``."""
+    if features.requires_grad:  # a trunk with nothing to train (identity, frozen) has no graph to back-propagate
+        features.backward(detached.grad)  # already scaled: the head's backward went through the scaler
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,9 +3,10 @@
 ``UserStep`` runs ``step(model, optimizer, (inputs, targets))`` once per global batch; ``UserLoop``
 runs ``loop(model, optimizer, batches)`` over all of them (schedulers and other state that lives
 across steps belong there). ``DdpStep`` runs the step on every rank of a process group: the harness
-wraps the model in DistributedDataParallel and hands each rank its contiguous shard of the global
-batch, as a DistributedSampler would. Only plain data crosses to the worker ranks, so that step
-travels as the import path of a module-level function (``module:function``).
+wraps the model in DistributedDataParallel (or calls the team's own ``wrapper(model)``, which may wrap
+parts of it apart, as seed 000's trunk and head) and hands each rank its contiguous shard of the
+global batch, as a DistributedSampler would. Only plain data crosses to the worker ranks, so the step
+and the wrapper travel as import paths of module-level functions (``module:function``).
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def import_path(fn: Callable, argument: str = "step") -> str:
         found = False
     if not found:
         raise InvalidArgument.value(argument, fn, "a function defined at the top level of an importable module "
-                                    f"(worker processes import the {argument} function by name to run it on every rank)")
+                                    f"(worker processes import the {argument} by name to run it on every rank)")
     return path
 
 
@@ -125,12 +126,18 @@ class DdpStep(Distributed):
     name = "ddp_step"
     summary = "a team's own step function on every DDP rank, each given its shard of the global batch"
     fn: str = dataclasses.field(kw_only=True)  # module:function of the step
+    wrapper: str = dataclasses.field(default="", kw_only=True)  # module:function of the team's wrap; "": DDP
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        module, colon, function = self.fn.partition(":")
-        if not (module and colon and function):
-            raise InvalidArgument.value("fn", self.fn, "'module:function', the import path of a step function")
+        for argument in ("fn", "wrapper"):
+            module, colon, function = getattr(self, argument).partition(":")
+            if not (module and colon and function) and (argument == "fn" or getattr(self, argument)):
+                raise InvalidArgument.value(argument, getattr(self, argument),
+                                            f"'module:function', the import path of a {argument} function")
+
+    def wrap(self, model, objective):
+        return resolve(self.wrapper)(model) if self.wrapper else super().wrap(model, objective)
 
     def train_step(self, model, optimizer, batch, objective):
         if len(batch) < self.world_size:  # every rank sees the global batch: they all raise, before any collective

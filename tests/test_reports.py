@@ -1,0 +1,155 @@
+"""Reports people read: the one-screen overview, Markdown for CI, the HTML report with divergence plots,
+progress on a terminal. Each parsed for its content, not only checked to exist."""
+
+import html.parser
+import io
+import json
+import sys
+
+import pytest
+
+import equivcheck as ec
+from equivcheck import report as render
+from equivcheck.cli import main
+from equivcheck.html_report import PLOTS_MISSING, render_html, run_metadata
+from equivcheck.progress import Progress
+
+FAILING = ["run", "--case", "mlp", "--case", "naive_scaling_uneven_chunks", "--regime", "accumulate:chunks=5",
+           "--regime", "naive_accumulate:chunks=5"]
+
+
+class Parsed(html.parser.HTMLParser):
+    """The parts of an HTML report a test reads: headings, table cells (with their class), svg count."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.headings, self.cells, self.svgs, self.paragraphs, self._in = [], [], 0, [], None
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "svg":
+            self.svgs += 1
+        if tag in ("h1", "h2", "h3", "td", "p"):
+            self._in = (tag, attrs.get("class"))
+            if tag == "td":
+                self.cells.append([attrs.get("class"), ""])
+
+    def handle_endtag(self, tag):
+        self._in = None if self._in and self._in[0] == tag else self._in
+
+    def handle_data(self, data):
+        if not self._in:
+            return
+        tag = self._in[0]
+        if tag == "td":
+            self.cells[-1][1] += data
+        elif tag == "p":
+            self.paragraphs.append(data)
+        else:
+            self.headings.append(data)
+
+
+@pytest.fixture(scope="module")
+def failing_rows():
+    return render.to_rows(ec.check_all(["mlp", "naive_scaling_uneven_chunks"],
+                                       ["accumulate:chunks=5", "naive_accumulate:chunks=5"]))
+
+
+def test_the_overview_is_one_line_per_case_and_fits_the_width():
+    long_rows = [{"case": "a_case_with_a_long_name", "regime": f"naive_accumulate:chunks={k}", "verdict": "expected_mismatch",
+                  "margin": 1e5, "problems": []} for k in range(2, 30)]
+    text = render.render_overview(long_rows, width=80)
+    lines = text.splitlines()
+    assert len(lines) == 3 and all(len(line) <= 80 for line in lines) and lines[2].endswith("...")
+    assert lines[2].split()[:3] == ["a_case_with_a_long_name", "28", "caught"]
+
+
+def test_what_is_not_as_expected_leads_its_case_and_is_red_on_a_terminal(failing_rows):
+    plain = render.render_overview(failing_rows)
+    mlp = next(line for line in plain.splitlines() if line.startswith("mlp "))
+    assert "MISMATCH naive_accumulate:chunks=5 4e+05" in mlp
+    coloured = render.render_overview(failing_rows, colour=True)
+    assert f"{render.RED}mlp " in coloured and f"{render.RED}naive_scaling" not in coloured
+    assert render.RED not in plain
+
+
+def test_markdown_says_the_status_and_each_failure_with_its_hint(tmp_path, capsys):
+    path = tmp_path / "summary.md"
+    assert main([*FAILING, "--markdown", str(path)]) == 1
+    text = path.read_text()
+    assert text.startswith("## equivcheck: not as expected\n")
+    assert "| mlp | 1 ok, 1 MISMATCH | MISMATCH naive_accumulate:chunks=5 4e+05 |" in text
+    assert "- **mlp** under `naive_accumulate:chunks=5`: mismatch 4e+05; the step-0 loss already differs" in text
+    assert main(["run", "--case", "mlp", "--regime", "accumulate:chunks=5", "--markdown", str(path)]) == 0
+    assert path.read_text().startswith("## equivcheck: ok\n") and "Not as expected" not in path.read_text()
+    capsys.readouterr()
+
+
+def test_the_html_report_holds_the_matrix_the_failures_and_their_plots(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="the plots need the report extra (make test-frameworks installs it)")
+    path = tmp_path / "report.html"
+    assert main([*FAILING, "--html", str(path)]) == 1
+    capsys.readouterr()
+    page = Parsed(path.read_text())
+    assert "not as expected" in page.headings
+    assert ["bad", "MISMATCH 4e+05"] in page.cells and ["caught", "caught 4e+05"] in page.cells
+    assert ["ok", "ok 5e-10"] in page.cells
+    assert "mlp under naive_accumulate:chunks=5: mismatch" in "".join(page.headings)
+    assert page.svgs == 1  # one failing check, one divergence plot
+    assert PLOTS_MISSING not in page.paragraphs
+
+
+def test_without_matplotlib_the_report_keeps_its_tables_and_says_how_to_get_plots(failing_rows, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    page = Parsed(render_html(failing_rows, run_metadata(seed=0, dtype=None, backend=None, world_sizes=[1])))
+    assert page.svgs == 0 and PLOTS_MISSING in page.paragraphs
+    assert ["bad", "MISMATCH 4e+05"] in page.cells
+    assert any(cell == [None, "grad 0.weight"] for cell in page.cells)
+    assert [None, "torch"] in page.cells
+
+
+def test_the_plugin_writes_one_html_report_and_markdown_under_xdist(pytester):
+    pytester.makepyfile('''
+def test_ok(equivcheck):
+    equivcheck.check("mlp", ["accumulate:chunks=5"])
+
+def test_caught(equivcheck):
+    equivcheck.check("naive_scaling_uneven_chunks", ["naive_accumulate:chunks=5"])
+''')
+    html_path, markdown_path = pytester.path / "report.html", pytester.path / "summary.md"
+    result = pytester.runpytest("-n", "2", f"--equivcheck-html={html_path}", f"--equivcheck-markdown={markdown_path}")
+    result.assert_outcomes(passed=2)
+    page = Parsed(html_path.read_text())
+    assert "ok" in page.headings and ["ok", "ok 5e-10"] in page.cells and ["caught", "caught 4e+05"] in page.cells
+    assert "| naive_scaling_uneven_chunks | 1 caught | naive_accumulate:chunks=5 4e+05 |" in markdown_path.read_text()
+    bad = pytester.runpytest("--equivcheck-html=/no/such/folder/r.html")
+    assert bad.ret == pytest.ExitCode.USAGE_ERROR
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_shows_on_a_terminal_only(monkeypatch):
+    monkeypatch.delenv("PYTEST_CURRENT_TEST", raising=False)
+    monkeypatch.delenv("CI", raising=False)
+    terminal, pipe = Terminal(), io.StringIO()
+    for stream in (terminal, pipe):
+        progress = Progress(2, "checks", stream)
+        progress.step("mlp accumulate:chunks=5")
+        progress.close()
+    assert "checks 1/2  mlp accumulate:chunks=5" in terminal.getvalue() and pipe.getvalue() == ""
+    monkeypatch.setenv("CI", "true")
+    quiet = Terminal()
+    Progress(1, "checks", quiet).step("mlp")
+    assert quiet.getvalue() == ""
+
+
+def test_json_rows_carry_the_divergence_per_step(failing_rows):
+    row = next(r for r in failing_rows if r["case"] == "mlp" and r["verdict"] == "mismatch")
+    grads = [m for m in row["mismatches"] if m["kind"] == "grad"]
+    assert grads and all(len(m["step_margins"]) == 3 and max(m["step_margins"]) == m["margin"] for m in grads)
+    json.dumps(row)  # plain data
