@@ -14,14 +14,15 @@ from .regimes import DEFAULT_REGIMES, REGIMES, Regime, SummedLoss, parse_regime,
 from .registry import all_cases, builtin_cases, get_case, load_cases_from, register_case
 from .result import RunResult
 from .dispatch import run
+from .evaluation import EvalReport, MetricDiff, check_eval
 from .seeding import DEFAULT_SEED
 from .step import check_loop, check_step
 
 __all__ = [
     "DEFAULT_REGIMES", "DEFAULT_SEED", "PRECISIONS", "REGIMES", "Audit", "Batch", "BlindSpotWarning", "Case",
-    "Comparison", "EquivcheckError", "Finding", "InvalidArgument", "MemoryNotSaved", "Mismatch", "NotEquivalent",
+    "Comparison", "EquivcheckError", "EvalReport", "Finding", "InvalidArgument", "MemoryNotSaved", "MetricDiff", "Mismatch", "NotEquivalent",
     "Objective", "Outcome", "Precision", "PrecisionWarning", "Regime", "Report", "RunResult", "Sensitivity",
     "SummedLoss", "Tolerance", "Unavailable", "Verdict", "WorkerError", "all_cases", "audit", "builtin_cases",
-    "check", "check_all", "check_loop", "check_step", "compare", "default_optimizer", "diagnose", "get_case",
+    "check", "check_all", "check_eval", "check_loop", "check_step", "compare", "default_optimizer", "diagnose", "get_case",
     "load_cases_from", "parse_regime", "regimes_for", "register_case", "register_regime", "run",
 ]

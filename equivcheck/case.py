@@ -34,6 +34,7 @@ def count_samples(targets: Tensor) -> int:
 
 
 LOSS_REDUCTIONS = ("none", "mean")
+LAST_BATCH = ("exact", "keep")  # exact: data holds steps * batch_size samples; keep: the last batch may be smaller
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +42,8 @@ class Case:
     """A small deterministic training problem that every regime must solve identically.
 
     ``model`` and ``data`` are factories, called after the harness seeds the RNG, so every regime
-    starts from the same weights and data. ``data`` holds exactly ``steps * batch_size`` samples.
+    starts from the same weights and data. ``data`` holds exactly ``steps * batch_size`` samples
+    (with ``last_batch='keep'``, from ``(steps - 1) * batch_size + 1`` to that).
     ``items`` counts the loss items in a batch of targets (default: one per sample; a token model
     counts its real tokens). ``split`` maps a model to ``(trunk, head)`` for ``detached_partial``.
     ``expect_mismatch`` maps a regime name (``accumulate``) or exact spec (``accumulate:chunks=5``)
@@ -68,6 +70,8 @@ class Case:
     description: str = ""
     max_norm: float | None = None  # the clip_grad_norm_ threshold the team's code uses: the audit tells if it engages
     loss_reduction: str = "none"  # "mean": loss returns the mean over the batch's items (a Hugging Face model's .loss)
+    last_batch: str = "exact"  # "keep": the last global batch of an epoch may hold fewer than batch_size samples
+    epochs: int = 1  # passes over the data, each in the same order: steps * epochs optimizer steps in all
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip() or any(c in self.name for c in " ,:="):
@@ -88,6 +92,9 @@ class Case:
         expect_tolerances(self.rtol, self.atol)
         if self.loss_reduction not in LOSS_REDUCTIONS:
             raise InvalidArgument.value("loss_reduction", self.loss_reduction, " or ".join(map(repr, LOSS_REDUCTIONS)))
+        if self.last_batch not in LAST_BATCH:
+            raise InvalidArgument.value("last_batch", self.last_batch, " or ".join(map(repr, LAST_BATCH)))
+        expect_int("epochs", self.epochs)
         if self.max_norm is not None:
             expect_number("max_norm", self.max_norm, minimum=0, maximum=math.inf, strict=True)
         if not isinstance(self.expect_mismatch, Mapping):
@@ -148,6 +155,11 @@ class Objective:
         if isinstance(loss, Tensor):
             self.loss_dtypes.add(loss.dtype)
         return loss
+
+    @property
+    def epochs(self) -> int:
+        """How many passes over the data the batches a regime trains on make (a team's loop is told)."""
+        return self._case.epochs
 
     def backward(self, loss: Tensor, *, retain_graph: bool = False) -> None:
         self.scaler.scale(loss).backward(retain_graph=retain_graph)

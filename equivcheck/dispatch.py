@@ -37,14 +37,10 @@ def run(case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED, tim
     options["threads"] = intra_op.resolve(options.get("threads"))
     if not regime.distributed:
         return train(case, regime, seed=seed, **options)
-    if all_cases().get(case.name) is not case:
-        raise InvalidArgument(
-            f"case={case.name!r} is not allowed here: worker processes import cases themselves, so distributed "
-            "regimes need a case registered with equivcheck.register_case at the top level of a module or file"
-        )
+    source = importable_source(case)
     if isinstance(options.get("dtype"), Precision):  # workers look precision modes up by name
         options["dtype"] = registered_name(options["dtype"])
-    job = {"case": case.name, "source": case_source(case.name), "regime": str(regime),
+    job = {"case": case.name, "source": source, "regime": str(regime),
            "regime_source": regime_source(regime), "seed": seed, "options": options}
     backend = regime.resolved_backend
     if launcher.active():
@@ -56,6 +52,16 @@ def run(case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED, tim
     losses = tuple(None if None in shares else sum(shares) for shares in zip(*(r.losses for r in results)))
     return dataclasses.replace(results[0], losses=losses, rank_spread=_spread(results),
                                rank_grad_spread=_grad_spread(results))
+
+
+def importable_source(case: Case) -> str:
+    """Where worker ranks import ``case`` from: it must be the case registered under its name."""
+    if all_cases().get(case.name) is not case:
+        raise InvalidArgument(
+            f"case={case.name!r} is not allowed here: worker processes import cases themselves, so distributed "
+            "checks need a case registered with equivcheck.register_case at the top level of a module or file"
+        )
+    return case_source(case.name)
 
 
 def _spread(results: list[RunResult]) -> float:

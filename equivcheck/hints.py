@@ -79,11 +79,28 @@ def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch
         return ("same loss but every gradient differs from step 0: the micro-batch gradients were altered before "
                 "being summed; likely zero_grad, gradient clipping or GradScaler unscale_ inside the accumulation loop")
     steps = [m.first_step for m in mismatches if m.first_step is not None]
+    tail = _epoch_tail(reference.batch_samples, min(steps)) if steps else ""
+    if tail:
+        return tail
     if steps:
         return (f"everything matches at step 0 and diverges from step {min(steps)}: state carried between steps "
                 "differs, or a difference that clipping hid while the gradient norm stayed above max_norm (a "
                 "missing / K clips to the same gradient); likely the RNG stream (dropout), optimizer state, a "
                 "learning-rate schedule, or a scaling bug under clipping")
+    return ""
+
+
+def _epoch_tail(samples: tuple[int, ...], first: int) -> str:
+    """Where the first divergent step is an epoch's smaller last batch, or the step right after one."""
+    full = max(samples, default=0)
+    if first < len(samples) and samples[first] < full:
+        return (f"every step matches until step {first}, an epoch's last, smaller global batch ({samples[first]} of "
+                f"{full} samples): likely that batch weighted as a full one (each micro-batch's mean / K over fewer "
+                "micro-batches, or a loss sum over the configured batch size instead of the batch's own count)")
+    if 0 < first < len(samples) and samples[first - 1] < full:
+        return (f"every step matches until step {first}, the first after an epoch's last, smaller global batch (step "
+                f"{first - 1}, which matches): likely that partial window's gradients left in .grad into the next "
+                "epoch (a step after the epoch without optimizer.zero_grad())")
     return ""
 
 

@@ -42,6 +42,7 @@ class RunResult:
     peak_activation_bytes: int | None = None
     memory_method: str | None = None
     loss_dtypes: tuple[str, ...] = ()  # the dtypes the case's loss came out in ("torch.float32"): the real precision
+    batch_samples: tuple[int, ...] = ()  # samples in each global batch trained on, every epoch's: where the tails are
 
     @property
     def optimizer_steps(self) -> int:

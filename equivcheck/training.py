@@ -76,6 +76,7 @@ def train(
         peak_activation_bytes=memory.peak,
         memory_method=memory.method,
         loss_dtypes=tuple(sorted(str(dtype) for dtype in objective.loss_dtypes)),
+        batch_samples=tuple(len(batch) for batch in batches),
     )
 
 
@@ -106,7 +107,8 @@ def build_model(case: Case, precision: Precision | None = None, device: torch.de
 
 
 def load_batches(case: Case, precision: Precision | None = None, device: torch.device | None = None) -> list[Batch]:
-    """The case's data cut into ``steps`` global batches; wrong sizes are errors, never truncated."""
+    """The case's data cut into ``steps`` global batches (the last one smaller where the case keeps a
+    smaller last batch), repeated for each epoch; wrong sizes are errors, never truncated."""
     precision = precision or resolve_precision(None, default=case.dtype)
     data = case.data()
     if not (isinstance(data, tuple) and len(data) == 2 and all(isinstance(t, Tensor) for t in data)):
@@ -117,16 +119,26 @@ def load_batches(case: Case, precision: Precision | None = None, device: torch.d
             f"data of case {case.name!r}: inputs hold {len(inputs)} samples and targets {len(targets)}: "
             "expected the same number on dim 0"
         )
-    if len(inputs) != case.samples:
-        raise InvalidArgument(
-            f"data of case {case.name!r} holds {len(inputs)} samples: expected exactly steps * batch_size = "
-            f"{case.steps} * {case.batch_size} = {case.samples} (nothing is truncated or padded)"
-        )
+    first_of_last = case.samples - case.batch_size + 1 if case.last_batch == "keep" else case.samples
+    if not first_of_last <= len(inputs) <= case.samples:
+        raise InvalidArgument(f"data of case {case.name!r} holds {len(inputs)} samples: {_expected_samples(case, len(inputs))}")
     device = device or torch.device(precision.device)
     inputs, targets = (t.to(device=device, dtype=precision.dtype) if t.is_floating_point()
                        else t.to(device) for t in (inputs, targets))
-    return [Batch(inputs[i : i + case.batch_size], targets[i : i + case.batch_size], case.items)
-            for i in range(0, case.samples, case.batch_size)]
+    epoch = [Batch(inputs[i : i + case.batch_size], targets[i : i + case.batch_size], case.items)
+             for i in range(0, len(inputs), case.batch_size)]
+    return epoch * case.epochs  # every epoch goes over the same batches in the same order
+
+
+def _expected_samples(case: Case, held: int) -> str:
+    """What a case's data must hold, with the figures (nothing is ever truncated or padded)."""
+    if case.last_batch == "exact":
+        return (f"expected exactly steps * batch_size = {case.steps} * {case.batch_size} = {case.samples} "
+                "(nothing is truncated or padded); last_batch='keep' allows a smaller last global batch")
+    return (f"with last_batch='keep', expected {case.samples - case.batch_size + 1} to {case.samples}: "
+            f"steps={case.steps} global batches of batch_size={case.batch_size}, the last one holding the "
+            f"remainder; {held} samples make {math.ceil(held / case.batch_size)} global batches: declare "
+            f"steps={math.ceil(held / case.batch_size)} (steps counts the last, smaller batch too)")
 
 
 class GradRecorder:

@@ -62,6 +62,15 @@ class Checker:
                 f"  {f.pitfall}: {f.sensitivity.value}: {f.evidence}" for f in missing), pytrace=False)
         return found
 
+    def check_eval(self, case: ec.Case | str, evaluate: Callable, **options) -> ec.EvalReport:
+        """``ec.check_eval`` with the session's seed, timeout and backend; fail the test unless every metric on
+        every rank matches the single-process one."""
+        chosen = {k: v for k, v in self._defaults.items() if k in ("seed", "timeout", "backend")}
+        report = ec.check_eval(case, evaluate, **{**chosen, **options})
+        if not report.ok:
+            pytest.fail(report.describe(), pytrace=False)
+        return report
+
     def _run(self, checking: Callable[[dict], ec.Report], options: dict, what: str, distributed: bool) -> ec.Report:
         allow_communication = options.pop("allow_communication", False)  # a gate's choice, not the check's
         kw = {**self._defaults, **{k: v for k, v in options.items() if v is not None}}

@@ -150,3 +150,15 @@ def test_detached_partial_with_a_trunk_that_has_nothing_to_train():
     case = find(cases(depths=st.just(0), batch_sizes=batch_sizes(1, 1)), lambda c: True)
     (outcome,) = ec.check(case, ["detached_partial:chunks=1"]).outcomes
     assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
+
+
+@given(case=cases(), data=st.data())
+def test_faithful_regimes_stay_equivalent_over_a_drawn_epoch_tail(case, data):
+    """The case's data cut short anywhere in its last global batch, trained for two epochs."""
+    kept = data.draw(st.integers(case.samples - case.batch_size + 1, case.samples), label="samples")
+    full_data = case.data
+    tail = dataclasses.replace(case, data=lambda: tuple(t[:kept] for t in full_data()), last_batch="keep", epochs=2)
+    spec = data.draw(regime_specs(case.batch_size, names=FAITHFUL), label="spec")
+    (outcome,) = ec.check(tail, [spec]).outcomes
+    assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
+    assert len(outcome.result.batch_samples) == 2 * case.steps

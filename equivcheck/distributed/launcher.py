@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import Unavailable
-from .worker import train_job
+from .worker import answer
 
 
 def active() -> bool:
@@ -40,7 +40,7 @@ def run_job(backend: str, world_size: int, job: dict) -> list[dict]:
     if dist.get_backend() != backend:
         raise Unavailable(f"the launcher's process group uses {dist.get_backend()}; this regime asks for {backend}")
     replies: list[dict | None] = [None] * world_size
-    dist.all_gather_object(replies, train_job(job))
+    dist.all_gather_object(replies, answer(job))
     return replies
 
 

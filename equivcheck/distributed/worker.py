@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import InvalidArgument
+from ..evaluating import evaluation_job
 from ..regimes import parse_regime
 from ..registry import get_case, load_cases_from
 from ..training import train
@@ -34,6 +35,11 @@ def train_job(job: dict) -> dict:
     importlib.import_module(job["regime_source"])
     result = train(get_case(job["case"]), parse_regime(job["regime"]), seed=job["seed"], **job["options"])
     return result.to_plain()
+
+
+def answer(job: dict) -> dict:
+    """The reply to a job: an evaluation (``kind='evaluate'``, see equivcheck.evaluating), else a training run."""
+    return evaluation_job(job) if job.get("kind") == "evaluate" else train_job(job)
 
 
 INSIDE_RANK_VARIABLE = "EQUIVCHECK_INSIDE_RANK"  # set in every rank: ranks never start pools of their own
@@ -66,7 +72,7 @@ def worker_main(rank: int, world_size: int, backend: str, store: str, conn: Conn
             break
         number, job = message  # every reply names the job it answers
         try:
-            conn.send((number, "ok", train_job(job)))
+            conn.send((number, "ok", answer(job)))
         except InvalidArgument as error:  # a usage error, wherever it surfaced
             conn.send((number, "usage", str(error)))
         except Exception:

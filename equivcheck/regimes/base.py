@@ -113,9 +113,18 @@ def finish_step(optimizer: Optimizer, objective: Objective | None = None, max_no
     optimizer.zero_grad(set_to_none=True)
 
 
+def micro_batch_count(samples: int, chunks: int) -> int:
+    """How many micro-batches a batch of ``samples`` is cut into: ``chunks``, or one per sample where an
+    epoch's smaller last batch holds fewer (an accumulation loop over a DataLoader never sees an empty
+    micro-batch); one, empty, for an empty DDP shard, so that its rank still joins the all-reduce."""
+    return max(1, min(chunks, samples))
+
+
 def chunk_pairs(batch: Batch, chunks: int) -> list[tuple[Tensor, Tensor]]:
-    """``chunks`` (inputs, targets) micro-batches of near-equal size (12 samples in 5: 3, 3, 2, 2, 2)."""
-    return list(zip(batch.inputs.tensor_split(chunks), batch.targets.tensor_split(chunks)))
+    """``chunks`` (inputs, targets) micro-batches of near-equal size (12 samples in 5: 3, 3, 2, 2, 2);
+    fewer where the batch holds fewer samples (see :func:`micro_batch_count`)."""
+    count = micro_batch_count(len(batch), chunks)
+    return list(zip(batch.inputs.tensor_split(count), batch.targets.tensor_split(count)))
 
 
 class CommunicationCounter(Protocol):

@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..case import Batch, Objective
-from .base import finish_step
+from .base import finish_step, micro_batch_count
 
 PartLoss = Callable[[Tensor, Tensor], Tensor]
 
@@ -39,7 +39,8 @@ def backward_chunks(
     one). ``around(last)`` is the context a micro-batch's forward and backward run in (DDP's
     ``no_sync()`` on all but the last); ``after()`` runs after each backward.
     """
-    pairs = list(zip(inputs.tensor_split(chunks), targets.tensor_split(chunks)))
+    count = micro_batch_count(len(targets), chunks)  # fewer for a smaller last batch; never an empty micro-batch
+    pairs = list(zip(inputs.tensor_split(count), targets.tensor_split(count)))
     total = 0.0
     for i, (x, y) in enumerate(pairs):
         with around(i == len(pairs) - 1) if around else contextlib.nullcontext():

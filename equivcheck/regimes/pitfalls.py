@@ -302,6 +302,8 @@ class SamplerDrop(Chunked):
 
     def train_step(self, model, optimizer, batch, objective):
         kept = len(batch) // self.chunks * self.chunks
+        if kept == 0:  # an epoch's last batch smaller than the micro-batch count: dropped whole, never stepped
+            return None
         # Faithful accumulation of whatever batch the sampler produced: the bug is in the data, not the sum.
         return accumulate(model, optimizer, Batch(batch.inputs[:kept], batch.targets[:kept], batch.count),
                           objective, self.chunks)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.utils.data import TensorDataset
 
 from ..case import Batch, Objective
 from ..errors import InvalidArgument, expect_callable
@@ -78,8 +79,8 @@ class UserLoop(UserCode):
     summary = "a team's own training loop over the global batches"
 
     def train(self, model, optimizer, batches: Sequence[Batch], objective: Objective):
-        return loop_losses(_label(self.fn), self.fn(model, optimizer, [(b.inputs, b.targets) for b in batches]),
-                           len(batches))
+        losses = self.fn(model, optimizer, LoopBatches(batches, objective.epochs))
+        return loop_losses(_label(self.fn), losses, len(batches))
 
 
 def loop_losses(label: str, losses: Iterable[object] | None, batches: int) -> list[object]:
@@ -91,6 +92,27 @@ def loop_losses(label: str, losses: Iterable[object] | None, batches: int) -> li
         raise InvalidArgument(f"loop {label!r} returned {len(losses)} losses for {batches} global batches: "
                               "expected one loss per batch, or None")
     return losses
+
+
+class LoopBatches(list):
+    """What a team's loop receives: every global batch as ``(inputs, targets)``, each epoch's in turn, the
+    last of an epoch smaller where the case keeps a smaller last batch. A loop that builds its own
+    DataLoader finds one epoch's samples, in the case's order, as ``.dataset`` (a TensorDataset), with
+    ``.batch_size`` (samples per global batch) and ``.epochs``: ``DataLoader(batches.dataset,
+    batch_size=batches.batch_size // K)`` (no shuffle, ``drop_last=False``) over ``range(batches.epochs)``
+    yields micro-batches whose windows of K are exactly the global batches the reference steps on."""
+
+    def __init__(self, batches: Sequence[Batch], epochs: int) -> None:
+        super().__init__((b.inputs, b.targets) for b in batches)
+        self.epochs = epochs
+        self.batch_size = len(batches[0])
+        self.dataset = epoch_dataset(batches, epochs)
+
+
+def epoch_dataset(batches: Sequence[Batch], epochs: int) -> TensorDataset:
+    """One epoch's samples of ``batches`` (every epoch's, in turn), in order, as one dataset."""
+    one_epoch = list(batches)[: len(batches) // epochs]
+    return TensorDataset(torch.cat([b.inputs for b in one_epoch]), torch.cat([b.targets for b in one_epoch]))
 
 
 def import_path(fn: Callable, argument: str = "step") -> str:
@@ -137,7 +159,17 @@ class DdpStep(Distributed):
     def train(self, model, optimizer, batches, objective):
         step = fresh_step(resolve(self.fn), self.per_run)
         return [self.share(step(model, optimizer, (mine.inputs, mine.targets)))
-                for mine in (self.rank_shard(batch) for batch in batches)]
+                for mine in (self.team_shard(batch) for batch in batches)]
+
+    def team_shard(self, batch: Batch) -> Batch:
+        """This rank's shard of ``batch``; a shard a team's code would get empty is refused, on every rank alike."""
+        if len(batch) < self.world_size:  # every rank sees the global batch: they all raise, before any collective
+            raise InvalidArgument(
+                f"regime {str(self)!r}: a global batch of {len(batch)} sample(s) (an epoch's smaller last batch) is "
+                f"not allowed over world_size={self.world_size}: some rank's shard would be empty, and a team's step "
+                "is never handed an empty batch (a DistributedSampler pads the shard by repeating samples instead: "
+                f"see ec.check_eval). Expected a last batch of at least {self.world_size} samples")
+        return self.rank_shard(batch)
 
     def share(self, loss: object) -> Tensor | None:
         """This rank's share of what the ranks' code returned, averaged (dispatch adds the shares up): the
@@ -153,6 +185,6 @@ class DdpLoop(DdpStep):
     summary = "a team's own training loop on every DDP rank, each given its shard of every global batch"
 
     def train(self, model, optimizer, batches, objective):
-        shards = [self.rank_shard(b) for b in batches]
-        losses = resolve(self.fn)(model, optimizer, [(s.inputs, s.targets) for s in shards])
+        shards = LoopBatches([self.team_shard(b) for b in batches], objective.epochs)
+        losses = resolve(self.fn)(model, optimizer, shards)
         return [self.share(loss) for loss in loop_losses(self.fn, losses, len(batches))]
