@@ -212,6 +212,7 @@ def audit(case: Case | str, *, seed: int = DEFAULT_SEED, timeout: float | None =
     outcomes = _against_twins(case, wanted, options)
     findings = [_finding(p, outcomes, registered) for p in probes]
     findings.append(_clipping(case, options))
+    findings.append(_epoch_end(case))
     return Audit(case.name, tuple(findings))
 
 
@@ -247,6 +248,18 @@ def _strongest(pitfall: str, outcomes: Iterable[Outcome], blind_reason: Callable
     if not best.comparison.ok:
         return Finding(pitfall, Sensitivity.CATCHES, f"{best.regime}: margin {margin:.2g}", best.regime, margin)
     return Finding(pitfall, Sensitivity.BLIND, f"{blind_reason()} (greatest margin {margin:.2g})", best.regime, margin)
+
+
+def _epoch_end(case: Case) -> Finding:
+    """The end-of-epoch bugs (the last, smaller window still divided by K; a tail never stepped; its gradients
+    leaking into the next epoch) live in a team's loop: no built-in regime has them, but a case can only show
+    them with a smaller last batch, or more than one epoch."""
+    pitfall = "end of epoch: the last, smaller window"
+    if case.last_batch == "exact" and case.epochs == 1:
+        return Finding(pitfall, Sensitivity.BLIND, "every global batch is full and there is one epoch: declare "
+                       "last_batch='keep' with a remainder (and epochs=2 for gradients leaking across epochs)")
+    return Finding(pitfall, Sensitivity.NOT_RUN, f"the case has {'a smaller last batch' if case.last_batch == 'keep' else 'full batches'} "
+                   f"over {case.epochs} epoch(s): the bugs live in a team's loop, so check that loop with check_loop")
 
 
 def _clipping(case: Case, options: dict) -> Finding:

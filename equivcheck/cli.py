@@ -132,15 +132,27 @@ def _open_output(path: str | None, option: str = "--json") -> TextIO | None:
         raise InvalidArgument.value(option, path, f"a file that can be written ({error.strerror})") from None
 
 
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a writer whose reader went away
+
+
 def entry() -> None:
-    """The ``equivcheck`` command: :func:`main`, then an exit that skips the interpreter's teardown."""
-    exit_without_teardown(main())
+    """The ``equivcheck`` command: :func:`main`, then an exit that skips the interpreter's teardown.
+
+    A reader that stops early (``equivcheck list | head``) closes the pipe: that ends the command quietly,
+    as it ends any Unix tool, not with a traceback."""
+    try:
+        code = main()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush into the pipe
+        code = EXIT_BROKEN_PIPE
+    exit_without_teardown(code)
 
 
 def _list(args: argparse.Namespace) -> int:
     print("cases:")
     for case in all_cases().values():
-        shape = f"{case.steps} x {case.batch_size}"
+        shape = (f"{case.steps} x {case.batch_size}" + ("-" if case.last_batch == "keep" else "")
+                 + (f" x {case.epochs} epochs" if case.epochs > 1 else ""))  # "-": the last batch may be smaller
         print(f"  {case.name:<28} {shape:<8} {case.description}")
     print("\nregimes:")
     for name, cls in REGIMES.items():

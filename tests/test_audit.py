@@ -150,3 +150,13 @@ def test_typo(equivcheck):
     result.stdout.fnmatch_lines(["*case mlp cannot catch what this test requires:*",
                                  "*token normalisation across micro-batches: blind: every sample holds*",
                                  "*require='tokn' names no class of bug*"])
+
+
+def test_only_a_case_with_a_smaller_last_batch_or_several_epochs_can_show_the_end_of_epoch_bugs(audits):
+    pitfall = "end of epoch: the last, smaller window"
+    blind = audits["mlp"].finding(pitfall)
+    assert blind.sensitivity is BLIND and blind.evidence.startswith("every global batch is full and there is one epoch")
+    tail = dataclasses.replace(ec.get_case("mlp"), name="mlp_with_a_tail", last_batch="keep", epochs=2,
+                               data=lambda: (torch.randn(30, 6), torch.randint(0, 3, (30,))))
+    finding = ec.audit(tail).finding(pitfall)
+    assert finding.sensitivity is NOT_RUN and "check that loop with check_loop" in finding.evidence

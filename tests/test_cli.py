@@ -144,3 +144,12 @@ def test_python_dash_m_works_the_same():
     bad = subprocess.run([sys.executable, "-m", "equivcheck", "run", "--bogus"], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "unrecognized arguments: --bogus" in bad.stderr
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly():
+    """`equivcheck list | head`: the pipe closes before the command writes; no traceback, the shell's 141."""
+    process = subprocess.Popen([sys.executable, "-m", "equivcheck", "list"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    process.stdout.close()  # the reader is gone before the first line is written
+    errors = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 141 and "Traceback" not in errors and "BrokenPipe" not in errors
