@@ -70,6 +70,7 @@ class Case:
     description: str = ""
     max_norm: float | None = None  # the clip_grad_norm_ threshold the team's code uses: the audit tells if it engages
     loss_reduction: str = "none"  # "mean": loss returns the mean over the batch's items (a Hugging Face model's .loss)
+    forward: Callable[[nn.Module, Tensor, Tensor], object] | None = None  # how to call the model: default model(inputs)
     last_batch: str = "exact"  # "keep": the last global batch of an epoch may hold fewer than batch_size samples
     epochs: int = 1  # passes over the data, each in the same order: steps * epochs optimizer steps in all
 
@@ -85,6 +86,8 @@ class Case:
             )
         if self.split is not None:
             expect_callable("split", self.split)
+        if self.forward is not None:
+            expect_callable("forward", self.forward)
         expect_int("batch_size", self.batch_size)
         expect_int("steps", self.steps)
         if self.dtype not in NAMES_OF_DTYPES:
@@ -138,6 +141,15 @@ class Objective:
         self.scaler = self.precision.grad_scaler_for()
         self._loss = self.precision.autocasting(case.loss)
         self.loss_dtypes: set[torch.dtype] = set()  # what the loss was computed in: a float64 case may not be
+
+    def forward(self, model: Callable, inputs: Tensor, targets: Tensor) -> object:
+        """The model's output for the loss: ``model(inputs)``, or the case's ``forward(model, inputs, targets)``
+        for a model that takes its targets too (one that computes its own loss, as nanoGPT's GPT does)."""
+        return model(inputs) if self._case.forward is None else self._case.forward(model, inputs, targets)
+
+    def forward_of(self, model: Callable) -> Callable[[Tensor, Tensor], object]:
+        """``model`` as the micro-batch loop calls it: on a micro-batch's inputs and targets."""
+        return lambda inputs, targets: self.forward(model, inputs, targets)
 
     def _call_loss(self, output: object, targets: Tensor) -> object:
         """The case's loss on ``output``; a model whose output is not a tensor is named when the loss breaks on it."""

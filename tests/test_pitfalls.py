@@ -59,7 +59,8 @@ class ForgetsDivideByK(Chunked):
     summary = "test bug: micro-batch mean without / K"
 
     def train_step(self, model, optimizer, batch, objective):
-        loss = backward_chunks(model, batch.inputs, batch.targets, self.chunks, objective.mean, objective=objective)
+        loss = backward_chunks(objective.forward_of(model), batch.inputs, batch.targets, self.chunks, objective.mean,
+                               objective=objective)
         finish_step(optimizer, objective)
         return loss
 

@@ -45,7 +45,7 @@ class StepsAroundTheScaler(Chunked):
     summary = "test bug: optimizer.step() called directly, gradients left scaled"
 
     def train_step(self, model, optimizer, batch, objective):
-        loss = backward_chunks(model, batch.inputs, batch.targets, self.chunks,
+        loss = backward_chunks(objective.forward_of(model), batch.inputs, batch.targets, self.chunks,
                                lambda out, y: objective.sum(out, y) / batch.items, objective=objective)
         optimizer.step()
         optimizer.zero_grad()

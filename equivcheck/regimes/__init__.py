@@ -8,7 +8,7 @@ or loop). A regime of your own is one module that calls :func:`register_regime` 
 from . import ddp, ddp_partial, local, pitfalls, user_code
 from .base import (DEFAULT_REGIMES, REGIMES, Chunked, CommunicationCounter, Regime, chunk_pairs, finish_step,
                    parse_regime, regime_source, register_regime)
-from .loop import accumulate, backward_chunks, global_mean_part, meddling_part
+from .loop import accumulate, backward_chunks, global_mean_part, inputs_only, meddling_part
 
 # Every built-in regime, registered here and only here; a name registered twice is an error.
 BUILT_IN: tuple[type[Regime], ...] = (
@@ -36,6 +36,6 @@ from .user_code import UserLoop, UserStep  # noqa: E402
 __all__ = [
     "BUILT_IN", "DEFAULT_REGIMES", "REGIMES", "Accumulate", "Chunked", "CommunicationCounter", "DetachedPartial",
     "Distributed", "FullBatch", "Regime", "RetainedGraph", "SampleBySample", "SummedLoss", "accumulate",
-    "backward_chunks", "chunk_pairs", "finish_step", "global_mean_part", "meddling_part", "parse_regime",
+    "backward_chunks", "chunk_pairs", "finish_step", "global_mean_part", "inputs_only", "meddling_part", "parse_regime",
     "regime_source", "register_regime", "UserLoop", "UserStep",
 ]

@@ -105,7 +105,7 @@ class Ddp(Distributed):
 
     def train_step(self, model, optimizer, batch, objective):
         mine = self.rank_shard(batch)
-        local = self.rank_part(objective, batch)(model(mine.inputs), mine.targets)
+        local = self.rank_part(objective, batch)(objective.forward(model, mine.inputs, mine.targets), mine.targets)
         objective.backward(local)
         finish_step(optimizer, objective)
         return local.detach() / self.world_size
@@ -140,7 +140,8 @@ class Accumulating(Distributed):
 
     def train_step(self, model, optimizer, batch, objective):
         mine = self.rank_shard(batch)
-        total = backward_chunks(model, mine.inputs, mine.targets, self.chunks, self.rank_part(objective, batch),
+        total = backward_chunks(objective.forward_of(model), mine.inputs, mine.targets, self.chunks,
+                                self.rank_part(objective, batch),
                                 objective=objective, around=lambda last: self.sync_context(model, last))
         finish_step(optimizer, objective)
         return total / self.world_size
@@ -190,7 +191,7 @@ class DdpMeanLoss(Distributed):
 
     def train_step(self, model, optimizer, batch, objective):
         mine = self.rank_shard(batch)
-        local = objective.mean(model(mine.inputs), mine.targets)
+        local = objective.mean(objective.forward(model, mine.inputs, mine.targets), mine.targets)
         objective.backward(local)
         finish_step(optimizer, objective)
         return local.detach() / self.world_size

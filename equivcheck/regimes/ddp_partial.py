@@ -33,7 +33,7 @@ from ..errors import InvalidArgument
 from .base import finish_step
 from .ddp import Accumulating, OnEveryGpu
 from .local import DetachedPartial, backward_detached, backward_trunk
-from .loop import backward_chunks
+from .loop import backward_chunks, inputs_only
 
 
 class Parts(nn.Module):
@@ -126,7 +126,7 @@ class AccumulatingHead(nn.Module):
         detached = features.detach().requires_grad_()
         pieces = chunks - 1 if last_outside else chunks  # back-propagated here, inside the forward
         inside = len(targets) - (len(targets.tensor_split(chunks)[-1]) if last_outside else 0)
-        total = (backward_chunks(self.head, detached[:inside], targets[:inside], pieces, part_loss,
+        total = (backward_chunks(inputs_only(self.head), detached[:inside], targets[:inside], pieces, part_loss,
                                  objective=objective) if pieces else 0.0)
         if not last_outside:
             return total, detached, None

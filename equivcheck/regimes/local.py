@@ -11,7 +11,7 @@ import dataclasses
 import math
 
 from .base import Chunked, Regime, chunk_pairs, expect_max_norm, finish_step
-from .loop import accumulate, backward_chunks, global_mean_part
+from .loop import accumulate, backward_chunks, global_mean_part, inputs_only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +29,7 @@ class FullBatch(Regime):
         return self.max_norm if self.max_norm < math.inf else None
 
     def train_step(self, model, optimizer, batch, objective):
-        loss = objective.sum(model(batch.inputs), batch.targets) / batch.items
+        loss = objective.sum(objective.forward(model, batch.inputs, batch.targets), batch.targets) / batch.items
         objective.backward(loss)
         finish_step(optimizer, objective, self.max_norm)
         return loss.detach()
@@ -70,8 +70,8 @@ class RetainedGraph(Chunked):
     summary = "forward once, backward(retain_graph=True) per loss part: same gradients, no memory saved"
 
     def train_step(self, model, optimizer, batch, objective):
-        output = model(batch.inputs)
-        total = backward_chunks(lambda out: out, output, batch.targets, self.chunks,
+        output = objective.forward(model, batch.inputs, batch.targets)
+        total = backward_chunks(lambda out, targets: out, output, batch.targets, self.chunks,
                                 global_mean_part(objective, batch), retain_graph=True,
                                 objective=objective)
         finish_step(optimizer, objective)
@@ -102,7 +102,7 @@ def backward_detached(trunk, head, inputs, targets, chunks, part_loss, objective
     activation gradient the chunks accumulated. Returns the chunks' summed loss."""
     features = trunk(inputs)
     detached = features.detach().requires_grad_()
-    total = backward_chunks(head, detached, targets, chunks, part_loss, objective=objective, around=around)
+    total = backward_chunks(inputs_only(head), detached, targets, chunks, part_loss, objective=objective, around=around)
     backward_trunk(features, detached)
     return total
 
@@ -127,7 +127,7 @@ class SummedLoss(Chunked):
         part_loss = global_mean_part(objective, batch)
         loss = 0.0
         for x, y in chunk_pairs(batch, self.chunks):
-            loss += part_loss(model(x), y)  # the graph of every micro-batch stays alive until backward
+            loss += part_loss(objective.forward(model, x, y), y)  # every micro-batch's graph lives until backward
         objective.backward(loss)  # through the precision mode's loss scaler, like every regime
         finish_step(optimizer, objective)
         return loss.detach()

@@ -22,7 +22,7 @@ PartLoss = Callable[[Tensor, Tensor], Tensor]
 
 
 def backward_chunks(
-    forward: Callable[[Tensor], Tensor],
+    forward: Callable[[Tensor, Tensor], object],
     inputs: Tensor,
     targets: Tensor,
     chunks: int,
@@ -33,7 +33,8 @@ def backward_chunks(
     around: Callable[[bool], AbstractContextManager] | None = None,
     after: Callable[[], object] | None = None,
 ) -> Tensor:
-    """Back-propagate ``part_loss(forward(x), y)`` for each of ``chunks`` slices; return their summed loss.
+    """Back-propagate ``part_loss(forward(x, y), y)`` for each of ``chunks`` slices; return their summed loss.
+    ``forward`` takes a micro-batch's inputs and targets (``objective.forward_of(model)``; ``inputs_only(head)``).
 
     With ``objective``, each backward goes through its GradScaler (a no-op unless the precision uses
     one). ``around(last)`` is the context a micro-batch's forward and backward run in (DDP's
@@ -44,7 +45,7 @@ def backward_chunks(
     total = 0.0
     for i, (x, y) in enumerate(pairs):
         with around(i == len(pairs) - 1) if around else contextlib.nullcontext():
-            part = part_loss(forward(x), y)
+            part = part_loss(forward(x, y), y)
             if objective is None:
                 part.backward(retain_graph=retain_graph)
             else:
@@ -60,10 +61,16 @@ def accumulate(model: Callable[[Tensor], Tensor], optimizer: Optimizer, batch: B
     """Gradient accumulation: a backward per micro-batch (each its share of the global mean unless
     ``part_loss`` says otherwise), then one optimizer step (the sum clipped to ``max_norm`` first).
     Returns the step's loss."""
-    loss = backward_chunks(model, batch.inputs, batch.targets, chunks, part_loss or global_mean_part(objective, batch),
+    loss = backward_chunks(objective.forward_of(model), batch.inputs, batch.targets, chunks,
+                           part_loss or global_mean_part(objective, batch),
                            objective=objective)
     finish_step(optimizer, objective, max_norm)
     return loss
+
+
+def inputs_only(module: Callable[[Tensor], object]) -> Callable[[Tensor, Tensor], object]:
+    """A part of a model (a head on detached features) as the micro-batch loop calls it."""
+    return lambda inputs, targets: module(inputs)
 
 
 def global_mean_part(objective: Objective, batch: Batch) -> PartLoss:

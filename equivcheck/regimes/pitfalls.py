@@ -53,7 +53,8 @@ class StepPerMicroBatch(Chunked):
     pitfall = True
 
     def train_step(self, model, optimizer, batch, objective):
-        return backward_chunks(model, batch.inputs, batch.targets, self.chunks, global_mean_part(objective, batch),
+        return backward_chunks(objective.forward_of(model), batch.inputs, batch.targets, self.chunks,
+                               global_mean_part(objective, batch),
                                objective=objective, after=lambda: finish_step(optimizer, objective))
 
 
@@ -117,7 +118,8 @@ class ScalerAccumulate(Chunked):
 
     def train_step(self, model, optimizer, batch, objective):
         objective = scaled(objective, model)
-        loss = backward_chunks(model, batch.inputs, batch.targets, self.chunks, global_mean_part(objective, batch),
+        loss = backward_chunks(objective.forward_of(model), batch.inputs, batch.targets, self.chunks,
+                               global_mean_part(objective, batch),
                                objective=objective)
         objective.scaler.unscale_(optimizer)  # where a loop would clip: once, on the whole sum
         finish_step(optimizer, objective)
@@ -230,7 +232,7 @@ class ReplayedDropout(Chunked):
     def train_step(self, model, optimizer, batch, objective):
         replay = MaskReplay(model)
         with torch.no_grad(), replay.recording():
-            model(batch.inputs)
+            objective.forward(model, batch.inputs, batch.targets)
         device = batch.inputs.device
         # The micro-batch forwards' own draws are discarded: the stream goes on as after the full batch.
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), replay.replaying():
