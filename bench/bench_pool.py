@@ -2,6 +2,8 @@
 
 Prints medians over repeats and the ratios the project targets:
   warm-pool DDP run / in-process accumulate run on the same case   (target <= 3x)
+  ec.check with the DDP regime / ec.check with the accumulate one  (target <= 2x; the DDP job trains on its
+                                                                     ranks while the reference runs here)
   pool start / a bare process importing torch                      (target <= 1.5x)
   fresh process group per run / warm-pool run                       (what the pool saves)
 """
@@ -13,7 +15,7 @@ import subprocess
 import sys
 
 import equivcheck as ec
-from timing import median_seconds
+from timing import alternated_seconds, median_seconds
 from equivcheck.distributed.pool import WorkerPool, pool_for, shutdown_pools
 
 
@@ -39,6 +41,8 @@ def main() -> None:
     ec.run(args.case, local)
     warm = median_seconds(lambda: ec.run(args.case, ddp), args.repeats)
     in_process = median_seconds(lambda: ec.run(args.case, local), args.repeats)
+    check_ddp, check_local = alternated_seconds(lambda: ec.check(args.case, [ddp]), lambda: ec.check(args.case, [local]),
+                                                repeats=args.repeats)
     bare_import = median_seconds(
         lambda: subprocess.run([sys.executable, "-c", "import torch"], check=True), args.start_repeats)
     pool_start = median_seconds(lambda: WorkerPool("gloo", args.world_size).close(), args.start_repeats)
@@ -48,6 +52,8 @@ def main() -> None:
     rows = [
         (f"{ddp} run on the warm pool", warm, f"{warm / in_process:.2f}x in-process {local} ({in_process * 1e3:.1f} ms)",
          "<= 3x"),
+        (f"ec.check with {ddp}", check_ddp,
+         f"{check_ddp / check_local:.2f}x ec.check with {local} ({check_local * 1e3:.1f} ms)", "<= 2x"),
         (f"pool start ({args.world_size} gloo ranks)", pool_start,
          f"{pool_start / bare_import:.2f}x a bare 'import torch' process ({bare_import:.2f} s)", "<= 1.5x"),
         (f"{ddp} run on a fresh process group", fresh, f"{fresh / warm:.0f}x the warm-pool run", ""),

@@ -18,7 +18,7 @@ from .compare import Comparison, Tolerance, compare
 from .errors import (InvalidArgument, MemoryNotSaved, NotEquivalent, PrecisionWarning, Unavailable, WorkerError,
                      expect_int, expect_number, expect_seed, expect_timeout)
 from .hints import diagnose
-from .dispatch import DEFAULT_TIMEOUT, run
+from .dispatch import DEFAULT_TIMEOUT, Started, run, start
 from . import rounding
 from .precision import SHADOW, Precision, resolve_precision
 from .regimes import DEFAULT_REGIMES, REGIMES, Regime, parse_regime
@@ -202,9 +202,22 @@ class Plan:
 
     def run(self, spec: Regime, dtype: Precision, measure_memory: bool) -> RunResult:
         """One run of this plan's case under ``spec``, with the plan's seed, timeout and threads."""
-        result = run(self.case, spec, seed=self.seed, timeout=self.timeout, threads=self.threads, dtype=dtype,
-                     measure_memory=measure_memory)
-        return result if self.compare_losses else dataclasses.replace(result, losses=(None,) * len(result.losses))
+        return self.start(spec, dtype, measure_memory).result()
+
+    def start(self, spec: Regime, dtype: Precision, measure_memory: bool) -> Started:
+        """That run begun (on its ranks, for a distributed regime); an error starting it is read with its result."""
+        try:
+            started = start(self.case, spec, seed=self.seed, timeout=self.timeout, threads=self.threads, dtype=dtype,
+                            measure_memory=measure_memory)
+        except Exception as error:
+            return Started.failed(error)
+        if self.compare_losses:
+            return started
+        return Started(lambda: _without_losses(started.result()), started.abandon)
+
+
+def _without_losses(result: RunResult) -> RunResult:
+    return dataclasses.replace(result, losses=(None,) * len(result.losses))
 
 
 def plan(case: Case | str, regimes: Iterable[str | Regime] | str | Regime | None = None, *,
@@ -239,12 +252,35 @@ def plan(case: Case | str, regimes: Iterable[str | Regime] | str | Regime | None
 def iter_outcomes(plan: Plan, *, measure_memory: bool = True) -> Iterator[Outcome]:
     """Run a planned check and yield each outcome as soon as it is known (the CLI keeps those done
     when it is interrupted). A run that raises is an ``error`` verdict, not the end of the report."""
-    case, reference, precision, seed = plan.case, plan.reference, plan.precision, plan.seed
+    case, precision = plan.case, plan.precision
     missing = precision.unavailable()
     if missing:
         yield from (Outcome(case.name, str(s), Verdict.SKIPPED, reason=missing) for s in plan.specs)
         return
 
+    # The first distributed run trains on its ranks while the reference runs here: one job in flight at a time.
+    ahead = _ahead(plan, -1, precision, measure_memory)
+    try:
+        yield from _outcomes(plan, precision, measure_memory, ahead)
+    finally:  # a consumer that stops early (Ctrl-C in the CLI) leaves no job unread on a pool
+        for started in ahead.values():
+            started.abandon()
+
+
+def _ahead(plan: Plan, after: int, precision: Precision, measure_memory: bool) -> dict[int, Started]:
+    """The next distributed run after spec ``after``, started now so its ranks train while this process
+    works; none while the reference itself runs on ranks (it would share their pool)."""
+    if plan.reference.distributed:
+        return {}
+    for index in range(after + 1, len(plan.specs)):
+        spec = plan.specs[index]
+        if spec.distributed and spec != plan.reference:
+            return {index: plan.start(spec, precision, measure_memory)}
+    return {}
+
+
+def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dict[int, Started]) -> Iterator[Outcome]:
+    case, reference, seed = plan.case, plan.reference, plan.seed
     started = time.perf_counter()
     try:
         ref = plan.run(reference, precision, measure_memory)
@@ -265,13 +301,15 @@ def iter_outcomes(plan: Plan, *, measure_memory: bool = True) -> Iterator[Outcom
 
     _warn_lower_precision(case, precision, ref)
     shadow_reference = functools.cache(lambda: plan.run(reference, SHADOW, False))
-    for spec in plan.specs:
+    for index, spec in enumerate(plan.specs):
         if spec == reference:
             yield _judge(case, spec, self_check, ref_seconds / 2, rerun, ref, reference)
             continue
+        if not ahead and not spec.distributed:  # this run is here: the next distributed one can train meanwhile
+            ahead.update(_ahead(plan, index, precision, measure_memory))
         started = time.perf_counter()
         try:
-            result = plan.run(spec, precision, measure_memory)
+            result = (ahead.pop(index) if index in ahead else plan.start(spec, precision, measure_memory)).result()
         except InvalidArgument:
             raise
         except Unavailable as why:

@@ -4,6 +4,7 @@ ranks, or in a launcher's process group, and returns one RunResult whichever it 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from .case import Case
 from .distributed import launcher, pool
@@ -26,6 +27,39 @@ def run(case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED, tim
     Raises :class:`Unavailable` when this machine cannot run the regime (no GPUs for nccl or
     DataParallel), :class:`WorkerError` when a worker rank raises, hangs past ``timeout`` or dies.
     """
+    return start(case, regime, seed=seed, timeout=timeout, **options).result()
+
+
+class Started:
+    """A run begun: ``result()`` gives its RunResult (raising what the run raised); ``abandon()`` gives it up.
+
+    A run on the warm pool is on its ranks from :func:`start` on, so the parent can work meanwhile (the
+    reference in this process); one abandoned there closes its pool, whose reply must answer nothing later.
+    A run that could not start raises its error from ``result()``, where a run's errors are read."""
+
+    def __init__(self, finish: Callable[[], RunResult], abandon: Callable[[], None] = lambda: None) -> None:
+        self._finish, self._abandon, self.done = finish, abandon, False
+
+    def result(self) -> RunResult:
+        self.done = True
+        return self._finish()
+
+    def abandon(self) -> None:
+        if not self.done:
+            self.done = True
+            self._abandon()
+
+    @classmethod
+    def failed(cls, error: Exception) -> Started:
+        def reraise() -> RunResult:
+            raise error
+        return cls(reraise)
+
+
+def start(case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED, timeout: float = DEFAULT_TIMEOUT,
+          **options) -> Started:
+    """Begin a run: a warm-pool job is sent to its ranks now; a run in this process (or in a launcher's
+    group, where every rank must run it together) happens when its result is asked for."""
     case = resolve_case(case)
     regime = parse_regime(regime)
     expect_timeout(timeout)
@@ -36,7 +70,7 @@ def run(case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED, tim
     # Resolved here, where the user's choice is visible: ranks train with the parent's count.
     options["threads"] = intra_op.resolve(options.get("threads"))
     if not regime.distributed:
-        return train(case, regime, seed=seed, **options)
+        return Started(lambda: train(case, regime, seed=seed, **options))
     source = importable_source(case)
     if isinstance(options.get("dtype"), Precision):  # workers look precision modes up by name
         options["dtype"] = registered_name(options["dtype"])
@@ -44,9 +78,13 @@ def run(case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED, tim
            "regime_source": regime_source(regime), "seed": seed, "options": options}
     backend = regime.resolved_backend
     if launcher.active():
-        replies = launcher.run_job(backend, regime.world_size, job)
-    else:
-        replies = pool.run_job(backend, regime.world_size, job, timeout)
+        return Started(lambda: _assembled(launcher.run_job(backend, regime.world_size, job)))
+    in_flight = pool.submit_job(backend, regime.world_size, job, timeout)
+    return Started(lambda: _assembled(in_flight()), in_flight.abandon)
+
+
+def _assembled(replies: list[dict]) -> RunResult:
+    """One RunResult of the ranks' replies: rank 0's, with the step losses and how far the ranks stood apart."""
     results = [RunResult.from_plain(reply) for reply in replies]
     # Each rank returns its share of the step's loss (None: a step that returns none).
     losses = tuple(None if None in shares else sum(shares) for shares in zip(*(r.losses for r in results)))

@@ -132,13 +132,14 @@ def test_the_cli_keeps_finished_verdicts_when_interrupted(tmp_path, fault, code)
     stdout, stderr = cli.communicate(timeout=240)
     assert cli.returncode == code, stdout + stderr
     assert "Traceback" not in stderr and "Traceback" not in stdout
-    assert f"3 checks: 3 equivalent; interrupted by {fault.upper()}" in stdout
     document = json.loads(out.read_text())
     assert document["interrupted"] is True and document["status"] == "interrupted"
-    assert [(r["case"], r["regime"], r["verdict"]) for r in document["rows"]] == [
-        ("mlp", "accumulate:chunks=2", "equivalent"), ("mlp", "ddp:world_size=2", "equivalent"),
-        (f"fault_{fault}", "accumulate:chunks=2", "equivalent"),
-    ]
+    # The fault case's DDP job starts on its ranks while its reference runs here, so its in-process verdict
+    # may or may not be finished when the signal lands; every verdict finished is kept.
+    rows = [(r["case"], r["regime"], r["verdict"]) for r in document["rows"]]
+    assert rows == [("mlp", "accumulate:chunks=2", "equivalent"), ("mlp", "ddp:world_size=2", "equivalent"),
+                    (f"fault_{fault}", "accumulate:chunks=2", "equivalent")][: len(rows)] and len(rows) >= 2
+    assert f"{len(rows)} checks: {len(rows)} equivalent; interrupted by {fault.upper()}" in stdout
     assert not ranks_of(cli.pid) and not folders_of(cli.pid)
 
 
@@ -223,3 +224,30 @@ def test_a_world_size_the_machine_cannot_hold_is_refused_with_numbers(monkeypatc
     assert outcome.verdict is Verdict.SKIPPED
     assert "world_size=9 needs about 9 x" in outcome.reason and "1.0 GiB available" in outcome.reason
     assert ("gloo", 9) not in pools._pools
+
+
+def test_a_distributed_run_trains_while_the_reference_runs_and_an_abandoned_one_closes_its_pool():
+    """The first DDP job goes to its ranks before the reference runs here; a consumer that stops while it
+    is in flight (Ctrl-C in the CLI) closes that pool, and the next check gets a fresh pool and its own results."""
+    from equivcheck.check import iter_outcomes, plan
+
+    outcomes = iter_outcomes(plan("mlp", ["accumulate:chunks=2", "ddp:world_size=2"]))
+    first = next(outcomes)
+    assert first.regime == "accumulate:chunks=2"
+    pool = pools._pools[("gloo", 2)]
+    assert pool._in_flight is not None  # sent before the reference ran, not yet collected
+    outcomes.close()
+    assert not pool.alive and ("gloo", 2) not in pools._pools
+    (fresh,) = ec.check("mlp", ["ddp:world_size=2"]).outcomes
+    assert fresh.verdict is Verdict.EQUIVALENT
+    assert_a_buggy_regime_is_still_caught()
+
+
+def test_a_pool_never_holds_two_jobs_in_flight():
+    pool = pools.pool_for("gloo", 2)
+    job = {"case": "mlp", "source": "equivcheck_cases.mlp", "regime": "ddp:world_size=2",
+           "regime_source": "equivcheck.regimes.ddp", "seed": 0, "options": {"threads": 1}}
+    ticket = pool.submit(job)
+    with pytest.raises(ec.WorkerError, match=f"job {ticket.number} is still in flight: collect it before the next"):
+        pool.submit(job)
+    assert len(pool.collect(ticket)) == 2 and pool.alive

@@ -72,13 +72,13 @@ def test_the_shadow_draws_what_the_float32_run_draws():
 def counting_shadows(monkeypatch):
     calls = []
     module = sys.modules["equivcheck.check"]  # the package's ``check`` is the function
-    original = module.run
+    original = module.start  # every run of a check begins here
 
     def counted(*args, **kwargs):
         calls.append(kwargs.get("dtype"))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(module, "run", counted)
+    monkeypatch.setattr(module, "start", counted)
     return calls
 
 

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from multiprocessing.connection import wait
+from typing import NamedTuple
 
 from ..errors import InvalidArgument, WorkerError
 from .capacity import ensure_room
@@ -33,6 +34,15 @@ DEFAULT_TIMEOUT = 60.0  # seconds a job may take on its ranks
 START_TIMEOUT = 120.0  # seconds to start the ranks and join the process group
 WORKER_THREADS = 1  # torch threads per rank: ranks share the machine's cores
 DEATH_GRACE = 1.0  # seconds a rank's error waits for a peer's death to show: the death is the cause
+
+
+class Ticket(NamedTuple):
+    """A job sent and not yet collected: its number (replies must carry it), when it must be done, and what it is."""
+
+    number: int
+    deadline: float
+    timeout: float
+    what: str
 
 
 class WorkerPool:
@@ -49,6 +59,7 @@ class WorkerPool:
         }
         self._conns, self._processes = [], []
         self._jobs = 0  # the number of the last job sent; replies must carry it
+        self._in_flight: Ticket | None = None
         try:
             for rank in range(world_size):
                 # A private socket pair per rank: no port, no authentication to get wrong, and EOF when either dies.
@@ -59,7 +70,7 @@ class WorkerPool:
                 self._processes.append(subprocess.Popen(command, env=env, pass_fds=[child_end.fileno()],
                                                         start_new_session=True))
                 child_end.close()
-            self._gather(start_timeout, "start", job=0)
+            self._gather(Ticket(0, time.monotonic() + start_timeout, start_timeout, "start"))
         except BaseException:
             self.close()
             raise
@@ -73,25 +84,44 @@ class WorkerPool:
 
         A fault, and any exception while the job is in flight (KeyboardInterrupt included), closes
         the pool before it propagates: its ranks may still be working on this job."""
+        return self.collect(self.submit(job, timeout))
+
+    def submit(self, job: dict, timeout: float = DEFAULT_TIMEOUT) -> Ticket:
+        """Send ``job`` to every rank and return at once: the parent works on while the ranks train. One job
+        is in flight at a time; :meth:`collect` must come next, or :meth:`close` (which any fault calls)."""
         if not self.alive:
             raise WorkerError("this pool was closed (a fault or an interrupted job); the next job starts a fresh one")
+        if self._in_flight is not None:
+            raise WorkerError(f"job {self._in_flight.number} is still in flight: collect it before the next")
         self._jobs += 1
+        ticket = Ticket(self._jobs, time.monotonic() + timeout, timeout, f"job {job.get('case')} under {job.get('regime')}")
         try:
             for conn in self._conns:
-                conn.send((self._jobs, job))
-            return self._gather(timeout, f"job {job.get('case')} under {job.get('regime')}", job=self._jobs)
+                conn.send((ticket.number, job))
         except OSError as error:
             self.close()
             raise WorkerError(f"the pool lost a rank while sending the job: {error}") from error
         except BaseException:
             self.close()
             raise
+        self._in_flight = ticket
+        return ticket
 
-    def _gather(self, timeout: float, what: str, job: int) -> list:
-        """Every rank's reply to ``job``: an error reply, a reply to another job, silence past
-        ``timeout`` or a dead rank raises."""
+    def collect(self, ticket: Ticket) -> list[dict]:
+        """Every rank's reply to the job ``ticket`` names, waiting up to its deadline."""
+        try:
+            replies = self._gather(ticket)
+        except BaseException:
+            self.close()
+            raise
+        self._in_flight = None
+        return replies
+
+    def _gather(self, ticket: Ticket) -> list:
+        """Every rank's reply to the job: an error reply, a reply to another job, silence past the
+        ticket's deadline or a dead rank raises."""
+        job, deadline, timeout, what = ticket
         replies: dict[int, object] = {}
-        deadline = time.monotonic() + timeout
         while len(replies) < self.world_size:
             pending = [r for r in range(self.world_size) if r not in replies]
             waitables = {self._conns[r]: r for r in pending}  # a dead rank's end reads as EOF
@@ -224,12 +254,38 @@ def pool_for(backend: str, world_size: int) -> WorkerPool:
 
 
 def run_job(backend: str, world_size: int, job: dict, timeout: float = DEFAULT_TIMEOUT) -> list[dict]:
+    return submit_job(backend, world_size, job, timeout)()
+
+
+class InFlight:
+    """A job on a warm pool's ranks: call it for the replies, or ``abandon()`` it (the pool is closed, so no
+    reply left unread can answer a later job)."""
+
+    def __init__(self, backend: str, world_size: int, pool: WorkerPool, ticket: Ticket) -> None:
+        self._key, self._pool, self._ticket = (backend, world_size), pool, ticket
+
+    def __call__(self) -> list[dict]:
+        try:
+            return self._pool.collect(self._ticket)
+        except BaseException:  # the pool closed itself; it is never reused
+            _pools.pop(self._key, None)
+            raise
+
+    def abandon(self) -> None:
+        self._pool.close()
+        _pools.pop(self._key, None)
+
+
+def submit_job(backend: str, world_size: int, job: dict, timeout: float = DEFAULT_TIMEOUT) -> InFlight:
+    """Send ``job`` to the warm pool's ranks now; the returned job gives their replies when called."""
     pool = pool_for(backend, world_size)
     try:
-        return pool.run(job, timeout)
-    except BaseException:  # the pool closed itself; it is never reused
-        _pools.pop((backend, world_size), None)
+        ticket = pool.submit(job, timeout)
+    except BaseException:
+        if not pool.alive:  # a failed send closed it; it is never reused
+            _pools.pop((backend, world_size), None)
         raise
+    return InFlight(backend, world_size, pool, ticket)
 
 
 def shutdown_pools() -> None:
