@@ -50,9 +50,9 @@ def train(
         with default_dtype(precision.draw_dtype or precision.dtype):
             model = build_model(case, precision, device)
             batches = load_batches(case, precision, device)
-        optimizer = regime.build_optimizer(case, model)
         objective = Objective(case, precision)
-        module = regime.wrap(model, objective)
+        module = regime.wrap(model, objective)  # first: a sharding wrapper replaces the parameters the optimizer holds
+        optimizer = regime.build_optimizer(case, model)
         counter = regime.count_communication(module)
         data = [t for batch in batches for t in (batch.inputs, batch.targets)]
         with GradRecorder(model, optimizer, counter, regime.full_tensor) as recorder, \
