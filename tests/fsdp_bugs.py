@@ -1,0 +1,30 @@
+"""Real bugs under FSDP2, the twins of its equivalent verdicts: registered here, imported by the ranks by name."""
+
+import dataclasses
+
+from equivcheck.regimes import register_regime
+from equivcheck.regimes.fsdp import Fsdp, FsdpNoSync, gradient_sync_off
+
+
+@register_regime
+@dataclasses.dataclass(frozen=True)
+class FsdpSyncNever(FsdpNoSync):
+    name = "fsdp_sync_never"
+    summary = "PITFALL: gradient sync turned off for every micro-batch, the last one too: nothing is reduce-scattered"
+    pitfall = True
+
+    def sync_context(self, model, last):
+        return gradient_sync_off(model)
+
+
+@register_regime
+@dataclasses.dataclass(frozen=True)
+class FsdpMeanLoss(Fsdp):
+    name = "fsdp_mean_loss"
+    summary = "PITFALL: each rank's mean loss under FSDP2; ranks averaged equally, wrong when their item counts differ"
+    pitfall = True
+
+    def rank_part(self, objective, batch):
+        return objective.mean
+
+
