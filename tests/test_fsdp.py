@@ -1,7 +1,7 @@
 """FSDP2 (fully_shard per block and root) on the warm pool: exact against full batch, its gradients read back
 whole, its reduce-scatters counted; each equivalent verdict beside a real bug it catches."""
 
-import fsdp_bugs  # noqa: F401  (registers the bugs; the ranks import it by name)
+import parallel_bugs  # noqa: F401  (registers the bugs; the ranks import it by name)
 import pytest
 
 import equivcheck as ec

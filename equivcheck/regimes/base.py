@@ -76,6 +76,10 @@ class Regime:
         """The optimizer this regime steps (a sharded optimizer would wrap the case's own here)."""
         return case.optimizer(ModelParameters(model))
 
+    def local_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """The optimizer whose state this rank holds: ``optimizer`` itself, or a sharded one's own part."""
+        return optimizer
+
     def count_communication(self, module: nn.Module) -> CommunicationCounter | None:
         """A counter of the gradient synchronisations ``module`` (every wrapper inside it) makes per step, or
         None: nothing to count."""

@@ -1,9 +1,11 @@
-"""Real bugs under FSDP2, the twins of its equivalent verdicts: registered here, imported by the ranks by name."""
+"""Real bugs under FSDP2 and ZeRO, the twins of its equivalent verdicts: registered here, imported by the ranks by name."""
 
 import dataclasses
 
 from equivcheck.regimes import register_regime
+from equivcheck.case import ModelParameters
 from equivcheck.regimes.fsdp import Fsdp, FsdpNoSync, gradient_sync_off
+from equivcheck.regimes.zero import Zero
 
 
 @register_regime
@@ -28,3 +30,17 @@ class FsdpMeanLoss(Fsdp):
         return objective.mean
 
 
+
+
+@register_regime
+@dataclasses.dataclass(frozen=True)
+class ZeroDefaultHyperparameters(Zero):
+    name = "zero_default_hyperparameters"
+    summary = "PITFALL: ZeroRedundancyOptimizer given the optimizer class alone: its lr and momentum are lost"
+    pitfall = True
+
+    def build_optimizer(self, case, model):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        optimizer = case.optimizer(ModelParameters(model))
+        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=type(optimizer), lr=0.01)
