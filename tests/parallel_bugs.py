@@ -5,6 +5,7 @@ import dataclasses
 from equivcheck.regimes import register_regime
 from equivcheck.case import ModelParameters
 from equivcheck.regimes.fsdp import Fsdp, FsdpNoSync, gradient_sync_off
+from equivcheck.regimes.ddp import Ddp
 from equivcheck.regimes.zero import Zero
 
 
@@ -44,3 +45,14 @@ class ZeroDefaultHyperparameters(Zero):
 
         optimizer = case.optimizer(ModelParameters(model))
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=type(optimizer), lr=0.01)
+
+
+@register_regime
+@dataclasses.dataclass(frozen=True)
+class DdpForgetsTheWorldSize(Ddp):
+    name = "ddp_forgets_the_world_size"
+    summary = "PITFALL: a rank's loss sum over the global items, not times W: DDP's average is 1/W too small"
+    pitfall = True
+
+    def rank_part(self, objective, batch):
+        return lambda output, targets: objective.sum(output, targets) / batch.items

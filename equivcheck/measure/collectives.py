@@ -101,3 +101,11 @@ class _CountingAllGather(DefaultAllGather):
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         self.counter.count("all_gather", input_tensor)
         return super().__call__(output_tensor, input_tensor, group, async_op)
+
+
+def attach_counter(module: nn.Module) -> CommCounter | ShardedCommCounter:
+    """The counter for the wrappers inside ``module``: FSDP2's collectives where it holds FSDP modules
+    (a regime's, or a team's own wrap), DDP's all-reduces otherwise."""
+    if any(isinstance(m, FSDPModule) for m in module.modules()):
+        return ShardedCommCounter.attach(module)
+    return CommCounter.attach(module)

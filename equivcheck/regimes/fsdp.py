@@ -14,14 +14,12 @@ import contextlib
 import dataclasses
 
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
 
 from ..case import Objective
-from ..measure.collectives import ShardedCommCounter
-from .ddp import Accumulating, Ddp
+from .ddp import Accumulating, Ddp, Distributed
 
 
 def shard_blocks(model: nn.Module, mesh, reshard_after_forward: bool) -> nn.Module:
@@ -33,7 +31,8 @@ def shard_blocks(model: nn.Module, mesh, reshard_after_forward: bool) -> nn.Modu
 
 
 class ShardedByFsdp:
-    """What every FSDP2 regime shares: how it wraps, counts and reads back; its field
+    """What every FSDP2 regime shares: how it wraps (counting and reading back are every distributed
+    regime's: see ``Distributed``); its field
     ``reshard_after_forward`` (default true) frees gathered parameters after each forward."""
 
     reshard_after_forward: bool
@@ -43,18 +42,13 @@ class ShardedByFsdp:
         mesh = init_device_mesh(self.device().type, (dist.get_world_size(),))
         return shard_blocks(model, mesh, self.reshard_after_forward)
 
-    def count_communication(self, module: nn.Module) -> ShardedCommCounter:
-        return ShardedCommCounter.attach(module)
-
-    def full_tensor(self, tensor: Tensor) -> Tensor:
-        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
 
 @dataclasses.dataclass(frozen=True)
-class Fsdp(ShardedByFsdp, Ddp):
+class Fsdp(ShardedByFsdp, Distributed):
     name = "fsdp"
     summary = "FSDP2 fully_shard per block and root, W ranks each its shard; reduce-scatter averages like DDP"
     reshard_after_forward: bool = True
+    train_step = Ddp.train_step  # the same step: FSDP2 averages ranks as DDP does
 
 
 @dataclasses.dataclass(frozen=True)
