@@ -1,11 +1,11 @@
 """The regimes, by family: ``base`` (the interface, specs, the registry), ``loop`` (the micro-batch
 loop they share), ``local`` (full batch and faithful accumulation), ``pitfalls`` (each bug beside its
 faithful twin), ``ddp`` (DistributedDataParallel and DataParallel), ``ddp_partial`` (seed 000's accumulation
-over part of the model inside DDP and DataParallel), ``fsdp`` (FSDP2 fully_shard), ``zero`` (ZeroRedundancyOptimizer), ``checkpoint`` (activation checkpointing inside accumulation), ``user_code`` (a team's own step
+over part of the model inside DDP and DataParallel), ``fsdp`` (FSDP2 fully_shard), ``zero`` (ZeroRedundancyOptimizer), ``checkpoint`` (activation checkpointing inside accumulation), ``sync_batchnorm`` (SyncBatchNorm under DDP, GPUs only), ``user_code`` (a team's own step
 or loop). A regime of your own is one module that calls :func:`register_regime` on its class.
 """
 
-from . import checkpoint, ddp, ddp_partial, fsdp, local, pitfalls, user_code, zero
+from . import checkpoint, ddp, ddp_partial, fsdp, local, pitfalls, sync_batchnorm, user_code, zero
 from .base import (DEFAULT_REGIMES, REGIMES, Chunked, CommunicationCounter, Regime, chunk_pairs, finish_step,
                    parse_regime, regime_source, register_regime)
 from .loop import accumulate, backward_chunks, global_mean_part, meddling_part
@@ -25,6 +25,7 @@ BUILT_IN: tuple[type[Regime], ...] = (
     fsdp.Fsdp, fsdp.FsdpNoSync, fsdp.FsdpSyncEveryMicroBatch,
     zero.Zero,
     checkpoint.Checkpoint, checkpoint.CheckpointWithoutRngState,
+    sync_batchnorm.SyncBatchNorm,
     user_code.DdpStep,
     user_code.DdpLoop,
 )
