@@ -31,9 +31,8 @@ def shard_blocks(model: nn.Module, mesh, reshard_after_forward: bool) -> nn.Modu
 
 
 class ShardedByFsdp:
-    """What every FSDP2 regime shares: how it wraps (counting and reading back are every distributed
-    regime's: see ``Distributed``); its field
-    ``reshard_after_forward`` (default true) frees gathered parameters after each forward."""
+    """How every FSDP2 regime wraps (counting and reading back whole are every distributed regime's: see
+    ``Distributed``); ``reshard_after_forward`` (default true) frees gathered parameters after each forward."""
 
     reshard_after_forward: bool
     sync_collective = "reduce-scattered"
