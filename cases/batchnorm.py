@@ -57,3 +57,11 @@ groupnorm_cnn = ec.register_case(dataclasses.replace(
 add_entry(Entry("BatchNorm under accumulation", "batchnorm_cnn", "accumulate:chunks=5", "accumulate:chunks=5",
                 twin_case="groupnorm_cnn"))
 add_entry(Entry("BatchNorm under DDP", "batchnorm_cnn", "ddp:world_size=2", "ddp:world_size=2", twin_case="groupnorm_cnn"))
+
+batchnorm_cnn_synced = ec.register_case(dataclasses.replace(
+    batchnorm_cnn,
+    name="batchnorm_cnn_synced",
+    regimes=("full_batch", "ddp:world_size=2", "sync_batchnorm:world_size=2"),
+    expect_mismatch={"ddp": "BatchNorm normalises each rank's shard by its own statistics (no SyncBatchNorm)"},
+    description="twin of BatchNorm under DDP: SyncBatchNorm normalises by the global batch (GPUs only)",
+))

@@ -102,3 +102,28 @@ add_entry(Entry("DDP per-rank mean loss, uneven token counts", "ddp_mean_loss_un
                 "ddp:world_size=2"))
 add_entry(Entry("DDP sampler pads shards by repeating samples", "ddp_uneven_shards", "ddp_padded_sampler:world_size=2",
                 "ddp:world_size=2"))
+
+
+class WithAuxiliaryHead(nn.Module):
+    """A classifier with an auxiliary head that only evaluation uses: in training it never takes part."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 10), nn.Tanh())
+        self.head = nn.Linear(10, 3)
+        self.auxiliary = nn.Linear(10, 1)
+
+    def forward(self, x):
+        hidden = self.body(x)
+        return self.head(hidden) if self.training else torch.cat([self.head(hidden), self.auxiliary(hidden)], 1)
+
+
+unused_branch = ec.register_case(dataclasses.replace(
+    mlp,
+    name="unused_branch",
+    model=WithAuxiliaryHead,
+    split=None,
+    regimes=("full_batch", "ddp:world_size=2,find_unused_parameters=1",
+             "ddp_no_sync:world_size=2,chunks=3,find_unused_parameters=1"),
+    description="a parameter no training forward uses: DDP needs find_unused_parameters=True",
+))

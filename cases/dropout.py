@@ -52,3 +52,14 @@ dropout_one_layer = ec.register_case(dataclasses.replace(
 # The catalogue's entries that use these cases.
 add_entry(Entry("dropout masks drawn per micro-batch", "dropout_two_layers", "accumulate:chunks=4",
                 "replayed_dropout:chunks=4"))
+
+checkpoint_dropout = ec.register_case(dataclasses.replace(
+    dropout_one_layer,
+    name="checkpoint_dropout",
+    regimes=("full_batch", "accumulate:chunks=4", "checkpoint:chunks=4", "checkpoint_without_rng_state:chunks=4"),
+    expect_mismatch={"checkpoint_without_rng_state": "the recomputed forward draws new dropout masks"},
+    description="pitfall: activation checkpointing without preserving the RNG state, under dropout",
+))
+
+add_entry(Entry("checkpoint(preserve_rng_state=False) with dropout", "checkpoint_dropout",
+                "checkpoint_without_rng_state:chunks=4", "checkpoint:chunks=4"))

@@ -446,7 +446,7 @@ def _distributed_problems(spec: Regime, result: RunResult, comparison: Compariso
         for step, syncs in enumerate(result.syncs):
             if syncs != expected:
                 problems.append(
-                    f"communication: step {step} all-reduced gradients {syncs} time(s) "
+                    f"communication: step {step} {spec.sync_collective} gradients {syncs} time(s) "
                     f"({result.sync_bytes[step]} bytes per rank); a faithful step does it {expected} time(s){each}"
                 )
                 break

@@ -43,6 +43,8 @@ class RunResult:
     memory_method: str | None = None
     loss_dtypes: tuple[str, ...] = ()  # the dtypes the case's loss came out in ("torch.float32"): the real precision
     batch_samples: tuple[int, ...] = ()  # samples in each global batch trained on, every epoch's: where the tails are
+    # Bytes rank 0 held (parameters, gradients at the last step, optimizer state): see equivcheck.measure.state.
+    state_bytes: tuple[int, int, int] | None = None
 
     @property
     def optimizer_steps(self) -> int:

@@ -20,6 +20,7 @@ from .check import Report, check
 from .errors import InvalidArgument, expect_callable
 from .regimes import Regime
 from .seeding import DEFAULT_SEED
+from .regimes.ddp import DDP_OPTIONS
 from .regimes.user_code import DdpLoop, DdpStep, LoopFn, StepFn, UserLoop, UserStep, import_path
 
 
@@ -31,6 +32,7 @@ def check_step(
     world_size: int | None = None,
     wrap: Callable[[nn.Module], nn.Module] | None = None,
     per_run: bool = False,
+    ddp_options: dict | None = None,
     **options,
 ) -> Report:
     """Check a team's ``step(model, optimizer, batch)`` against ``reference``: a regime spec, or another
@@ -40,14 +42,15 @@ def check_step(
 
     With ``world_size`` the step runs on that many DDP ranks of the warm pool (see ``regimes.user_code``),
     given the model in DistributedDataParallel, or what the team's ``wrap(model)`` makes of it (the
-    trunk and the head each in DDP, say). ``options`` go to :func:`equivcheck.check` (rtol, atol, seed,
+    trunk and the head each in DDP, say), made with ``ddp_options`` (``{"find_unused_parameters": True}``;
+    any of ``DistributedDataParallel``'s options that equivcheck's ddp regimes take). ``options`` go to :func:`equivcheck.check` (rtol, atol, seed,
     backend, timeout).
     """
     reference = reference if isinstance(reference, (str, Regime)) else UserStep(reference)
     if not isinstance(per_run, bool):
         raise InvalidArgument.type("per_run", per_run, "bool")
-    candidate = (UserStep(step, per_run) if _in_process(world_size, wrap)
-                 else _on_ranks(DdpStep, "step", step, world_size, wrap, per_run=per_run))
+    candidate = (UserStep(step, per_run) if _in_process(world_size, wrap, ddp_options)
+                 else _on_ranks(DdpStep, "step", step, world_size, wrap, ddp_options, per_run=per_run))
     warn_blind_spots(case, seed=options.get("seed", DEFAULT_SEED))
     return check(case, [candidate], reference=reference, **options)
 
@@ -59,28 +62,40 @@ def check_loop(
     *,
     world_size: int | None = None,
     wrap: Callable[[nn.Module], nn.Module] | None = None,
+    ddp_options: dict | None = None,
     **options,
 ) -> Report:
     """Check a team's ``loop(model, optimizer, batches)`` against ``reference`` (a spec or another loop);
-    with ``world_size``, the loop on that many DDP ranks, each given its shard of every global batch."""
+    with ``world_size``, the loop on that many DDP ranks, each given its shard of every global batch, the
+    model in DDP made with ``ddp_options`` (as :func:`check_step`)."""
     reference = reference if isinstance(reference, (str, Regime)) else UserLoop(reference)
-    candidate = UserLoop(loop) if _in_process(world_size, wrap) else _on_ranks(DdpLoop, "loop", loop, world_size, wrap)
+    candidate = (UserLoop(loop) if _in_process(world_size, wrap, ddp_options)
+                 else _on_ranks(DdpLoop, "loop", loop, world_size, wrap, ddp_options))
     warn_blind_spots(case, seed=options.get("seed", DEFAULT_SEED))
     return check(case, [candidate], reference=reference, **options)
 
 
-def _in_process(world_size: int | None, wrap: Callable | None) -> bool:
+def _in_process(world_size: int | None, wrap: Callable | None, ddp_options: dict | None = None) -> bool:
     if world_size is None and wrap is not None:
         raise InvalidArgument(f"wrap={wrap!r} is not allowed without world_size: expected world_size= with it "
                               "(the model is wrapped for DDP ranks only)")
+    if world_size is None and ddp_options:
+        raise InvalidArgument(f"ddp_options={ddp_options!r} is not allowed without world_size: expected world_size= "
+                              "with it (the options are DistributedDataParallel's)")
     return world_size is None
 
 
 def _on_ranks(regime: type[DdpStep], argument: str, fn: Callable, world_size: int, wrap: Callable | None,
-              **fields) -> DdpStep:
+              ddp_options: dict | None, **fields) -> DdpStep:
     """The team's code on DDP ranks: it and its wrap travel by import path, which the ranks resolve."""
     expect_callable(argument, fn)
     path = import_path(fn, argument)
     if wrap is not None:
         expect_callable("wrap", wrap)
-    return regime(world_size=world_size, fn=path, wrapper="" if wrap is None else import_path(wrap, "wrap"), **fields)
+    ddp_options = dict(ddp_options or {})
+    unknown = sorted(set(ddp_options) - set(DDP_OPTIONS))
+    if unknown:
+        raise InvalidArgument(f"ddp_options: {unknown[0]!r} is not allowed: expected DistributedDataParallel options "
+                              f"among {', '.join(DDP_OPTIONS)}")
+    return regime(world_size=world_size, fn=path, wrapper="" if wrap is None else import_path(wrap, "wrap"),
+                  **ddp_options, **fields)

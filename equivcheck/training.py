@@ -17,6 +17,7 @@ from .case import Batch, Case, Objective
 from .closure import evaluate_closure
 from .errors import InvalidArgument, NonFinite, Unavailable
 from .measure.activation import activation_meter
+from .measure.state import held_bytes, optimizer_state_bytes
 from .precision import Precision, resolve_precision
 from .regimes import CommunicationCounter, Regime, parse_regime
 from .registry import resolve_case
@@ -50,15 +51,17 @@ def train(
         with default_dtype(precision.draw_dtype or precision.dtype):
             model = build_model(case, precision, device)
             batches = load_batches(case, precision, device)
-        optimizer = regime.build_optimizer(case, model)
         objective = Objective(case, precision)
-        module = regime.wrap(model, objective)
+        module = regime.wrap(model, objective)  # first: a sharding wrapper replaces the parameters the optimizer holds
+        optimizer = regime.build_optimizer(case, model)
         counter = regime.count_communication(module)
         data = [t for batch in batches for t in (batch.inputs, batch.targets)]
         with GradRecorder(model, optimizer, counter, regime.full_tensor) as recorder, \
                 activation_meter(model, data, enabled=measure_memory) as memory:
             losses = tuple(None if loss is None else float(loss)
                            for loss in regime.train(module, optimizer, batches, objective))
+    held = (held_bytes(model.parameters()), recorder.grad_bytes,
+            optimizer_state_bytes(regime.local_optimizer(optimizer)))
     weights = snapshot(model.named_parameters(), regime.full_tensor)
     ensure_finite(str(regime), losses, recorder.grads, weights)
     return RunResult(
@@ -77,6 +80,7 @@ def train(
         memory_method=memory.method,
         loss_dtypes=tuple(sorted(str(dtype) for dtype in objective.loss_dtypes)),
         batch_samples=tuple(len(batch) for batch in batches),
+        state_bytes=held,
     )
 
 
@@ -155,6 +159,7 @@ class GradRecorder:
         self.grads: list[dict[str, Tensor]] = []
         self.syncs: list[int] = []
         self.sync_bytes: list[int] = []
+        self.grad_bytes = 0  # the gradient bytes this rank held at the last step
 
     def __enter__(self) -> GradRecorder:
         self._handle = self._optimizer.register_step_pre_hook(self._before_step)
@@ -166,6 +171,7 @@ class GradRecorder:
         return call
 
     def _record(self) -> None:
+        self.grad_bytes = held_bytes(p.grad for _, p in self._named)
         self.grads.append(self._snapshot())
         if self._counter is not None:
             syncs, sent = self._counter.take()

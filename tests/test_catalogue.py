@@ -33,9 +33,11 @@ def test_every_pitfall_caught_and_every_twin_passes_to_target(rows):
 
 def test_a_pitfall_with_right_numbers_is_caught_by_its_count(rows):
     counted = [row for row in by_mode(rows, "float64") if row.caught_by_count]
-    assert [row.entry.regime for row in counted] == ["ddp_detached_partial_sync_every_chunk:world_size=2,chunks=3"]
-    assert counted[0].margin < 1 and not counted[0].shortfalls
-    assert counted[0].pitfall.comparison.problems[0].startswith("communication: step 0 all-reduced gradients 4 time(s)")
+    assert [row.entry.regime for row in counted] == ["fsdp_sync_every_micro_batch:world_size=2,chunks=3",
+                                                     "ddp_detached_partial_sync_every_chunk:world_size=2,chunks=3"]
+    assert all(row.margin < 1 and not row.shortfalls for row in counted)
+    assert counted[0].pitfall.comparison.problems[0].startswith("communication: step 0 reduce-scattered gradients 15")
+    assert counted[1].pitfall.comparison.problems[0].startswith("communication: step 0 all-reduced gradients 4 time(s)")
     line = next(line for line in render_catalogue(counted).splitlines() if "syncing the head" in line)
     assert " count " in line and line.rstrip().endswith("met")
 

@@ -24,6 +24,7 @@ from contextlib import AbstractContextManager
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 SAVED_TENSORS = "saved_tensors"
 CUDA_ALLOCATOR = "cuda_allocator"
@@ -35,7 +36,7 @@ class SavedTensorMeter(AbstractContextManager):
     method = SAVED_TENSORS
 
     def __init__(self, live_anyway: Iterable[Tensor] = ()) -> None:
-        self._left_out = {t.untyped_storage().data_ptr() for t in live_anyway}
+        self._left_out = {_local(t).untyped_storage().data_ptr() for t in live_anyway}
         self._saved: dict[int, list[int]] = {}  # storage address -> [saved tensors on it, its bytes]
         self.live = 0
         self.peak = 0
@@ -86,6 +87,11 @@ class _Saved:
     def __del__(self) -> None:
         if self._meter is not None:
             self._meter._release(self._address)
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """The part of ``tensor`` this process holds: a sharded parameter's (FSDP2's DTensor) own shard."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _unpack(saved: _Saved) -> Tensor:

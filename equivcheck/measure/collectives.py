@@ -1,10 +1,13 @@
-"""Counting what DDP communicates: no_sync() exists to skip all-reduces, so prove that it does."""
+"""Counting what DDP and FSDP2 communicate: no_sync() and set_requires_gradient_sync(False) exist to skip
+collectives, so prove that they do."""
 
 import dataclasses
 
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 from torch.nn.parallel import DistributedDataParallel
 
 
@@ -45,3 +48,64 @@ def _counting_allreduce(counter: CommCounter, bucket: dist.GradBucket):
     counter.bytes += buffer.numel() * buffer.element_size()
     counter.syncs += int(bucket.is_last())
     return default_hooks.allreduce_hook(counter.process_group, bucket)
+
+
+@dataclasses.dataclass
+class ShardedCommCounter:
+    """What FSDP2 communicates, by kind: its reduce-scatters (one per sharded block per synchronised
+    backward: the *syncs*) and its all-gathers (parameters gathered for forward and backward), each
+    with the bytes this rank hands to the collective. Installed as every FSDP module's own comm."""
+
+    wrappers: int = 0
+    calls: dict[str, int] = dataclasses.field(default_factory=lambda: {"reduce_scatter": 0, "all_gather": 0})
+    sent: dict[str, int] = dataclasses.field(default_factory=lambda: {"reduce_scatter": 0, "all_gather": 0})
+    last_step: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # kind -> (calls, bytes)
+
+    @classmethod
+    def attach(cls, module: nn.Module) -> "ShardedCommCounter":
+        counter = cls()
+        for sharded in (m for m in module.modules() if isinstance(m, FSDPModule)):
+            if sharded._get_fsdp_state()._fsdp_param_groups:  # a root holding no parameters of its own syncs nothing
+                counter.wrappers += 1
+                sharded.set_custom_reduce_scatter(_CountingReduceScatter(counter))
+                sharded.set_custom_all_gather(_CountingAllGather(counter))
+        return counter
+
+    def count(self, kind: str, tensor) -> None:
+        self.calls[kind] += 1
+        self.sent[kind] += tensor.numel() * tensor.element_size()
+
+    def take(self) -> tuple[int, int]:
+        """The reduce-scatters and their bytes since the last call (one optimizer step's worth); the
+        all-gathers stay readable in ``last_step`` as every kind's (calls, bytes)."""
+        self.last_step = {kind: (self.calls[kind], self.sent[kind]) for kind in self.calls}
+        for kind in self.calls:
+            self.calls[kind] = self.sent[kind] = 0
+        return self.last_step["reduce_scatter"]
+
+
+
+class _CountingReduceScatter(DefaultReduceScatter):
+    def __init__(self, counter: ShardedCommCounter) -> None:
+        self.counter = counter
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.counter.count("reduce_scatter", input_tensor)
+        return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+
+class _CountingAllGather(DefaultAllGather):
+    def __init__(self, counter: ShardedCommCounter) -> None:
+        self.counter = counter
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.counter.count("all_gather", input_tensor)
+        return super().__call__(output_tensor, input_tensor, group, async_op)
+
+
+def attach_counter(module: nn.Module) -> CommCounter | ShardedCommCounter:
+    """The counter for the wrappers inside ``module``: FSDP2's collectives where it holds FSDP modules
+    (a regime's, or a team's own wrap), DDP's all-reduces otherwise."""
+    if any(isinstance(m, FSDPModule) for m in module.modules()):
+        return ShardedCommCounter.attach(module)
+    return CommCounter.attach(module)

@@ -38,12 +38,13 @@ class Regime:
     distributed: ClassVar[bool] = False  # runs on every rank of a process group (see equivcheck.distributed)
     world_size: ClassVar[int] = 1  # ranks a step runs on; a distributed regime's own field overrides it
     syncs_per_step: ClassVar[int | None] = None  # gradient all-reduce rounds a faithful step makes per wrapper
+    sync_collective: ClassVar[str] = "all-reduced"  # what a sync does to the gradients, as reports say it
     needs_split: ClassVar[bool] = False  # trains the case's trunk and head apart: the case must give split=
     split_contract: ClassVar[str] = "a function model -> (trunk, head) with head(trunk(x)) == model(x)"
 
     def __str__(self) -> str:
         """The canonical spec: parameters in declaration order, those left at their default omitted."""
-        params = ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+        params = ",".join(f"{f.name}={_spec_value(getattr(self, f.name))}" for f in dataclasses.fields(self)
                           if getattr(self, f.name) != f.default)
         return f"{self.name}:{params}" if params else self.name
 
@@ -74,6 +75,10 @@ class Regime:
     def build_optimizer(self, case: Case, model: nn.Module) -> Optimizer:
         """The optimizer this regime steps (a sharded optimizer would wrap the case's own here)."""
         return case.optimizer(ModelParameters(model))
+
+    def local_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """The optimizer whose state this rank holds: ``optimizer`` itself, or a sharded one's own part."""
+        return optimizer
 
     def count_communication(self, module: nn.Module) -> CommunicationCounter | None:
         """A counter of the gradient synchronisations ``module`` (every wrapper inside it) makes per step, or
@@ -220,6 +225,11 @@ def parse_regime(spec: str | Regime) -> Regime:
         example = ",".join(f"{k}=2" for k in missing)
         raise InvalidArgument(f"regime spec {spec!r}: {name} needs {', '.join(missing)} (e.g. '{name}:{example}')")
     return cls(**kwargs)
+
+
+def _spec_value(value: object) -> str:
+    """A field's value as a spec writes it: a bool as 1 or 0, which parses back to itself."""
+    return str(int(value)) if isinstance(value, bool) else str(value)
 
 
 def _convert(key: str, raw: str, kind: type) -> object:

@@ -18,12 +18,13 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from ..case import Batch, Case, Objective
-from ..errors import InvalidArgument, expect_int
-from ..measure.collectives import CommCounter
-from .base import Regime, finish_step
+from ..errors import InvalidArgument, expect_int, expect_number
+from ..measure.collectives import attach_counter
+from .base import CommunicationCounter, Regime, finish_step
 from .local import FullBatch
 from .loop import backward_chunks
 
@@ -87,8 +88,12 @@ class Distributed(Regime):
         device_ids = [self.device().index] if self.resolved_backend == "nccl" else None
         return DistributedDataParallel(module, device_ids=device_ids, **self.ddp_options())
 
-    def count_communication(self, module: nn.Module) -> CommCounter:
-        return CommCounter.attach(module)
+    def count_communication(self, module: nn.Module) -> CommunicationCounter:
+        return attach_counter(module)
+
+    def full_tensor(self, tensor: Tensor) -> Tensor:
+        """A sharded tensor (FSDP2's DTensor, from a regime or a team's own wrap) gathered whole."""
+        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
     def rank_shard(self, batch: Batch) -> Batch:
         return shard(batch, dist.get_rank(), dist.get_world_size())
@@ -99,7 +104,31 @@ class Distributed(Regime):
 
 
 @dataclasses.dataclass(frozen=True)
-class Ddp(Distributed):
+class DdpOptions:
+    """DistributedDataParallel's own options, as spec fields (``ddp:world_size=2,bucket_cap_mb=0.001``): each
+    changes how DDP buckets, hooks or broadcasts, and none may change the gradients."""
+
+    gradient_as_bucket_view: bool = False
+    bucket_cap_mb: float = 25.0
+    static_graph: bool = False
+    broadcast_buffers: bool = True
+    find_unused_parameters: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        expect_number("bucket_cap_mb", self.bucket_cap_mb, minimum=0, maximum=math.inf, strict=True)
+
+    def ddp_options(self) -> dict:
+        """The options given, and only those: DDP warns about some (broadcast_buffers) merely for being passed."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(DdpOptions)
+                if getattr(self, f.name) != f.default}
+
+
+DDP_OPTIONS = tuple(f.name for f in dataclasses.fields(DdpOptions))
+
+
+@dataclasses.dataclass(frozen=True)
+class Ddp(DdpOptions, Distributed):
     name = "ddp"
     summary = "W ranks, each its shard of the global batch, loss sum * W / global items; DDP averages"
 
@@ -148,7 +177,7 @@ class Accumulating(Distributed):
 
 
 @dataclasses.dataclass(frozen=True)
-class DdpNoSync(Accumulating):
+class DdpNoSync(DdpOptions, Accumulating):
     name = "ddp_no_sync"
     summary = "each rank accumulates K micro-batches, no_sync() on all but the last: one all-reduce per step"
 
@@ -174,7 +203,7 @@ class DdpNoSyncStaticGraph(Accumulating):
 
 
 @dataclasses.dataclass(frozen=True)
-class DdpSyncEveryMicroBatch(Accumulating):
+class DdpSyncEveryMicroBatch(DdpOptions, Accumulating):
     name = "ddp_sync_every_micro_batch"
     summary = "PITFALL: accumulation under DDP without no_sync(): right numbers, K all-reduces per step"
     pitfall = True

@@ -23,7 +23,7 @@ from torch.utils.data import TensorDataset
 from ..case import Batch, Objective
 from ..errors import InvalidArgument, expect_callable
 from .base import Regime
-from .ddp import Distributed
+from .ddp import DdpOptions, Distributed
 
 
 StepFn = Callable[[nn.Module, Optimizer, tuple[Tensor, Tensor]], object]
@@ -138,7 +138,7 @@ def resolve(path: str) -> Callable:
 
 
 @dataclasses.dataclass(frozen=True)
-class DdpStep(Distributed):
+class DdpStep(DdpOptions, Distributed):
     name = "ddp_step"
     summary = "a team's own step function on every DDP rank, each given its shard of the global batch"
     fn: str = dataclasses.field(kw_only=True)  # module:function of the step

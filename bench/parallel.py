@@ -1,0 +1,43 @@
+"""The parallel regimes side by side on one case: per-rank memory, gradient syncs per step, and the
+warm-pool time of one run next to in-process accumulate (medians, run in turn).
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/parallel.py [--case block_stack] [--repeats 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import equivcheck as ec
+from timing import alternated_seconds
+
+SPECS = ("ddp:world_size=2", "ddp_no_sync:world_size=2,chunks=3", "ddp:world_size=2,bucket_cap_mb=0.0001",
+         "ddp:world_size=2,static_graph=1", "ddp:world_size=2,gradient_as_bucket_view=1", "zero:world_size=2",
+         "fsdp:world_size=2", "fsdp_no_sync:world_size=2,chunks=3",
+         "fsdp_no_sync:world_size=2,chunks=3,reshard_after_forward=0",
+         "fsdp_sync_every_micro_batch:world_size=2,chunks=3")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", default="block_stack")
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    local = "accumulate:chunks=3"
+    rows = [("regime", "params B/rank", "grads B/rank", "optim B/rank", "syncs/step", "sync B/step", "run ms",
+             f"{local} ms")]
+    for spec in SPECS:
+        result = ec.run(args.case, spec)  # starts the pool on the first
+        parallel, accumulate = alternated_seconds(lambda: ec.run(args.case, spec), lambda: ec.run(args.case, local),
+                                                  repeats=args.repeats)
+        rows.append((spec, *map(str, result.state_bytes), str(result.syncs[0]), str(result.sync_bytes[0]),
+                     f"{parallel * 1000:.0f}", f"{accumulate * 1000:.0f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for i, row in enumerate(rows):
+        print("| " + " | ".join(cell.ljust(width) for cell, width in zip(row, widths)) + " |")
+        if i == 0:
+            print("|" + "|".join("-" * (width + 2) for width in widths) + "|")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""FSDP2: ``fully_shard`` on every block and on the root, each rank its shard of the global batch.
+
+Parameters, gradients and optimizer state live as DTensor shards (1/W of each on every rank);
+FSDP2 all-gathers a block's parameters for its forward and backward and reduce-scatters its
+gradients, averaged over ranks like DDP, so a rank's faithful loss is the same as under DDP: its sum
+times the world size over the global batch's items. The harness reads gradients and weights back
+whole through ``full_tensor``. Accumulation turns off gradient sync
+(``set_requires_gradient_sync(False)``) on all micro-batches but the last, as ``no_sync()`` does for DDP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from ..case import Objective
+from .ddp import Accumulating, Ddp, Distributed
+
+
+def shard_blocks(model: nn.Module, mesh, reshard_after_forward: bool) -> nn.Module:
+    """``fully_shard`` on every direct child that holds parameters (a block), then on the root."""
+    for block in model.children():
+        if any(True for _ in block.parameters()):
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+
+
+class ShardedByFsdp:
+    """How every FSDP2 regime wraps (counting and reading back whole are every distributed regime's: see
+    ``Distributed``); ``reshard_after_forward`` (default true) frees gathered parameters after each forward."""
+
+    reshard_after_forward: bool
+    sync_collective = "reduce-scattered"
+
+    def wrap(self, model: nn.Module, objective: Objective) -> nn.Module:
+        mesh = init_device_mesh(self.device().type, (dist.get_world_size(),))
+        return shard_blocks(model, mesh, self.reshard_after_forward)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fsdp(ShardedByFsdp, Distributed):
+    name = "fsdp"
+    summary = "FSDP2 fully_shard per block and root, W ranks each its shard; reduce-scatter averages like DDP"
+    reshard_after_forward: bool = True
+    train_step = Ddp.train_step  # the same step: FSDP2 averages ranks as DDP does
+
+
+@dataclasses.dataclass(frozen=True)
+class FsdpNoSync(ShardedByFsdp, Accumulating):
+    name = "fsdp_no_sync"
+    summary = ("FSDP2 accumulating K micro-batches, set_requires_gradient_sync(False) on all but the last: "
+               "one reduce-scatter per block per step")
+    reshard_after_forward: bool = True
+
+    def sync_context(self, model: FSDPModule, last: bool):
+        return contextlib.nullcontext() if last else gradient_sync_off(model)
+
+
+@dataclasses.dataclass(frozen=True)
+class FsdpSyncEveryMicroBatch(ShardedByFsdp, Accumulating):
+    name = "fsdp_sync_every_micro_batch"
+    summary = "PITFALL: accumulation under FSDP2 with gradient sync left on: right numbers, K reduce-scatters per step"
+    pitfall = True
+    reshard_after_forward: bool = True
+
+    def sync_context(self, model, last):
+        return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def gradient_sync_off(model: FSDPModule):
+    """FSDP2's no_sync(): gradients accumulate unsharded on each rank until sync is turned back on."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

@@ -1,0 +1,39 @@
+"""ZeRO stage 1: DDP with ``ZeroRedundancyOptimizer``, the optimizer state sharded over ranks.
+
+DDP all-reduces the gradients as usual; each rank then steps only the parameters it owns, with the
+case's own optimizer (same class, same hyperparameters), and broadcasts them to the others. The
+arithmetic per parameter is the case optimizer's, so the run matches full batch up to rounding, while
+each rank holds about 1/W of the optimizer state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+from torch.optim import Optimizer
+
+from ..case import Case, ModelParameters
+from .ddp import Ddp
+
+
+def sharded_like(optimizer: Optimizer) -> Optimizer:
+    """``optimizer``'s class, parameter groups and hyperparameters, its state sharded by ZeRO."""
+    # Imported here: torch.distributed.optim scripts its functional optimizers with torch.jit on import,
+    # dozens of deprecation warnings that every importer of equivcheck would otherwise see.
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    groups = [dict(group) for group in optimizer.param_groups]
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **optimizer.defaults)
+
+
+@dataclasses.dataclass(frozen=True)
+class Zero(Ddp):
+    name = "zero"
+    summary = "DDP + ZeroRedundancyOptimizer: the case's optimizer, its state sharded over W ranks"
+
+    def build_optimizer(self, case: Case, model: nn.Module) -> Optimizer:
+        return sharded_like(case.optimizer(ModelParameters(model)))
+
+    def local_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        return optimizer.optim

@@ -1,0 +1,36 @@
+"""ZeRO (DDP + ZeroRedundancyOptimizer) on the warm pool, and what each parallel regime holds per rank."""
+
+import parallel_bugs  # noqa: F401  (registers the bugs; the ranks import it by name)
+import pytest
+
+import equivcheck as ec
+from equivcheck import Verdict
+
+
+@pytest.fixture(scope="module")
+def report():
+    return ec.check("block_stack", ["ddp:world_size=2", "fsdp:world_size=2", "zero:world_size=2",
+                                    "zero_default_hyperparameters:world_size=2"])
+
+
+def test_zero_matches_full_batch_with_headroom(report):
+    outcome = report.outcome("block_stack", "zero:world_size=2")
+    assert outcome.verdict is Verdict.EQUIVALENT and outcome.comparison.margin < 1e-2
+    assert outcome.result.syncs == (1, 1, 1)  # DDP's one all-reduce per step; ZeRO's broadcasts come after
+
+
+def test_twin_zero_without_the_cases_hyperparameters_is_a_mismatch(report):
+    outcome = report.outcome("block_stack", "zero_default_hyperparameters:world_size=2")
+    assert outcome.verdict is Verdict.MISMATCH and outcome.comparison.margin > 100
+
+
+def test_sharding_regimes_hold_about_one_wth_of_what_they_shard(report):
+    """block_stack: 691 float64 parameters (5528 bytes), SGD with momentum (one buffer per parameter)."""
+    ddp = report.outcome("block_stack", "ddp:world_size=2").result.state_bytes
+    fsdp = report.outcome("block_stack", "fsdp:world_size=2").result.state_bytes
+    zero = report.outcome("block_stack", "zero:world_size=2").result.state_bytes
+    assert ddp == (5528, 5528, 5528)
+    # FSDP2 shards parameters, gradients and optimizer state: each rank holds half (2800: dim 0 split unevenly).
+    assert all(0.5 <= sharded / whole <= 0.55 for sharded, whole in zip(fsdp, ddp)), fsdp
+    # ZeRO-1 shards only the optimizer state.
+    assert zero[:2] == ddp[:2] and 0.45 <= zero[2] / ddp[2] <= 0.55, zero
