@@ -24,10 +24,10 @@ $(STAMP): pyproject.toml
 # ends by saying where the full matrix, the HTML report and the Markdown summary are.
 DEMO := build/demo
 demo: install
-	mkdir -p $(DEMO)
-	$(BIN)/equivcheck catalogue --json $(DEMO)/catalogue.json > $(DEMO)/catalogue.txt || (cat $(DEMO)/catalogue.txt; exit 1)
+	@mkdir -p $(DEMO)
+	@$(BIN)/equivcheck catalogue --json $(DEMO)/catalogue.json > $(DEMO)/catalogue.txt || (cat $(DEMO)/catalogue.txt; exit 1)
 	@tail -n 1 $(DEMO)/catalogue.txt; echo "the catalogue's tables: $(DEMO)/catalogue.txt"
-	$(BIN)/equivcheck run --html $(DEMO)/report.html --markdown $(DEMO)/summary.md
+	@$(BIN)/equivcheck run --html $(DEMO)/report.html --markdown $(DEMO)/summary.md
 
 test-dev: install
 	$(BIN)/python -m pytest -q
