@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import TextIO
@@ -107,15 +108,32 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 @contextlib.contextmanager
 def _sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM stops the command the way Ctrl-C does (an exception in the main thread), not silently."""
-    def stop(signum, frame):
-        raise Interrupted("SIGTERM")
-
-    previous = signal.signal(signal.SIGTERM, stop)
+    """SIGTERM stops the command the way Ctrl-C does (an exception in the main thread), not silently; and
+    neither is lost in a finalizer (see :func:`_interrupt`)."""
+    previous = {signum: signal.signal(signum, _interrupt) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+REDELIVER_AFTER = 0.01  # seconds: a signal that landed in a finalizer comes again once the finalizer is done
+
+
+def _interrupt(signum: int, frame) -> None:
+    """Raise KeyboardInterrupt (SIGINT) or Interrupted (SIGTERM) in the main thread. Python runs a handler
+    between any two bytecodes, finalizers (``__del__``) included, and an exception raised there is printed and
+    dropped: the command would go on and a traceback would reach the terminal. So inside a finalizer the
+    signal is sent again a moment later, when the main thread is back in ordinary code."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            again = threading.Timer(REDELIVER_AFTER, os.kill, (os.getpid(), signum))
+            again.daemon = True
+            again.start()
+            return
+        frame = frame.f_back
+    raise KeyboardInterrupt if signum == signal.SIGINT else Interrupted("SIGTERM")
 
 
 def _signal_name(stop: BaseException) -> str:

@@ -251,3 +251,22 @@ def test_a_pool_never_holds_two_jobs_in_flight():
     with pytest.raises(ec.WorkerError, match=f"job {ticket.number} is still in flight: collect it before the next"):
         pool.submit(job)
     assert len(pool.collect(ticket)) == 2 and pool.alive
+
+
+def test_a_signal_that_lands_in_a_finalizer_still_stops_the_command(monkeypatch):
+    """Python runs a signal handler inside ``__del__`` too, where a raised exception is printed and dropped:
+    the CLI's handler sends the signal again once the finalizer is done, so the stop is neither lost nor noisy."""
+    from equivcheck.cli import _sigterm_interrupts
+    from equivcheck.errors import Interrupted
+
+    dropped = []
+    monkeypatch.setattr(sys, "unraisablehook", dropped.append)
+
+    class Finalized:
+        def __del__(self):
+            signal.raise_signal(signal.SIGTERM)  # the handler runs here, inside the finalizer
+
+    with pytest.raises(Interrupted, match="SIGTERM"), _sigterm_interrupts():
+        Finalized()  # its finalizer runs at once
+        time.sleep(5)  # the signal, sent again, stops this
+    assert dropped == []
