@@ -47,7 +47,7 @@ def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch
     loss_first = next((m.first_step for m in mismatches if m.kind == "loss"), None)
 
     if reference.optimizer_steps != candidate.optimizer_steps:
-        return _step_count(reference.optimizer_steps, candidate.optimizer_steps)
+        return _step_count(reference.optimizer_steps, candidate.optimizer_steps, candidate.steps_per_batch)
     if kinds == {"loss"}:
         return ("only the reported losses differ; every gradient and weight matches: the step likely returns a logged "
                 "or approximate loss (say the last micro-batch's loss x K) instead of the global batch's mean; "
@@ -108,16 +108,19 @@ def _losses_compared(reference: RunResult, candidate: RunResult) -> bool:
     return any(r is not None and c is not None for r, c in zip(reference.losses, candidate.losses))
 
 
-def _step_count(expected: int, taken: int) -> str:
+def _step_count(expected: int, taken: int, pattern: tuple[int, ...] | None) -> str:
+    """What the step counts say, with the steps each global batch took where the run could tell."""
+    if pattern and len(set(pattern)) == 1:
+        per = f" ({pattern[0]} per global batch)"
+    else:
+        per = f" (per global batch: {', '.join(map(str, pattern))})" if pattern else ""
     if taken == 0:
         return (f"0 optimizer steps where the reference took {expected}: the code checked never called "
                 "optimizer.step() (or a GradScaler skipped every step on non-finite gradients)")
     if taken < expected:
-        return (f"{taken} optimizer steps where the reference took {expected}: some global batches were never "
+        return (f"{taken} optimizer steps where the reference took {expected}{per}: some global batches were never "
                 "stepped; likely a step under a condition that misses (an off-by-one in `(i + 1) % K == 0`, a "
                 "partial last window)")
-    ratio = taken / max(expected, 1)
-    per = f" ({ratio:g} per global batch)" if ratio.is_integer() else ""
     return (f"{taken} optimizer steps where the reference took {expected}{per}: likely optimizer.step() "
             "(or GradScaler.step) per micro-batch instead of once per global batch")
 

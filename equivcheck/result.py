@@ -41,7 +41,8 @@ class RunResult:
     precision: str = ""  # the precision mode's name (equivcheck.precision); "" means the weights' dtype
     peak_activation_bytes: int | None = None
     memory_method: str | None = None
-    loss_dtypes: tuple[str, ...] = ()  # the dtypes the case's loss came out in ("torch.float32"): the real precision
+    loss_dtypes: tuple[str, ...] = ()
+    steps_per_batch: tuple[int, ...] | None = None  # optimizer steps each global batch took, where observable  # the dtypes the case's loss came out in ("torch.float32"): the real precision
     batch_samples: tuple[int, ...] = ()  # samples in each global batch trained on, every epoch's: where the tails are
     # Bytes rank 0 held (parameters, gradients at the last step, optimizer state): see equivcheck.measure.state.
     state_bytes: tuple[int, int, int] | None = None

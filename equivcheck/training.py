@@ -58,8 +58,10 @@ def train(
         data = [t for batch in batches for t in (batch.inputs, batch.targets)]
         with GradRecorder(model, optimizer, counter, regime.full_tensor) as recorder, \
                 activation_meter(model, data, enabled=measure_memory) as memory:
+            watched = StepWatch(batches, recorder)
             losses = tuple(None if loss is None else float(loss)
-                           for loss in regime.train(module, optimizer, batches, objective))
+                           for loss in regime.train(module, optimizer, watched if regime.steps_observable else batches,
+                                                    objective))
     held = (held_bytes(model.parameters()), recorder.grad_bytes,
             optimizer_state_bytes(regime.local_optimizer(optimizer)))
     weights = snapshot(model.named_parameters(), regime.full_tensor)
@@ -75,6 +77,7 @@ def train(
         syncs=None if counter is None else tuple(recorder.syncs),
         sync_bytes=None if counter is None else tuple(recorder.sync_bytes),
         sync_wrappers=None if counter is None else counter.wrappers,
+        steps_per_batch=watched.steps_per_batch(len(recorder.grads)) if regime.steps_observable else None,
         precision=precision.name,
         peak_activation_bytes=memory.peak,
         memory_method=memory.method,
@@ -143,6 +146,27 @@ def _expected_samples(case: Case, held: int) -> str:
             f"steps={case.steps} global batches of batch_size={case.batch_size}, the last one holding the "
             f"remainder; {held} samples make {math.ceil(held / case.batch_size)} global batches: declare "
             f"steps={math.ceil(held / case.batch_size)} (steps counts the last, smaller batch too)")
+
+
+class StepWatch(list):
+    """The global batches, noting how many optimizer steps had been taken when each was handed out, so a
+    report can say which batch took how many (a step per micro-batch in the last one only: 1, 1, 4)."""
+
+    def __init__(self, batches: list[Batch], recorder: GradRecorder) -> None:
+        super().__init__(batches)
+        self._recorder, self._marks = recorder, []
+
+    def __iter__(self):
+        for batch in super().__iter__():
+            self._marks.append(len(self._recorder.grads))
+            yield batch
+
+    def steps_per_batch(self, total: int) -> tuple[int, ...] | None:
+        """Steps taken per global batch, or None where the batches were not taken once each, in turn."""
+        if len(self._marks) != len(self):
+            return None
+        bounds = [*self._marks, total]
+        return tuple(after - before for before, after in zip(bounds, bounds[1:]))
 
 
 class GradRecorder:

@@ -41,8 +41,40 @@ def test_a_step_that_skips_some_batches_is_not_blamed_on_stepping_per_micro_batc
         return accumulating_step(model, optimizer, batch, step=len(calls) % 2 == 1)
 
     (outcome,) = ec.check_step("mlp", off_by_one).outcomes
-    assert outcome.comparison.hint.startswith("2 optimizer steps where the reference took 3: some global batches "
-                                              "were never stepped")
+    assert outcome.comparison.hint.startswith("2 optimizer steps where the reference took 3 (per global batch: "
+                                              "1, 0, 1): some global batches were never stepped")
+
+
+def test_steps_counted_per_global_batch_show_their_pattern_not_an_average():
+    """A step that steps per micro-batch in one batch only: 1, 1, 4, not "2 per global batch"."""
+    calls = []
+
+    def last_batch_per_micro_batch(model, optimizer, batch):
+        calls.append(1)
+        inputs, targets = batch
+        for x, y in zip(inputs.tensor_split(4), targets.tensor_split(4)):
+            (F.cross_entropy(model(x), y, reduction="sum") / len(targets)).backward()
+            if len(calls) == 3:
+                optimizer.step()
+        if len(calls) < 3:
+            optimizer.step()
+        optimizer.zero_grad()
+
+    (outcome,) = ec.check_step("mlp", last_batch_per_micro_batch).outcomes
+    assert outcome.result.steps_per_batch == (1, 1, 4)
+    assert outcome.comparison.hint.startswith("6 optimizer steps where the reference took 3 (per global batch: 1, 1, 4)")
+
+
+def test_a_whole_loop_gets_no_pattern_it_could_not_show():
+    def loop(model, optimizer, batches):
+        for inputs, targets in batches:
+            for x, y in zip(inputs.tensor_split(2), targets.tensor_split(2)):
+                (F.cross_entropy(model(x), y, reduction="sum") / len(targets)).backward()
+                optimizer.step()
+
+    (outcome,) = ec.check_loop("mlp", loop).outcomes
+    assert outcome.result.steps_per_batch is None
+    assert outcome.comparison.hint.startswith("6 optimizer steps where the reference took 3: likely optimizer.step()")
 
 
 def test_stepping_per_micro_batch_keeps_its_own_hint():

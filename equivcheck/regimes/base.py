@@ -40,6 +40,9 @@ class Regime:
     syncs_per_step: ClassVar[int | None] = None  # gradient all-reduce rounds a faithful step makes per wrapper
     sync_collective: ClassVar[str] = "all-reduced"  # what a sync does to the gradients, as reports say it
     needs_split: ClassVar[bool] = False  # trains the case's trunk and head apart: the case must give split=
+    # The harness may tell which global batch each optimizer step belongs to: batches are taken one at a time.
+    # A whole loop may take them all at once (to build a DataLoader), and then nobody can tell.
+    steps_observable: ClassVar[bool] = True
     split_contract: ClassVar[str] = "a function model -> (trunk, head) with head(trunk(x)) == model(x)"
 
     def __str__(self) -> str:

@@ -77,6 +77,7 @@ class UserLoop(UserCode):
 
     name = "loop"
     summary = "a team's own training loop over the global batches"
+    steps_observable = False
 
     def train(self, model, optimizer, batches: Sequence[Batch], objective: Objective):
         losses = self.fn(model, optimizer, LoopBatches(batches, objective.epochs))
@@ -183,6 +184,7 @@ class DdpLoop(DdpStep):
 
     name = "ddp_loop"
     summary = "a team's own training loop on every DDP rank, each given its shard of every global batch"
+    steps_observable = False
 
     def train(self, model, optimizer, batches, objective):
         shards = LoopBatches([self.team_shard(b) for b in batches], objective.epochs)
