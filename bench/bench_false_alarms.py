@@ -1,14 +1,15 @@
 """False alarms of the broadened strategies: faithful regimes on drawn cases must all be equivalent,
 and pitfalls with a real effect must all be caught.
 
-    python bench/bench_false_alarms.py [--in-process N] [--ddp N] [--pitfalls N] [--seed S]
+    python bench/bench_false_alarms.py [--in-process N] [--ddp N] [--pitfalls N] [--seed S] [--dtype MODE]
 
 Draws N in-process configurations (a case from ``equivcheck.hypothesis.cases()`` and a faithful
 in-process regime) and N DDP ones (world size 2 or 3, every faithful distributed regime), checks each
 and prints every verdict that is not ``equivalent``: a false alarm, since nothing drawn is a pitfall.
 Then N pitfall regimes on drawn cases: a pitfall is missed where its float64 shadows differ from the
 reference's (it has a real effect) and the verdict in the case's dtype is still ``equivalent``.
-Draws are derandomized by ``--seed``, so a run is repeatable. DDP ranks rebuild each drawn case from
+Draws are derandomized by ``--seed``, so a run is repeatable. ``--dtype`` runs every check in one
+precision mode (e.g. ``fp16-autocast`` on a CUDA machine) instead of each drawn case's own dtype. DDP ranks rebuild each drawn case from
 its plain values (``CaseSpec``), which this file registers at import from the file named in
 ``EQUIVCHECK_DRAWN_CASES``: the ranks import this file and register the same cases.
 """
@@ -30,7 +31,7 @@ from hypothesis import strategies as st
 import equivcheck as ec
 from equivcheck import Verdict
 from equivcheck.hypothesis import CaseSpec, case_specs, regime_specs
-from equivcheck.precision import SHADOW
+from equivcheck.precision import PRECISIONS, SHADOW
 from equivcheck.regimes import REGIMES
 
 DRAWN_CASES = "EQUIVCHECK_DRAWN_CASES"
@@ -76,13 +77,13 @@ def configurations(draw, names: list[str], min_world_size: int = 1, max_world_si
     return spec, regime
 
 
-def run(configs: list[tuple[CaseSpec, str]], label: str) -> dict:
+def run(configs: list[tuple[CaseSpec, str]], label: str, dtype: str | None = None) -> dict:
     """Check every configuration; tally the verdicts and print each false alarm."""
     tally, notes, chunks_one, alarms = collections.Counter(), 0, 0, []
     started = time.perf_counter()
     for spec, regime in configs:
         case = ec.get_case(spec.name) if spec.name in ec.all_cases() else spec.build()
-        (outcome,) = ec.check(case, [regime], measure_memory=False).outcomes
+        (outcome,) = ec.check(case, [regime], measure_memory=False, dtype=dtype).outcomes
         tally[outcome.verdict.value] += 1
         notes += outcome.verdict is Verdict.EQUIVALENT and outcome.reason.startswith("ill-conditioned")
         chunks_one += getattr(ec.parse_regime(regime), "chunks", None) == 1
@@ -98,7 +99,7 @@ def run(configs: list[tuple[CaseSpec, str]], label: str) -> dict:
             "false_alarms": len(alarms), "seconds": round(seconds, 1)}
 
 
-def missed_pitfalls(configs: list[tuple[CaseSpec, str]]) -> dict:
+def missed_pitfalls(configs: list[tuple[CaseSpec, str]], dtype: str | None = None) -> dict:
     """Each pitfall regime on a drawn case, in the case's dtype: missed where it has a real effect (in
     float64 from the same draws it differs from the reference) and the verdict is still equivalent."""
     tally, missed = collections.Counter(), []
@@ -106,9 +107,9 @@ def missed_pitfalls(configs: list[tuple[CaseSpec, str]]) -> dict:
     for spec, regime in configs:
         case = spec.build()
         try:
-            (outcome,) = ec.check(case, [regime], measure_memory=False).outcomes
+            (outcome,) = ec.check(case, [regime], measure_memory=False, dtype=dtype).outcomes
             # The exact maths from the same draws: the run itself in float64, the shadow of a float32 one.
-            exact = SHADOW if spec.dtype == "float32" else spec.dtype
+            exact = "float64" if (dtype or spec.dtype) == "float64" else SHADOW
             (maths,) = ec.check(case, [regime], measure_memory=False, dtype=exact).outcomes
         except ec.InvalidArgument:  # a pitfall that cannot apply to this case (a sampler with nothing to pad)
             tally["not applicable"] += 1
@@ -132,10 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ddp", type=int, default=300)
     parser.add_argument("--pitfalls", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=sorted(PRECISIONS), help="one precision mode for every check "
+                        "(default: each drawn case's dtype)")
     args = parser.parse_args(argv)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the ranks' DDP warnings (find_unused_parameters)
     print(f"torch {__import__('torch').__version__}; seed {args.seed}; in-process regimes {IN_PROCESS}; "
-          f"DDP regimes {DISTRIBUTED}", flush=True)
+          f"DDP regimes {DISTRIBUTED}; dtype {args.dtype or 'per drawn case'}", flush=True)
     results = {}
     if args.ddp:
         ddp = draws(configurations(DISTRIBUTED, min_world_size=2, max_world_size=3), args.ddp, args.seed)
@@ -145,13 +148,14 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[DRAWN_CASES] = listing.name  # before the pool starts: its ranks inherit it
         try:
             register_drawn(listing.name)
-            results["ddp"] = run(ddp, "DDP")
+            results["ddp"] = run(ddp, "DDP", args.dtype)
         finally:
             os.unlink(listing.name)
     if args.in_process:
-        results["in_process"] = run(draws(configurations(IN_PROCESS), args.in_process, args.seed), "in-process")
+        results["in_process"] = run(draws(configurations(IN_PROCESS), args.in_process, args.seed), "in-process",
+                                    args.dtype)
     if args.pitfalls:
-        results["pitfalls"] = missed_pitfalls(draws(configurations(PITFALLS), args.pitfalls, args.seed))
+        results["pitfalls"] = missed_pitfalls(draws(configurations(PITFALLS), args.pitfalls, args.seed), args.dtype)
     print(json.dumps(results))
     return 1 if any(r.get("false_alarms") or r.get("missed") for r in results.values()) else 0
 

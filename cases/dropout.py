@@ -47,6 +47,8 @@ dropout_one_layer = ec.register_case(dataclasses.replace(
     regimes=("full_batch", "accumulate:chunks=4", "replayed_dropout:chunks=4"),
     expect_mismatch={},
     description="one dropout layer on CPU: micro-batches draw the global batch's masks in order (measured)",
+    cpu_generator_only="one dropout layer draws a micro-batch's masks in the global batch's order only on the "
+                       "CPU generator (on CUDA accumulate differs from full batch by 0.29: measured)",
 ))
 
 # The catalogue's entries that use these cases.

@@ -51,6 +51,8 @@ class Case:
     ``regimes`` lists the specs this case is checked under by default (``None``: the defaults).
     ``loss_reduction='mean'``: ``loss`` returns the mean over the batch's items instead of one loss per
     item (a model's own loss). ``max_norm``: the clipping threshold the code checked uses (see audit.py).
+    ``cpu_generator_only``: why the case's verdicts rest on the CPU generator's draw order (where it is
+    non-empty, a precision mode that trains on CUDA skips the case with that reason instead of judging it).
     """
 
     name: str
@@ -73,6 +75,7 @@ class Case:
     forward: Callable[[nn.Module, Tensor, Tensor], object] | None = None  # how to call the model: default model(inputs)
     last_batch: str = "exact"  # "keep": the last global batch of an epoch may hold fewer than batch_size samples
     epochs: int = 1  # passes over the data, each in the same order: steps * epochs optimizer steps in all
+    cpu_generator_only: str = ""  # why the verdicts hold on the CPU generator only (CUDA draws by launch shape)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip() or any(c in self.name for c in " ,:="):
@@ -98,6 +101,8 @@ class Case:
         if self.last_batch not in LAST_BATCH:
             raise InvalidArgument.value("last_batch", self.last_batch, " or ".join(map(repr, LAST_BATCH)))
         expect_int("epochs", self.epochs)
+        if not isinstance(self.cpu_generator_only, str):
+            raise InvalidArgument.type("cpu_generator_only", self.cpu_generator_only, "a string (the reason), or ''")
         if self.max_norm is not None:
             expect_number("max_norm", self.max_norm, minimum=0, maximum=math.inf, strict=True)
         if not isinstance(self.expect_mismatch, Mapping):

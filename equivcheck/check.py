@@ -254,6 +254,9 @@ def iter_outcomes(plan: Plan, *, measure_memory: bool = True) -> Iterator[Outcom
     when it is interrupted). A run that raises is an ``error`` verdict, not the end of the report."""
     case, precision = plan.case, plan.precision
     missing = precision.unavailable()
+    if missing is None and case.cpu_generator_only and precision.device != "cpu":
+        missing = (f"{case.name}: {case.cpu_generator_only}; precision {precision.name!r} trains on "
+                   f"{precision.device}, whose generator draws each launch's numbers by its own shape")
     if missing:
         yield from (Outcome(case.name, str(s), Verdict.SKIPPED, reason=missing) for s in plan.specs)
         return

@@ -192,9 +192,10 @@ def compare(
                 if worst is None or diff.margin > worst[1].margin:
                     worst = (step, diff)
         if first is not None:
-            if kind == "loss":  # the loss series is one tensor over steps: its first step is its first bad index
-                mismatches.append(Mismatch(kind, name, _first_bad(entries[0], tol), None, worst[1],
-                                           _element_margins(entries[0], tol)))
+            if kind == "loss":  # the loss series is one tensor over steps: each element is a step
+                step_margins = _element_margins(entries[0], tol)
+                worst_step = max(range(len(step_margins)), key=step_margins.__getitem__)
+                mismatches.append(Mismatch(kind, name, _first_bad(entries[0], tol), worst_step, worst[1], step_margins))
             else:
                 mismatches.append(Mismatch(kind, name, first[0], worst[0], worst[1],
                                            tuple(margins) if kind == "grad" else ()))

@@ -19,6 +19,7 @@ import torch
 from . import __version__
 from .report import AS_EXPECTED, LABELS, overview_table
 from .check import Status, Verdict
+from .regimes.ddp import auto_backend
 
 PLOTS_MISSING = "Divergence plots need matplotlib: pip install 'equivcheck[report]'."
 STYLE = """
@@ -34,7 +35,7 @@ td.ok { background: #e8f5e9; } td.caught { background: #fff8e1; } td.bad { backg
 def run_metadata(*, seed: int, dtype: str | None, backend: str | None, world_sizes: list[int] | None) -> dict[str, str]:
     """What a reader needs to reproduce the run."""
     return {"equivcheck": __version__, "torch": torch.__version__, "seed": str(seed),
-            "precision": dtype or "each case's own", "backend": backend or "auto (gloo on CPU)",
+            "precision": dtype or "each case's own", "backend": backend or f"auto: {auto_backend()}",
             "world sizes": ", ".join(map(str, sorted(set(world_sizes)))) if world_sizes else "as each check asked",
             "written": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 

@@ -77,7 +77,7 @@ PRECISIONS: dict[str, Precision] = {p.name: p for p in (
     Precision("float32", torch.float32, rtol=1.3e-6, atol=1e-5, description="torch.testing's float32 tolerance"),
     Precision("bf16-autocast", torch.float32, rtol=1.6e-2, atol=2**-8, autocast=torch.bfloat16,
               description="float32 weights, bfloat16 autocast on CPU"),
-    Precision("fp16-autocast", torch.float32, rtol=1e-3, atol=1e-4, autocast=torch.float16, device="cuda",
+    Precision("fp16-autocast", torch.float32, rtol=2**-9, atol=2**-11, autocast=torch.float16, device="cuda",
               grad_scaler=True, description="float32 weights, float16 autocast and GradScaler on CUDA"),
     Precision(SHADOW, torch.float64, rtol=1e-7, atol=1e-7, draw_dtype=torch.float32,
               description="float64 from the float32 draws: the exact maths beside a float32 or autocast run"),

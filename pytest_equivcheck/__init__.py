@@ -47,7 +47,7 @@ def _load(settings: Settings) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    from .checker import backend
+    from equivcheck.regimes.ddp import auto_backend
 
     settings = config.stash[SETTINGS]
     seed = settings.seed if settings.seed is not None else 0
@@ -60,7 +60,7 @@ def pytest_report_header(config: pytest.Config) -> str:
         world_sizes = ",".join(map(str, sizes)) + " (generated tests)"
     else:
         world_sizes = "per test"
-    return (f"equivcheck: seed {seed}, torch {metadata.version('torch')}, backend {backend()}, "
+    return (f"equivcheck: seed {seed}, torch {metadata.version('torch')}, backend {auto_backend()}, "
             f"dtype {settings.dtype or 'per case'}, world sizes {world_sizes}")
 
 

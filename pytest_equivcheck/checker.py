@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import pytest
-import torch
 
 import equivcheck as ec
 from equivcheck import report as render
@@ -95,8 +94,3 @@ class Checker:
 def record(node: pytest.Item, report: ec.Report) -> None:
     rows = [{"row": row, "cell": render.cell(outcome)} for outcome, row in zip(report.outcomes, render.to_rows(report))]
     node.user_properties.append((PROPERTY, rows))
-
-
-def backend() -> str:
-    """The process-group backend the distributed regimes use on this machine."""
-    return "nccl" if torch.cuda.is_available() else "gloo"

@@ -89,9 +89,11 @@ def test_nan_is_never_equivalent(reference):
 
 def test_loss_mismatch_reports_its_step(reference):
     losses = list(reference.losses)
+    losses[1] += 1e-3
     losses[2] += 1.0
     (mismatch,) = ec.compare(reference, dataclasses.replace(reference, losses=tuple(losses))).mismatches
-    assert (mismatch.kind, mismatch.first_step) == ("loss", 2)
+    assert (mismatch.kind, mismatch.first_step, mismatch.worst_step) == ("loss", 1, 2)
+    assert "from step 1 (worst at step 2)" in mismatch.describe(ec.Tolerance.resolve(torch.float64))
 
 
 @pytest.mark.parametrize(("rtol", "atol"), [(1e-7, None), (None, 1e-7), (-1.0, 1.0), ("0.1", 1.0), (0.0, 0.0)])

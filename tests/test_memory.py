@@ -213,9 +213,7 @@ def test_matrix_and_json_show_peak_and_ratio(tmp_path, capsys):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: the allocator meter needs one")
 def test_on_cuda_the_allocator_peak_is_used():
-    base = ec.get_case("mlp")
-    case = dataclasses.replace(base, name="mlp_cuda", model=lambda: base.model().cuda(),
-                               data=lambda: tuple(t.cuda() for t in base.data()))
-    full, accumulated = (ec.run(case, spec) for spec in ("full_batch", "accumulate:chunks=4"))
+    """A case trains on CUDA in a CUDA precision mode (the harness places model and data itself)."""
+    full, accumulated = (ec.run("mlp", spec, dtype="fp16-autocast") for spec in ("full_batch", "accumulate:chunks=4"))
     assert full.memory_method == accumulated.memory_method == "cuda_allocator"
     assert 0 < accumulated.peak_activation_bytes <= full.peak_activation_bytes

@@ -10,6 +10,7 @@ import pytest
 
 from equivcheck import registry
 from equivcheck.cli import main
+from equivcheck.regimes.ddp import auto_backend
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +53,7 @@ def test_fixture_passes_and_fails_with_equivchecks_description(pytester):
     result = pytester.runpytest("-p", "no:randomly")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines([
-        "equivcheck: seed 0, torch *, backend gloo, dtype per case, world sizes per test",
+        f"equivcheck: seed 0, torch *, backend {auto_backend()}, dtype per case, world sizes per test",
         "*NotEquivalent: 1 of 1 checks failed:*",
         "*mlp under step:naive_step: mismatch*",
         "*grad of '0.weight' mismatched from step 0*",
@@ -65,7 +66,7 @@ def test_fixture_passes_and_fails_with_equivchecks_description(pytester):
 def test_generated_tests_have_readable_ids_and_obey_k(pytester):
     result = pytester.runpytest("--equivcheck-cases", "seed004_linear", "--equivcheck-cases", "batchnorm_cnn",
                                 "--collect-only")
-    result.stdout.fnmatch_lines(["equivcheck: seed 0, torch *, backend gloo, dtype per case, "
+    result.stdout.fnmatch_lines([f"equivcheck: seed 0, torch *, backend {auto_backend()}, dtype per case, "
                                  "world sizes 1,2 (generated tests)"])
     result = pytester.runpytest("--equivcheck-cases", "seed004_linear", "--collect-only", "-q")
     result.stdout.fnmatch_lines([

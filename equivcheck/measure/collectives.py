@@ -6,9 +6,9 @@ import dataclasses
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 from torch.nn.parallel import DistributedDataParallel
+
+from ..torch_support import DefaultAllGather, DefaultReduceScatter, FSDPModule
 
 
 @dataclasses.dataclass
@@ -65,7 +65,7 @@ class ShardedCommCounter:
     def attach(cls, module: nn.Module) -> "ShardedCommCounter":
         counter = cls()
         for sharded in (m for m in module.modules() if isinstance(m, FSDPModule)):
-            if sharded._get_fsdp_state()._fsdp_param_groups:  # a root holding no parameters of its own syncs nothing
+            if _holds_parameters_of_its_own(sharded):  # a root holding none syncs nothing
                 counter.wrappers += 1
                 sharded.set_custom_reduce_scatter(_CountingReduceScatter(counter))
                 sharded.set_custom_all_gather(_CountingAllGather(counter))
@@ -83,6 +83,12 @@ class ShardedCommCounter:
             self.calls[kind] = self.sent[kind] = 0
         return self.last_step["reduce_scatter"]
 
+
+def _holds_parameters_of_its_own(sharded: nn.Module) -> bool:
+    """Whether ``sharded`` has parameters that no FSDP module inside it shards (public API only: FSDP2's
+    private state differs between torch releases)."""
+    inner = {id(p) for m in sharded.modules() if m is not sharded and isinstance(m, FSDPModule) for p in m.parameters()}
+    return any(id(p) not in inner for p in sharded.parameters())
 
 
 class _CountingReduceScatter(DefaultReduceScatter):

@@ -31,6 +31,13 @@ from .loop import backward_chunks
 BACKENDS = ("auto", "gloo", "nccl")
 
 
+def auto_backend() -> str:
+    """What backend 'auto' means on this machine, in words (report headers): nccl for a world size
+    with a GPU for every rank, gloo beyond."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return "gloo" if gpus == 0 else f"nccl up to {gpus} rank{'s' * (gpus > 1)} (a GPU each), gloo beyond"
+
+
 def shard(batch: Batch, rank: int, world_size: int) -> Batch:
     """This rank's contiguous slice of the global batch."""
     return Batch(batch.inputs.tensor_split(world_size)[rank], batch.targets.tensor_split(world_size)[rank], batch.count)

@@ -16,9 +16,9 @@ import dataclasses
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from ..case import Objective
+from ..torch_support import FSDP2_MISSING, FSDPModule, fully_shard
 from .ddp import Accumulating, Ddp, Distributed
 
 
@@ -36,6 +36,14 @@ class ShardedByFsdp:
 
     reshard_after_forward: bool
     sync_collective = "reduce-scattered"
+
+    def unavailable(self) -> str | None:
+        return FSDP2_MISSING or super().unavailable()
+
+    @property
+    def syncs_per_step(self) -> int:
+        """One reduce-scatter per block per step; none with one rank, where FSDP2 calls no collective."""
+        return 0 if self.world_size == 1 else 1
 
     def wrap(self, model: nn.Module, objective: Objective) -> nn.Module:
         mesh = init_device_mesh(self.device().type, (dist.get_world_size(),))
