@@ -20,7 +20,7 @@ from .errors import (InvalidArgument, MemoryNotSaved, NotEquivalent, PrecisionWa
 from .hints import diagnose
 from .dispatch import DEFAULT_TIMEOUT, Started, run, start
 from . import rounding
-from .precision import SHADOW, Precision, resolve_precision
+from .precision import Precision, resolve_precision
 from .regimes import DEFAULT_REGIMES, REGIMES, Regime, parse_regime
 from .registry import all_cases, resolve_case
 from .result import RunResult
@@ -303,7 +303,8 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
         return
 
     _warn_lower_precision(case, precision, ref)
-    shadow_reference = functools.cache(lambda: plan.run(reference, SHADOW, False))
+    shadow = rounding.shadow_of(precision)
+    shadow_reference = functools.cache(lambda: plan.run(reference, shadow, False))
     for index, spec in enumerate(plan.specs):
         if spec == reference:
             yield _judge(case, spec, self_check, ref_seconds / 2, rerun, ref, reference)
@@ -334,7 +335,7 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
             comparison = rounding.judge(
                 case, comparison, ref, result, seed=seed,
                 shadow_reference=shadow_reference,
-                shadow_candidate=lambda: plan.run(spec, SHADOW, False))
+                shadow_candidate=lambda: plan.run(spec, shadow, False))
         yield _judge(case, spec, comparison, time.perf_counter() - started, result, ref, reference)
 
 

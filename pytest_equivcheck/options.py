@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import pytest
 
 # equivcheck.precision.PRECISIONS by name, written out so that loading the plugin imports no torch.
-DTYPES = ("float64", "float32", "bf16-autocast", "fp16-autocast", "float64-shadow")
+DTYPES = ("float64", "float32", "bf16-autocast", "fp16-autocast", "float64-shadow", "float64-shadow-scaled")
 # equivcheck.errors' bounds, written out for the same reason.
 MAX_TIMEOUT = 86_400.0
 MAX_SEED = 2**32 - 1

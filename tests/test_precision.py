@@ -55,7 +55,7 @@ class StepsAroundTheScaler(Chunked):
 def test_stepping_around_the_scaler_is_caught_with_a_scaling_hint():
     (outcome,) = ec.check("mlp", [StepsAroundTheScaler(5)], dtype=FLOAT32_SCALED).outcomes
     assert outcome.verdict is Verdict.MISMATCH
-    assert "every gradient is 65536 x the reference's from step 0: likely loss scaling" in outcome.comparison.hint
+    assert "every gradient is 256 x the reference's from step 0: likely loss scaling" in outcome.comparison.hint
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip on a machine without CUDA")
@@ -68,7 +68,8 @@ def test_fp16_autocast_is_skipped_here_and_never_faked():
 
 
 @pytest.mark.parametrize(("dtype", "message"), [
-    ("float16", "unknown dtype 'float16'; known dtypes: bf16-autocast, float32, float64, float64-shadow, fp16-autocast"),
+    ("float16", "unknown dtype 'float16'; known dtypes: bf16-autocast, float32, float64, float64-shadow, float64-shadow-scaled, "
+                "fp16-autocast"),
     (torch.float16, "dtype=torch.float16 is not allowed"),
     (16, "Expected a precision name"),
 ])

@@ -12,8 +12,8 @@ from torch import nn
 import equivcheck as ec
 from equivcheck import Verdict
 from equivcheck.compare import Comparison, Tolerance
-from equivcheck.precision import PRECISIONS, SHADOW
-from equivcheck.rounding import _start_gap, applies
+from equivcheck.precision import PRECISIONS, SCALED_SHADOW, SHADOW
+from equivcheck.rounding import _start_gap, applies, shadow_of
 
 
 def layernorm_over_two():
@@ -100,13 +100,20 @@ def test_the_shadow_reference_runs_once_per_check(monkeypatch):
     assert shadows == 1 + sum(bool(o.reason) for o in report.outcomes) and shadows >= 2
 
 
-def test_modes_with_a_grad_scaler_are_judged_by_the_table_alone():
-    """A shadow cannot reproduce a GradScaler, so a scaler misused per micro-batch would pass as rounding."""
+def test_only_a_low_precision_difference_in_numbers_goes_to_the_shadows():
     failing = Comparison(Tolerance(1e-3, 1e-4), (object(),), (), 1.0, 1.0, 2.0)
     assert applies(PRECISIONS["float32"], failing) and applies(PRECISIONS["bf16-autocast"], failing)
-    assert not applies(PRECISIONS["fp16-autocast"], failing)
+    assert applies(PRECISIONS["fp16-autocast"], failing)
     assert not applies(PRECISIONS["float64"], failing) and not applies(PRECISIONS[SHADOW], failing)
     assert not applies(PRECISIONS["float32"], dataclasses.replace(failing, problems=("optimizer steps: 5 vs 1",)))
+
+
+def test_a_scaled_mode_is_shadowed_through_its_scaler():
+    """Without a GradScaler in the shadow, a step that bypasses the scaler would change nothing in float64
+    and pass as rounding (test_precision's test_stepping_around_the_scaler_... fails then)."""
+    scaled = dataclasses.replace(PRECISIONS["float32"], name="float32-scaled", grad_scaler=True)
+    assert shadow_of(scaled) == SCALED_SHADOW and PRECISIONS[SCALED_SHADOW].grad_scaler
+    assert shadow_of(PRECISIONS["float32"]) == shadow_of(PRECISIONS["bf16-autocast"]) == SHADOW
 
 
 @pytest.mark.parametrize(("first", "again", "gap"), [

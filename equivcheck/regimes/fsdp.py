@@ -46,7 +46,8 @@ class ShardedByFsdp:
         return 0 if self.world_size == 1 else 1
 
     def wrap(self, model: nn.Module, objective: Objective) -> nn.Module:
-        mesh = init_device_mesh(self.device().type, (dist.get_world_size(),))
+        # Where the model is: a CUDA precision mode puts it on the GPU whatever the backend.
+        mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
         return shard_blocks(model, mesh, self.reshard_after_forward)
 
 
