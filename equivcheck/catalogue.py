@@ -175,6 +175,11 @@ def render_catalogue(rows: Sequence[Row]) -> str:
         table = [["pitfall", "pitfall regime", "max abs err", "margin", "caught", "faithful twin", "max abs err",
                   "headroom", "passes", "targets"]]
         for row in block:
+            if row.skipped:  # a row this machine cannot run says so in every column that would judge it
+                reason = next(o.reason for o in (row.pitfall, row.twin) if o.verdict is Verdict.SKIPPED)
+                table.append([row.entry.pitfall, _spec(row.entry.case, row.entry.regime), "-", "-", "skipped",
+                              _spec(row.entry.fixed_case, row.entry.twin), "-", "-", "skipped", f"skipped: {reason}"])
+                continue
             table.append([
                 row.entry.pitfall, _spec(row.entry.case, row.entry.regime), _err(row.pitfall),
                 "count" if row.caught_by_count else _num(row.margin),

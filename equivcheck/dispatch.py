@@ -9,7 +9,7 @@ from collections.abc import Callable
 from .case import Case
 from .distributed import launcher, pool
 from .errors import InvalidArgument, Unavailable, expect_timeout
-from .precision import Precision, registered_name
+from .precision import Precision, registered_name, resolve_precision
 from .regimes import Regime, parse_regime, regime_source
 from .registry import all_cases, case_source, resolve_case
 from .result import RunResult
@@ -64,7 +64,7 @@ def start(case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED, t
     regime = parse_regime(regime)
     expect_timeout(timeout)
     regime.validate(case)
-    reason = regime.unavailable()
+    reason = regime.unavailable() or regime.unavailable_in(resolve_precision(options.get("dtype"), default=case.dtype))
     if reason is not None:
         raise Unavailable(reason)
     # Resolved here, where the user's choice is visible: ranks train with the parent's count.

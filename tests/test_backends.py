@@ -7,6 +7,7 @@ import torch
 
 import equivcheck as ec
 from equivcheck import Verdict
+from equivcheck.precision import Precision
 
 BACKENDS = ["gloo", pytest.param("nccl", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="nccl needs a CUDA device per rank: none here (gloo runs the same checks)"))]
@@ -40,3 +41,10 @@ def test_fsdp2_with_one_rank_calls_no_collective_and_that_is_faithful():
     # The twin: two ranks reduce-scatter once per block per step, and left on every micro-batch, three times.
     (every,) = ec.check("block_stack", ["fsdp_sync_every_micro_batch:world_size=2,chunks=3"]).outcomes
     assert every.verdict is Verdict.COMMUNICATION and every.result.syncs == (15, 15, 15)
+
+
+def test_fsdp2_in_a_cuda_mode_without_a_gpu_per_rank_is_skipped_with_its_reason(monkeypatch):
+    """Two gloo ranks sharing one GPU under FSDP2 crashed (SIGSEGV) on a 1-GPU machine: never dispatched."""
+    monkeypatch.setattr(Precision, "unavailable", lambda self: None)  # as on a CUDA machine: nothing may train here
+    with pytest.raises(ec.Unavailable, match="^FSDP2 in fp16-autocast needs a GPU per rank: 2 asked"):
+        ec.run("block_stack", "fsdp:world_size=2", dtype="fp16-autocast")

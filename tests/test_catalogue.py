@@ -1,11 +1,13 @@
 """The pitfall catalogue: every pitfall caught and every twin passing, to the issue's targets, per precision."""
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
 import equivcheck as ec
+from equivcheck import Verdict
 from equivcheck.catalogue import (Entry, add_entry, catalogue_entries, render_catalogue, run_catalogue, targets_met,
                                   to_rows)
 from equivcheck.cli import main
@@ -29,6 +31,8 @@ def test_every_pitfall_caught_and_every_twin_passes_to_target(rows):
         assert row.caught and (row.caught_by_count or row.margin >= 10) and row.twin_passes, row.entry.pitfall
     for row in by_mode(rows, "bf16-autocast"):  # no margin target; measured: every pitfall caught, every twin passes
         assert row.caught and row.twin_passes, row.entry.pitfall
+    for row in by_mode(rows, "fp16-autocast"):  # on a CUDA machine (else all skipped): the same, where it can run
+        assert row.skipped or (row.caught and row.twin_passes), row.entry.pitfall
 
 
 def test_a_pitfall_with_right_numbers_is_caught_by_its_count(rows):
@@ -48,6 +52,16 @@ def test_a_row_that_misses_its_target_says_so(rows):
     assert weak.shortfalls == (f"pitfall {row.entry.regime} not caught (equivalent)",)
     assert not targets_met([weak])
     assert "MISSED: pitfall" in render_catalogue([weak])
+
+
+def test_a_row_this_machine_cannot_run_says_skipped_in_every_column_that_would_judge_it(rows):
+    row = by_mode(rows, "float64")[0]
+    cannot = dataclasses.replace(row.twin, verdict=Verdict.SKIPPED, reason="needs a GPU per rank")
+    skipped = type(row)(row.entry, "float64", cannot, cannot)
+    first, second = (line for line in render_catalogue([skipped, row]).splitlines()
+                     if line.startswith(row.entry.pitfall))
+    assert " NO " not in first and first.count(" skipped ") == 2 and first.rstrip().endswith("skipped: needs a GPU per rank")
+    assert second.rstrip().endswith("met") and targets_met([skipped, row])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip on a machine without CUDA")

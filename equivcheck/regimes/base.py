@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 
 from ..case import Batch, Case, ModelParameters, Objective
 from ..errors import InvalidArgument, expect_int, expect_number
+from ..precision import Precision
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +65,10 @@ class Regime:
 
     def unavailable(self) -> str | None:
         """Why this machine cannot run the regime (missing GPUs), or None: the check is skipped, not faked."""
+        return None
+
+    def unavailable_in(self, precision: Precision) -> str | None:
+        """Why this machine cannot run the regime in ``precision`` (a CUDA mode), or None."""
         return None
 
     def device(self) -> torch.device:

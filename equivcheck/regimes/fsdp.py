@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -39,6 +40,13 @@ class ShardedByFsdp:
 
     def unavailable(self) -> str | None:
         return FSDP2_MISSING or super().unavailable()
+
+    def unavailable_in(self, precision) -> str | None:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if precision.device == "cuda" and gpus < self.world_size:
+            return (f"FSDP2 in {precision.name} needs a GPU per rank: {self.world_size} asked, {gpus} found "
+                    "(two gloo ranks sharing one GPU crashed with SIGSEGV: measured on an H100, torch 2.11)")
+        return None
 
     @property
     def syncs_per_step(self) -> int:
