@@ -1,11 +1,11 @@
 """The regimes, by family: ``base`` (the interface, specs, the registry), ``loop`` (the micro-batch
 loop they share), ``local`` (full batch and faithful accumulation), ``pitfalls`` (each bug beside its
 faithful twin), ``ddp`` (DistributedDataParallel and DataParallel), ``ddp_partial`` (seed 000's accumulation
-over part of the model inside DDP and DataParallel), ``fsdp`` (FSDP2 fully_shard), ``zero`` (ZeroRedundancyOptimizer), ``checkpoint`` (activation checkpointing inside accumulation), ``sync_batchnorm`` (SyncBatchNorm under DDP, GPUs only), ``user_code`` (a team's own step
+over part of the model inside DDP and DataParallel), ``fsdp`` (FSDP2 fully_shard), ``zero`` (ZeroRedundancyOptimizer), ``pipeline`` (torch.distributed.pipelining stages), ``checkpoint`` (activation checkpointing inside accumulation), ``sync_batchnorm`` (SyncBatchNorm under DDP, GPUs only), ``user_code`` (a team's own step
 or loop). A regime of your own is one module that calls :func:`register_regime` on its class.
 """
 
-from . import checkpoint, ddp, ddp_partial, fsdp, local, pitfalls, sync_batchnorm, user_code, zero
+from . import checkpoint, ddp, ddp_partial, fsdp, local, pipeline, pitfalls, sync_batchnorm, user_code, zero
 from .base import (DEFAULT_REGIMES, REGIMES, Chunked, CommunicationCounter, Regime, chunk_pairs, finish_step,
                    parse_regime, regime_source, register_regime)
 from .loop import accumulate, backward_chunks, global_mean_part, inputs_only, meddling_part
@@ -24,6 +24,7 @@ BUILT_IN: tuple[type[Regime], ...] = (
     ddp_partial.DataParallelDetachedPartial,
     fsdp.Fsdp, fsdp.FsdpNoSync, fsdp.FsdpSyncEveryMicroBatch,
     zero.Zero,
+    pipeline.Pipeline, pipeline.PipelineMeanLoss, pipeline.PipelineScaledTwice,
     checkpoint.Checkpoint, checkpoint.CheckpointWithoutRngState,
     sync_batchnorm.SyncBatchNorm,
     user_code.DdpStep,

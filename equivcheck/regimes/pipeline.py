@@ -1,0 +1,248 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining``: the model cut into stages, one rank per stage.
+
+``pipeline:stages=S,microbatches=K,schedule=gpipe|1f1b|interleaved`` runs on S ranks (world_size = S). The
+case's model must be an ``nn.Sequential``; its direct children are cut into contiguous stages, evenly by
+count, the first stages taking one more where they do not divide (5 children in 2 stages: 3, 2; the rule of
+``torch.tensor_split``). ``gpipe`` (ScheduleGPipe) and ``1f1b`` (Schedule1F1B) give each rank one stage;
+``interleaved`` (ScheduleInterleaved1F1B) gives each rank two, S * 2 in all, rank r holding stages r and r + S
+(the looped placement the schedule expects). A model with fewer children than stages, or that is not an
+``nn.Sequential``, or a case with its own ``forward=``, cannot be cut: :class:`InvalidArgument` names the case.
+
+The schedule cuts each global batch into K micro-batches with ``tensor_split``. PipelineStage infers the
+shapes it sends from the first micro-batch and reuses its buffers, so in torch 2.13 every micro-batch must hold
+the same number of samples: K must divide every global batch (an uneven one fails inside the schedule with a
+shape error; here it is a usage error before anything trains).
+
+How the whole model is reported: every rank builds the whole model (the same seeded start as full batch);
+each stage module is built from that rank's own children, which share their parameters with the whole model.
+After the schedule's step, the owner of each stage broadcasts that stage's gradients (and floating buffers,
+BatchNorm's running statistics) to every rank, so every rank holds the FULL gradient when its optimizer steps:
+``GradRecorder`` records it there, every rank steps the same full gradients with the same optimizer, and the
+weights stay identical on every rank without another collective (``full_tensor`` is the identity; the harness
+checks the ranks' spread). The extra broadcast is the harness's, not pipelining's, and only reports: what
+trains is the schedule.
+
+The loss: the schedule's ``loss_fn`` sees one micro-batch's output and targets. The faithful loss is that
+micro-batch's loss *sum* over the item count of the *global* batch (passed through ``loss_kwargs``), with
+``scale_grads=False``: the micro-batches' gradients then add up to the full-batch mean's, however the items fall.
+The pitfall twin, ``pipeline_mean_loss``, is the pairing torch's docstring suggests (``loss_fn`` a per-micro-batch
+*mean*, ``scale_grads=True`` dividing by K): right only when every micro-batch holds as many items, so it is
+caught where equal micro-batches of samples hold unequal numbers of tokens. ``pipeline_scaled_twice`` is the
+global-sum loss left with the default ``scale_grads=True``: every gradient 1/K too small.
+
+Only the last stage computes losses; its rank reports the step's loss, the others a share of 0 (dispatch adds
+the ranks' shares). Runs on the CPU over gloo: nccl and CUDA precision modes are skipped with that reason.
+Communication is not counted (there is no gradient all-reduce to count: stages exchange activations).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..case import Batch, Case, Objective
+from ..errors import InvalidArgument, expect_int
+from .base import Regime, finish_step
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+def stage_bounds(children: int, stages: int) -> list[tuple[int, int]]:
+    """Contiguous [start, stop) child ranges of ``stages`` stages, evenly by count, the first ones longer."""
+    size, extra = divmod(children, stages)
+    bounds, start = [], 0
+    for index in range(stages):
+        stop = start + size + (index < extra)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+class Pipelined(nn.Module):
+    """What ``train_step`` drives: the whole model, this rank's stages of it and the schedule over them."""
+
+    def __init__(self, model: nn.Module, stages: list, owners: list[tuple[int, nn.Module]], schedule) -> None:
+        super().__init__()
+        self.model = model
+        self.stages = stages  # PipelineStage objects (not modules): this rank's
+        self.owners = owners  # (rank owning it, stage module) for every stage, in order
+        self.schedule = schedule
+
+    @property
+    def first(self) -> bool:
+        return any(stage.is_first for stage in self.stages)
+
+    @property
+    def last(self) -> bool:
+        return any(stage.is_last for stage in self.stages)
+
+    def share_stages(self) -> None:
+        """Each stage's owner broadcasts its gradients and floating buffers: every rank then holds them whole."""
+        for owner, module in self.owners:
+            mine = owner == dist.get_rank()
+            grads = [p.grad if p.grad is not None or not mine else torch.zeros_like(p)
+                     for p in module.parameters() if p.requires_grad]
+            params = [p for p in module.parameters() if p.requires_grad]
+            if params:
+                flat = (torch.cat([g.reshape(-1) for g in grads]) if mine
+                        else torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device))
+                dist.broadcast(flat, src=owner)
+                for p, piece in zip(params, flat.split([p.numel() for p in params])):
+                    p.grad = piece.view_as(p).clone()
+            for buffer in (b for b in module.buffers() if b.is_floating_point()):
+                dist.broadcast(buffer.data, src=owner)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline(Regime):
+    name = "pipeline"
+    summary = ("S ranks, one contiguous stage of an nn.Sequential each (interleaved: two), K equal micro-batches; "
+               "loss_fn = micro-batch sum / global items, scale_grads=False")
+    distributed = True
+    syncs_per_step = None
+
+    stages: int
+    microbatches: int
+    schedule: str = "gpipe"
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        expect_int("stages", self.stages, minimum=1)
+        expect_int("microbatches", self.microbatches, minimum=1)
+        if self.schedule not in SCHEDULES:
+            raise InvalidArgument.value("schedule", self.schedule, f"one of {', '.join(SCHEDULES)}")
+        if self.backend not in BACKENDS:
+            raise InvalidArgument.value("backend", self.backend, f"one of {', '.join(BACKENDS)}")
+        if self.schedule == "interleaved":
+            rounds = max(1, self.microbatches // self.stages)
+            if self.microbatches % rounds:
+                raise InvalidArgument(
+                    f"regime {str(self)!r}: microbatches={self.microbatches} is not allowed with schedule=interleaved "
+                    f"and stages={self.stages}: ScheduleInterleaved1F1B needs a multiple of its rounds "
+                    f"(max(1, microbatches // stages) = {rounds}): e.g. microbatches={self.stages} or "
+                    f"{2 * self.stages}")
+
+    # Scale of the summed micro-batch losses the schedule applies after backward (True: divide by K).
+    scale_grads = False
+
+    @property
+    def world_size(self) -> int:  # type: ignore[override]
+        return self.stages
+
+    @property
+    def stages_per_rank(self) -> int:
+        return 2 if self.schedule == "interleaved" else 1
+
+    @property
+    def resolved_backend(self) -> str:
+        return "gloo" if self.backend == "auto" else self.backend
+
+    def unavailable(self) -> str | None:
+        if self.resolved_backend != "gloo":
+            return "pipeline regimes run on the CPU over gloo only (nccl is not measured here)"
+        return None
+
+    def unavailable_in(self, precision) -> str | None:
+        if precision.device != "cpu":
+            return f"pipeline regimes run on the CPU over gloo only: {precision.name} trains on {precision.device}"
+        return None
+
+    def micro_batches(self, case: Case) -> int:
+        return self.microbatches
+
+    def validate(self, case: Case) -> None:
+        super().validate(case)
+        if case.batch_size % self.microbatches:
+            raise InvalidArgument(
+                f"regime {str(self)!r} on case {case.name!r}: microbatches={self.microbatches} is not allowed: "
+                f"expected a divisor of batch_size={case.batch_size} (torch.distributed.pipelining sends "
+                "buffers shaped by the first micro-batch, so every micro-batch must hold as many samples)")
+        if case.forward is not None:
+            raise InvalidArgument(
+                f"regime {str(self)!r} on case {case.name!r}: the case calls its model through forward=, which a "
+                "pipeline cannot cut: expected a case whose model(inputs) is an nn.Sequential of stages")
+        with torch.random.fork_rng(devices=[]):
+            model = case.model()
+        self.cut(model, case.name)
+
+    def cut(self, model: nn.Module, case_name: str = "?") -> list[nn.Module]:
+        """The model's stages: contiguous runs of its children, evenly by count (see the module's docstring)."""
+        total = self.stages * self.stages_per_rank
+        children = list(model.children()) if isinstance(model, nn.Sequential) else []
+        if not isinstance(model, nn.Sequential) or len(children) < total:
+            what = (f"an nn.Sequential of {len(children)} children" if isinstance(model, nn.Sequential)
+                    else f"a {type(model).__name__}, not an nn.Sequential")
+            raise InvalidArgument(
+                f"regime {str(self)!r} on case {case_name!r}: the case's model cannot be cut into {total} pipeline "
+                f"stages: it is {what}; expected an nn.Sequential with at least {total} children (stages="
+                f"{self.stages}{' x 2 per rank' if self.stages_per_rank == 2 else ''}), cut evenly by count")
+        return [nn.Sequential(*children[start:stop]) for start, stop in stage_bounds(len(children), total)]
+
+    def loss_fn(self, objective: Objective):
+        """A micro-batch's loss as the schedule calls it: its sum over the global batch's items."""
+        return lambda output, targets, items: objective.sum(output, targets) / items
+
+    def wrap(self, model: nn.Module, objective: Objective) -> nn.Module:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if world != self.stages:
+            raise InvalidArgument(f"regime {str(self)!r}: stages={self.stages} needs a world of {self.stages} "
+                                  f"ranks: this one has {world}")
+        modules = self.cut(model)  # validate() named the case where this fails
+        device = next(model.parameters()).device
+        owners = [(index % self.stages, module) for index, module in enumerate(modules)]
+        mine = [PipelineStage(modules[index], index, len(modules), device)
+                for index in range(rank, len(modules), self.stages)]
+        if self.schedule == "interleaved":
+            schedule = ScheduleInterleaved1F1B(mine, self.microbatches, loss_fn=self.loss_fn(objective),
+                                               scale_grads=self.scale_grads)
+        else:
+            kind = ScheduleGPipe if self.schedule == "gpipe" else Schedule1F1B
+            schedule = kind(mine[0], self.microbatches, loss_fn=self.loss_fn(objective), scale_grads=self.scale_grads)
+        return Pipelined(model, mine, owners, schedule)
+
+    def train_step(self, model: Pipelined, optimizer, batch: Batch, objective: Objective) -> Tensor:
+        if len(batch) % self.microbatches:
+            raise InvalidArgument(
+                f"regime {str(self)!r}: a global batch of {len(batch)} samples cannot be cut into "
+                f"microbatches={self.microbatches} equal micro-batches (torch.distributed.pipelining needs equal "
+                "ones): expected microbatches to divide every global batch, the last one included")
+        losses: list[Tensor] = []
+        model.schedule.step(*((batch.inputs,) if model.first else ()),
+                            target=batch.targets if model.last else None, losses=losses,
+                            loss_kwargs={"items": batch.items}, return_outputs=False)
+        model.share_stages()
+        finish_step(optimizer, objective)
+        return self.reported(losses) if model.last else torch.zeros(())
+
+    def reported(self, losses: list[Tensor]) -> Tensor:
+        """The step's loss from the micro-batches' losses: their sum (each is its share of the global mean)."""
+        return torch.stack([loss.detach() for loss in losses]).sum()
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineMeanLoss(Pipeline):
+    name = "pipeline_mean_loss"
+    summary = ("PITFALL: loss_fn = micro-batch mean, scale_grads=True (torch's pairing): wrong when micro-batches "
+               "hold unequal item counts")
+    pitfall = True
+    scale_grads = True
+
+    def loss_fn(self, objective: Objective):
+        return lambda output, targets, items: objective.mean(output, targets)
+
+    def reported(self, losses: list[Tensor]) -> Tensor:
+        return torch.stack([loss.detach() for loss in losses]).mean()
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineScaledTwice(Pipeline):
+    name = "pipeline_scaled_twice"
+    summary = "PITFALL: loss_fn = micro-batch sum / global items, left with scale_grads=True: gradients 1/K too small"
+    pitfall = True
+    scale_grads = True
