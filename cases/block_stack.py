@@ -1,5 +1,5 @@
-"""A transformer-like stack of pre-norm residual blocks, the shape FSDP2 shards block by block, and
-FSDP2's accumulation pitfall on it: gradient sync left on, so every micro-batch reduce-scatters."""
+"""A transformer-like stack of pre-norm residual blocks, the shape FSDP2 shards block by block and a
+pipeline cuts into stages, and FSDP2's accumulation pitfall on it: gradient sync left on, so every micro-batch reduce-scatters."""
 
 import dataclasses
 from functools import partial
@@ -41,8 +41,11 @@ block_stack = ec.register_case(ec.Case(
     batch_size=12,
     steps=3,
     regimes=("full_batch", "accumulate:chunks=3", "ddp:world_size=2", "fsdp:world_size=2",
-             "fsdp_no_sync:world_size=2,chunks=3", "fsdp_no_sync:world_size=2,chunks=3,reshard_after_forward=0"),
-    description="embedding, 2 pre-norm residual blocks, norm, head: FSDP2 shards each block and the root",
+             "fsdp_no_sync:world_size=2,chunks=3", "fsdp_no_sync:world_size=2,chunks=3,reshard_after_forward=0",
+             "pipeline:stages=2,microbatches=4", "pipeline:stages=2,microbatches=4,schedule=1f1b",
+             "pipeline:stages=2,microbatches=4,schedule=interleaved"),
+    description="embedding, 2 pre-norm residual blocks, norm, head: FSDP2 shards each block and the root; "
+                "pipeline stages cut its 5 children 3 + 2 (interleaved: 2 + 1 + 1 + 1)",
 ))
 
 fsdp_sync_every_micro_batch = ec.register_case(dataclasses.replace(

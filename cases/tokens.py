@@ -59,6 +59,25 @@ naive_scaling_uneven_tokens = ec.register_case(dataclasses.replace(
     description="negative control: micro-batch mean / K with uneven token counts",
 ))
 
+pipeline_mean_loss_uneven_tokens = ec.register_case(dataclasses.replace(
+    tokens,
+    name="pipeline_mean_loss_uneven_tokens",
+    regimes=("full_batch", "pipeline:stages=2,microbatches=4", "pipeline:stages=2,microbatches=4,schedule=1f1b",
+             "pipeline_mean_loss:stages=2,microbatches=4", "pipeline_scaled_twice:stages=2,microbatches=4"),
+    expect_mismatch={
+        "pipeline_mean_loss": "micro-batch means averaged by scale_grads=True: equal micro-batches of 3 samples "
+                              "hold unequal numbers of real tokens",
+        "pipeline_scaled_twice": "the global-sum loss divided by K again by scale_grads=True: 1/4 of every gradient",
+    },
+    description="negative control: pipeline stages (torch.distributed.pipelining) with the loss normalised per "
+                "micro-batch, over sequences of 1 to 7 real tokens",
+))
+
 # The catalogue's entries that use these cases.
 add_entry(Entry("naive scaling: micro-batch mean / K, uneven token counts", "naive_scaling_uneven_tokens",
                 "naive_accumulate:chunks=4", "accumulate:chunks=4"))
+add_entry(Entry("pipeline: micro-batch mean loss with scale_grads=True, uneven token counts",
+                "pipeline_mean_loss_uneven_tokens", "pipeline_mean_loss:stages=2,microbatches=4",
+                "pipeline:stages=2,microbatches=4"))
+add_entry(Entry("pipeline: global-sum loss scaled again by scale_grads=True", "pipeline_mean_loss_uneven_tokens",
+                "pipeline_scaled_twice:stages=2,microbatches=4", "pipeline:stages=2,microbatches=4"))
