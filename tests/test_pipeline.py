@@ -72,6 +72,8 @@ def test_stages_are_contiguous_runs_of_children_evenly_by_count():
         ("pipeline:stages=2,microbatches=0", "microbatches=0 is not allowed: expected an integer >= 1"),
         ("pipeline:stages=2,microbatches=5,schedule=interleaved",
          "microbatches=5 is not allowed with schedule=interleaved and stages=2"),
+        ("pipeline:stages=3,microbatches=2,schedule=1f1b",
+         "microbatches=2 is not allowed with schedule=1f1b: expected an integer >= stages=3"),
         ("pipeline:stages=2,microbatches=4,backend=mpi", "backend='mpi' is not allowed: expected one of auto, gloo, nccl"),
         ("pipeline:stages=2", "pipeline needs microbatches (e.g. 'pipeline:microbatches=2')"),
         ("pipeline:stages=2,microbatches=4,world_size=2", "pipeline takes stages=..., microbatches=..., schedule=..., backend=..."),
@@ -97,6 +99,11 @@ def test_a_case_that_cannot_be_cut_is_named():
     called = dataclasses.replace(ec.get_case("mlp"), name="called", forward=lambda model, inputs, targets: model(inputs))
     with pytest.raises(ec.InvalidArgument, match="on case 'called': the case calls its model through forward="):
         ec.parse_regime("pipeline:stages=2,microbatches=2").validate(called)
+
+
+def test_nccl_and_cuda_modes_are_skipped_with_the_reason():
+    outcome = ec.check("block_stack", ["pipeline:stages=2,microbatches=4,backend=nccl"]).outcomes[-1]
+    assert outcome.verdict is Verdict.SKIPPED and "run on the CPU over gloo only" in outcome.reason
 
 
 def test_micro_batches_must_divide_the_global_batch():

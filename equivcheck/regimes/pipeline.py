@@ -117,6 +117,10 @@ class Pipeline(Regime):
             raise InvalidArgument.value("schedule", self.schedule, f"one of {', '.join(SCHEDULES)}")
         if self.backend not in BACKENDS:
             raise InvalidArgument.value("backend", self.backend, f"one of {', '.join(BACKENDS)}")
+        if self.schedule == "1f1b" and self.microbatches < self.stages:
+            raise InvalidArgument(
+                f"regime {str(self)!r}: microbatches={self.microbatches} is not allowed with schedule=1f1b: expected "
+                f"an integer >= stages={self.stages} (Schedule1F1B refuses fewer micro-batches than stages)")
         if self.schedule == "interleaved":
             rounds = max(1, self.microbatches // self.stages)
             if self.microbatches % rounds:
