@@ -109,3 +109,14 @@ def test_nccl_and_cuda_modes_are_skipped_with_the_reason():
 def test_micro_batches_must_divide_the_global_batch():
     with pytest.raises(ec.InvalidArgument, match="microbatches=5 is not allowed: expected a divisor of batch_size=12"):
         ec.check("block_stack", ["pipeline:stages=2,microbatches=5"])
+
+
+def test_weights_tied_across_stages_are_refused():
+    def tied():
+        embed, head = nn.Linear(6, 6, bias=False), nn.Linear(6, 6, bias=False)
+        head.weight = embed.weight
+        return nn.Sequential(embed, nn.Tanh(), head)
+
+    case = dataclasses.replace(ec.get_case("mlp"), name="tied", model=tied)
+    with pytest.raises(ec.InvalidArgument, match="on case 'tied': parameter '0.weight' of stage 1 is shared with stage 0"):
+        ec.parse_regime("pipeline:stages=2,microbatches=2").validate(case)

@@ -81,19 +81,17 @@ class Pipelined(nn.Module):
         return any(stage.is_last for stage in self.stages)
 
     def share_stages(self) -> None:
-        """Each stage's owner broadcasts its gradients and floating buffers: every rank then holds them whole."""
+        """Each stage's owner broadcasts its gradients and buffers: every rank then holds them all, whole."""
+        rank = dist.get_rank()
         for owner, module in self.owners:
-            mine = owner == dist.get_rank()
-            grads = [p.grad if p.grad is not None or not mine else torch.zeros_like(p)
-                     for p in module.parameters() if p.requires_grad]
-            params = [p for p in module.parameters() if p.requires_grad]
-            if params:
-                flat = (torch.cat([g.reshape(-1) for g in grads]) if mine
-                        else torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device))
-                dist.broadcast(flat, src=owner)
-                for p, piece in zip(params, flat.split([p.numel() for p in params])):
-                    p.grad = piece.view_as(p).clone()
-            for buffer in (b for b in module.buffers() if b.is_floating_point()):
+            for param in (p for p in module.parameters() if p.requires_grad):
+                if owner == rank:
+                    grad = param.grad if param.grad is not None else torch.zeros_like(param)
+                else:
+                    grad = torch.empty_like(param)
+                dist.broadcast(grad, src=owner)
+                param.grad = grad
+            for buffer in module.buffers():
                 dist.broadcast(buffer.data, src=owner)
 
 
@@ -184,7 +182,16 @@ class Pipeline(Regime):
                 f"regime {str(self)!r} on case {case_name!r}: the case's model cannot be cut into {total} pipeline "
                 f"stages: it is {what}; expected an nn.Sequential with at least {total} children (stages="
                 f"{self.stages}{' x 2 per rank' if self.stages_per_rank == 2 else ''}), cut evenly by count")
-        return [nn.Sequential(*children[start:stop]) for start, stop in stage_bounds(len(children), total)]
+        stages = [nn.Sequential(*children[start:stop]) for start, stop in stage_bounds(len(children), total)]
+        owner: dict[int, int] = {}
+        for index, stage in enumerate(stages):
+            for name, param in stage.named_parameters():
+                if owner.setdefault(id(param), index) != index:
+                    raise InvalidArgument(
+                        f"regime {str(self)!r} on case {case_name!r}: parameter {name!r} of stage {index} is shared "
+                        f"with stage {owner[id(param)]} (tied weights): expected stages that share no parameter, "
+                        "each stage's gradient being its owner's alone")
+        return stages
 
     def loss_fn(self, objective: Objective):
         """A micro-batch's loss as the schedule calls it: its sum over the global batch's items."""
