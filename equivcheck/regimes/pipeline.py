@@ -6,7 +6,8 @@ count, the first stages taking one more where they do not divide (5 children in 
 ``torch.tensor_split``). ``gpipe`` (ScheduleGPipe) and ``1f1b`` (Schedule1F1B) give each rank one stage;
 ``interleaved`` (ScheduleInterleaved1F1B) gives each rank two, S * 2 in all, rank r holding stages r and r + S
 (the looped placement the schedule expects). A model with fewer children than stages, or that is not an
-``nn.Sequential``, or a case with its own ``forward=``, cannot be cut: :class:`InvalidArgument` names the case.
+``nn.Sequential``, or a case with its own ``forward=``, or weights tied across stages, cannot be cut:
+:class:`InvalidArgument` names the case.
 
 The schedule cuts each global batch into K micro-batches with ``tensor_split``. PipelineStage infers the
 shapes it sends from the first micro-batch and reuses its buffers, so in torch 2.13 every micro-batch must hold
@@ -15,7 +16,7 @@ shape error; here it is a usage error before anything trains).
 
 How the whole model is reported: every rank builds the whole model (the same seeded start as full batch);
 each stage module is built from that rank's own children, which share their parameters with the whole model.
-After the schedule's step, the owner of each stage broadcasts that stage's gradients (and floating buffers,
+After the schedule's step, the owner of each stage broadcasts that stage's gradients (and buffers,
 BatchNorm's running statistics) to every rank, so every rank holds the FULL gradient when its optimizer steps:
 ``GradRecorder`` records it there, every rank steps the same full gradients with the same optimizer, and the
 weights stay identical on every rank without another collective (``full_tensor`` is the identity; the harness
