@@ -59,9 +59,9 @@ naive_scaling_uneven_tokens = ec.register_case(dataclasses.replace(
     description="negative control: micro-batch mean / K with uneven token counts",
 ))
 
-pipeline_mean_loss_uneven_tokens = ec.register_case(dataclasses.replace(
+pipeline_uneven_tokens = ec.register_case(dataclasses.replace(
     tokens,
-    name="pipeline_mean_loss_uneven_tokens",
+    name="pipeline_uneven_tokens",
     regimes=("full_batch", "pipeline:stages=2,microbatches=4", "pipeline:stages=2,microbatches=4,schedule=1f1b",
              "pipeline_mean_loss:stages=2,microbatches=4", "pipeline_scaled_twice:stages=2,microbatches=4"),
     expect_mismatch={
@@ -77,7 +77,7 @@ pipeline_mean_loss_uneven_tokens = ec.register_case(dataclasses.replace(
 add_entry(Entry("naive scaling: micro-batch mean / K, uneven token counts", "naive_scaling_uneven_tokens",
                 "naive_accumulate:chunks=4", "accumulate:chunks=4"))
 add_entry(Entry("pipeline: micro-batch mean loss with scale_grads=True, uneven token counts",
-                "pipeline_mean_loss_uneven_tokens", "pipeline_mean_loss:stages=2,microbatches=4",
+                "pipeline_uneven_tokens", "pipeline_mean_loss:stages=2,microbatches=4",
                 "pipeline:stages=2,microbatches=4"))
-add_entry(Entry("pipeline: global-sum loss scaled again by scale_grads=True", "pipeline_mean_loss_uneven_tokens",
+add_entry(Entry("pipeline: global-sum loss scaled again by scale_grads=True", "pipeline_uneven_tokens",
                 "pipeline_scaled_twice:stages=2,microbatches=4", "pipeline:stages=2,microbatches=4"))

@@ -43,12 +43,12 @@ def test_a_pipeline_adds_the_micro_batches_up_as_accumulation_does(block_stack):
 
 
 def test_micro_batch_mean_loss_is_caught_on_uneven_token_counts():
-    report = ec.check("pipeline_mean_loss_uneven_tokens")
+    report = ec.check("pipeline_uneven_tokens")
     report.assert_equivalent()
-    faithful = report.outcome("pipeline_mean_loss_uneven_tokens", "pipeline:stages=2,microbatches=4")
+    faithful = report.outcome("pipeline_uneven_tokens", "pipeline:stages=2,microbatches=4")
     assert faithful.verdict is Verdict.EQUIVALENT and faithful.comparison.margin < 1e-2
     for spec in ("pipeline_mean_loss:stages=2,microbatches=4", "pipeline_scaled_twice:stages=2,microbatches=4"):
-        wrong = report.outcome("pipeline_mean_loss_uneven_tokens", spec)
+        wrong = report.outcome("pipeline_uneven_tokens", spec)
         assert wrong.verdict is Verdict.EXPECTED_MISMATCH and wrong.comparison.margin > 100, spec
 
 
