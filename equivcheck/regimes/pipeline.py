@@ -39,6 +39,7 @@ Communication is not counted (there is no gradient all-reduce to count: stages e
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -102,7 +103,8 @@ class Pipeline(Regime):
     summary = ("S ranks, one contiguous stage of an nn.Sequential each (interleaved: two), K equal micro-batches; "
                "loss_fn = micro-batch sum / global items, scale_grads=False")
     distributed = True
-    syncs_per_step = None
+    # torch's scale_grads: True divides the micro-batches' summed gradients by K after the last backward.
+    scale_grads: ClassVar[bool] = False
 
     stages: int
     microbatches: int
@@ -128,9 +130,6 @@ class Pipeline(Regime):
                     f"and stages={self.stages}: ScheduleInterleaved1F1B needs a multiple of its rounds "
                     f"(max(1, microbatches // stages) = {rounds}): e.g. microbatches={self.stages} or "
                     f"{2 * self.stages}")
-
-    # Scale of the summed micro-batch losses the schedule applies after backward (True: divide by K).
-    scale_grads = False
 
     @property
     def world_size(self) -> int:  # type: ignore[override]
