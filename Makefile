@@ -82,7 +82,7 @@ $(PEER_VENV)/.installed:
 
 # A check's cost against trainparity: in-process, CLI, verdicts, the full matrix, import and pytest --help.
 bench-speed: install $(PEER_VENV)/.installed
-	$(BIN)/python bench/bench_speed.py
+	env -u OMP_NUM_THREADS $(BIN)/python bench/bench_speed.py
 
 # Peak activation memory, wall time and process peak per regime, and what measuring costs.
 bench-memory: install
