@@ -15,7 +15,8 @@ from equivcheck.catalogue import Entry, add_entry
 from .mlp import mlp
 
 FP16, BF16 = "ddp_hook:world_size=2,hook=fp16", "ddp_hook:world_size=2,hook=bf16"
-POWERSGD, POWERSGD_FROM_STEP_2 = "ddp_hook:world_size=2,hook=powersgd", "ddp_hook:world_size=2,hook=powersgd,start_iter=2"
+POWERSGD = "ddp_hook:world_size=2,hook=powersgd"
+POWERSGD_FROM_STEP_2 = "ddp_hook:world_size=2,hook=powersgd,start_iter=2"
 
 
 def seven_per_step():

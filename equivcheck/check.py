@@ -341,8 +341,9 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
                               f"{declared}; it crashed: {crash}", seconds, details=details)
             continue
         comparison = compare(ref, result, tolerance=plan.tolerance(spec))
-        # A lossy regime's own bound already holds its error; float64 shadows would only compare it at float64's.
-        if rounding.applies(precision, comparison) and not comparison.tolerance.source:  # float64 shadows: the maths, or this case's rounding?
+        # Float64 shadows: the maths, or this case's rounding? Not for a lossy regime judged at its own bound:
+        # its shadows would compare the compression at float64's tolerance.
+        if rounding.applies(precision, comparison) and not comparison.tolerance.source:
             comparison = rounding.judge(
                 case, comparison, ref, result, seed=seed,
                 shadow_reference=shadow_reference,

@@ -1,6 +1,7 @@
 """The regimes, by family: ``base`` (the interface, specs, the registry), ``loop`` (the micro-batch
 loop they share), ``local`` (full batch and faithful accumulation), ``pitfalls`` (each bug beside its
-faithful twin), ``ddp`` (DistributedDataParallel and DataParallel), ``ddp_hooks`` (DDP with a compressing comm hook, at its own error bound), ``ddp_partial`` (seed 000's accumulation
+faithful twin), ``ddp`` (DistributedDataParallel and DataParallel), ``ddp_hooks`` (DDP with a compressing comm
+hook, judged at its own error bound), ``ddp_partial`` (seed 000's accumulation
 over part of the model inside DDP and DataParallel), ``fsdp`` (FSDP2 fully_shard), ``zero`` (ZeroRedundancyOptimizer), ``checkpoint`` (activation checkpointing inside accumulation), ``sync_batchnorm`` (SyncBatchNorm under DDP, GPUs only), ``user_code`` (a team's own step
 or loop). A regime of your own is one module that calls :func:`register_regime` on its class.
 """

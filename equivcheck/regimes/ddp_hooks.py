@@ -66,8 +66,8 @@ class DdpHook(Ddp):
         if self.hook != "powersgd":
             for option, default in POWERSGD_DEFAULTS.items():
                 if getattr(self, option) != default:
-                    raise InvalidArgument.value(option, getattr(self, option),
-                                                f"{default} (the default) with hook={self.hook}: only hook=powersgd takes it")
+                    raise InvalidArgument.value(option, getattr(self, option), f"{default} (the default) with "
+                                                f"hook={self.hook}: only hook=powersgd takes it")
 
     def count_communication(self, module: nn.Module) -> CommunicationCounter:
         """DDP takes one comm hook per wrapper: the counter's, which counts and then calls this regime's."""
