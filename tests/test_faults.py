@@ -270,3 +270,22 @@ def test_a_signal_that_lands_in_a_finalizer_still_stops_the_command(monkeypatch)
         Finalized()  # its finalizer runs at once
         time.sleep(5)  # the signal, sent again, stops this
     assert dropped == []
+
+
+class ClosedPipe:
+    """The parent's end, closed: what a rank meets when the CLI was stopped by SIGTERM mid-job."""
+
+    def send(self, message):
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_rank_whose_parent_stopped_listening_leaves_quietly():
+    """A broken pipe while replying ends the rank's loop; a traceback of it would land on the user's terminal."""
+    from equivcheck.distributed.worker import reply
+
+    assert reply(ClosedPipe(), 3, lambda: {"result": 1}) is False
+    assert reply(ClosedPipe(), 3, lambda: 1 / 0) is False  # the error reply meets the same closed pipe
+    sent = []
+    pipe = type("Pipe", (), {"send": staticmethod(sent.append)})()
+    assert reply(pipe, 4, lambda: 1 / 0) is True
+    assert sent[0][:2] == (4, "error") and "ZeroDivisionError" in sent[0][2]

@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 import torch
@@ -71,13 +72,27 @@ def worker_main(rank: int, world_size: int, backend: str, store: str, conn: Conn
         if message is None:
             break
         number, job = message  # every reply names the job it answers
+        if not reply(conn, number, lambda: answer(job)):
+            break
+    dist.destroy_process_group()
+
+
+def reply(conn: Connection, number: int, work: Callable[[], dict]) -> bool:
+    """Send the answer to job ``number``: its result, a usage error or a traceback. False when the parent
+    has stopped listening (Ctrl-C, SIGTERM): the rank then leaves quietly, never printing a traceback of
+    its own broken pipe onto the terminal the parent shares."""
+    try:
         try:
-            conn.send((number, "ok", answer(job)))
+            conn.send((number, "ok", work()))
+        except (BrokenPipeError, ConnectionResetError):
+            raise
         except InvalidArgument as error:  # a usage error, wherever it surfaced
             conn.send((number, "usage", str(error)))
         except Exception:
             conn.send((number, "error", traceback.format_exc()))
-    dist.destroy_process_group()
+    except (BrokenPipeError, ConnectionResetError):
+        return False
+    return True
 
 
 def stack_file(folder: str, rank: int) -> str:
