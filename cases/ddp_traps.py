@@ -97,14 +97,15 @@ routed_experts = ec.register_case(ec.Case(
 ))
 
 ddp_join_uneven_tail = ec.register_case(dataclasses.replace(
-    ddp_uneven_shards,
+    mlp,
     name="ddp_join_uneven_tail",
     regimes=("full_batch", "ddp_join:world_size=2,chunks=3", "ddp_join_rank_mean:world_size=2,chunks=3",
-             "ddp_uneven_micro_batches:world_size=2,chunks=2"),
+             "ddp_uneven_micro_batches:world_size=2,chunks=3"),
     expect_mismatch={
-        "ddp_join_rank_mean": "each rank's mean: rank 1 sits out the last step, whose 11 samples then count half",
+        "ddp_join_rank_mean": "each rank's mean: rank 1 sits out the last step (it joined), whose 12 samples then "
+                              "count half",
     },
-    description="uneven inputs: rank 1 runs out of data a step early and joins (11 samples per step over 2 ranks)",
+    description="uneven inputs: rank 1 runs out of data a step early and joins (12 samples per step, 2 ranks)",
 ))
 
 # The catalogue's entries that use these cases.
