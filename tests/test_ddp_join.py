@@ -72,6 +72,14 @@ def test_different_micro_batch_counts_under_no_sync_need_no_join(report, spec):
     assert outcome.result.syncs == (1, 1, 1)  # every rank all-reduces once, at its own last micro-batch
 
 
+def test_ddp_options_reach_join_too():
+    """A parameter no training forward uses: under join the joined rank shadows DDP's unused-parameter all-reduce."""
+    specs = ["ddp_join:world_size=2,chunks=3,find_unused_parameters=1",
+             "ddp_uneven_micro_batches:world_size=2,chunks=3,find_unused_parameters=1"]
+    report = ec.check("unused_branch", specs)
+    assert [o.verdict for o in report.outcomes] == [Verdict.EQUIVALENT, Verdict.EQUIVALENT]
+
+
 def test_without_join_the_hang_is_an_error_within_the_timeout_and_the_pool_recovers():
     pids = pools.pool_for("gloo", 2).pids
     started = time.monotonic()
@@ -114,7 +122,9 @@ def test_the_hang_and_the_crash_are_never_drawn():
         ("ddp_join:world_size=2,chunks=0", "chunks=0 is not allowed: expected an integer >= 1"),
         ("ddp_join:world_size=2,chunks=x", "Expected int but got chunks='x' (type=str)"),
         ("ddp_join:world_size=2,backend=mpi", "backend='mpi' is not allowed: expected one of auto, gloo, nccl"),
-        ("ddp_join:world_size=2,steps=3", "'steps=3' is not allowed: ddp_join takes world_size=..., backend=..., chunks=..."),
+        ("ddp_join:world_size=2,steps=3", "'steps=3' is not allowed: ddp_join takes world_size=..., backend=..., chunks=..., "
+                                          "gradient_as_bucket_view=..., bucket_cap_mb=..., static_graph=..."),
+        ("ddp_join:world_size=2,bucket_cap_mb=0", "bucket_cap_mb=0.0 is not allowed: expected a finite number > 0"),
         ("ddp_join:world_size=13", "world_size=13 is not allowed: expected an integer from 1 to 12"),
         ("ddp_join:world_size=2,chunks=7", "chunks=7 is not allowed: expected an integer from 1 to 6"),
     ],

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from ..case import Batch
 from .base import finish_step
-from .ddp import Accumulating
+from .ddp import Accumulating, DdpOptions
 from .loop import backward_chunks
 
 
@@ -58,7 +58,7 @@ def holders(step: int, steps: int, world_size: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class DdpUnevenMicroBatches(Accumulating):
+class DdpUnevenMicroBatches(DdpOptions, Accumulating):
     name = "ddp_uneven_micro_batches"
     summary = ("rank r cuts its shard into max(1, K - r) micro-batches, no_sync() on all but its last, no join: "
                "one all-reduce per rank per step, exact")
@@ -89,7 +89,7 @@ class DdpUnevenMicroBatchesJoin(DdpUnevenMicroBatches):
 
 
 @dataclasses.dataclass(frozen=True)
-class DdpJoin(Accumulating):
+class DdpJoin(DdpOptions, Accumulating):
     name = "ddp_join"
     summary = ("rank r holds data for the first max(1, S - r) of S steps; all steps inside model.join(), "
                "K micro-batches per step (no_sync() on all but the last); ranks out of data shadow: exact")
