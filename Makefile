@@ -59,8 +59,8 @@ test: $(INSTALLED)/venv/.installed
 		../venv/bin/python -m pytest -q -p no:cacheprovider
 
 # The framework recipes against pinned releases, installed after the pinned torch (pip keeps it), and the
-# report extra's matplotlib, whose plots tests/test_reports.py then draws.
-FRAMEWORKS ?= pytorch-lightning==2.6.6 accelerate==1.15.0 transformers==5.23.0 matplotlib==3.11.2
+# report and terminal extras (matplotlib, rich), whose plots and tables tests/test_reports.py then draws.
+FRAMEWORKS ?= pytorch-lightning==2.6.6 accelerate==1.15.0 transformers==5.23.0 matplotlib==3.11.2 rich==15.0.0
 FRAMEWORK_TESTS := tests/test_lightning.py tests/test_accelerate.py tests/test_hf_trainer.py tests/test_reports.py
 test-frameworks: install
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check "$(TORCH)" $(FRAMEWORKS)
@@ -82,7 +82,7 @@ $(PEER_VENV)/.installed:
 
 # A check's cost against trainparity: in-process, CLI, verdicts, the full matrix, import and pytest --help.
 bench-speed: install $(PEER_VENV)/.installed
-	$(BIN)/python bench/bench_speed.py
+	env -u OMP_NUM_THREADS $(BIN)/python bench/bench_speed.py
 
 # Peak activation memory, wall time and process peak per regime, and what measuring costs.
 bench-memory: install

@@ -33,6 +33,17 @@ def count_samples(targets: Tensor) -> int:
     return len(targets)
 
 
+@dataclasses.dataclass(frozen=True)
+class ItemsPerSample:
+    """The count of a case that declares no ``items=`` and whose loss returns one loss per target element
+    (a per-token loss): ``per_sample`` items in every sample, as read off the loss (see :func:`counted_by_its_loss`)."""
+
+    per_sample: int
+
+    def __call__(self, targets: Tensor) -> int:
+        return self.per_sample * len(targets)
+
+
 LOSS_REDUCTIONS = ("none", "mean")
 LAST_BATCH = ("exact", "keep")  # exact: data holds steps * batch_size samples; keep: the last batch may be smaller
 
@@ -189,17 +200,49 @@ class Objective:
     def item_losses(self, output: Tensor, targets: Tensor) -> Tensor:
         losses = self._call_loss(output, targets)
         expected = int(self._case.items(targets))
+        if isinstance(losses, Tensor) and losses.dim() > 1 and losses.numel() == expected:
+            losses = losses.reshape(-1)  # a per-token loss of shape (samples, tokens): one item per element
         if not isinstance(losses, Tensor) or losses.dim() != 1 or len(losses) != expected:
             shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
             scalar = isinstance(losses, Tensor) and losses.dim() == 0
             raise InvalidArgument(
                 f"loss of case {self._case.name!r} returned shape {shape} for {len(targets)} samples holding "
                 f"{expected} items: expected a 1-D tensor of one loss per item (reduction='none'), "
-                "leaving out only the items that don't count"
+                "leaving out only the items that don't count, or without items= one loss per target element "
+                "(a per-token loss of shape (samples, tokens))"
                 + (". If it is the mean over those items (a Hugging Face model's .loss), declare "
                    "Case(loss_reduction='mean')" if scalar else "")
             )
         return losses
+
+    def counted_by_its_loss(self, model: nn.Module, batch: Batch) -> Case:
+        """The case, counting one item per element of its loss where it declares no ``items=``, holds more
+        than one target value per sample, and its loss returns a multiple of one value per sample (a
+        per-token loss). Read off one forward of ``batch`` in eval mode without a graph, every generator
+        restored: no random draw of the run changes. A loss with elements exactly 0 (ignored padding)
+        must say how many items count, so it stays an error there."""
+        case = self._case
+        if case.items is not count_samples or case.loss_reduction != "none" or batch.targets.dim() < 2:
+            return case
+        was_training = model.training
+        device = next(model.parameters()).device
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            model.eval()
+            try:
+                losses = self._call_loss(self.forward(model, batch.inputs, batch.targets), batch.targets)
+            finally:
+                model.train(was_training)
+        samples = len(batch)
+        if not isinstance(losses, Tensor) or losses.numel() <= samples or losses.numel() % samples:
+            return case  # not one loss per target element: item_losses says what it expects
+        zeros = int((losses == 0).sum())
+        if zeros:
+            raise InvalidArgument(
+                f"loss of case {case.name!r} returned {losses.numel()} losses for {samples} samples, {zeros} of them "
+                "exactly 0, as ignored padding gives: declare items= counting the items that count (e.g. "
+                "items=lambda targets: int((targets != -100).sum()))"
+            )
+        return dataclasses.replace(case, items=ItemsPerSample(losses.numel() // samples))
 
     def _mean_loss(self, output: Tensor, targets: Tensor) -> tuple[Tensor, int]:
         """A ``loss_reduction='mean'`` case's loss: the mean over the batch's items, and their count."""

@@ -199,6 +199,15 @@ class Plan:
     timeout: float
     threads: int | None = None  # intra-op threads per run (None: one, unless the user chose; intra_op.py)
     compare_losses: bool = True  # False: gradients and weights only (a step that returns a logged loss)
+    tolerance_given: bool = False  # rtol and atol came from the call: they hold for every regime, a lossy one too
+
+    def tolerance(self, spec: Regime) -> Tolerance:
+        """What ``spec`` is compared at: the call's tolerance, else the regime's own bound where it is lossy
+        (widening the case's or the precision's), else the case's or the precision's."""
+        base = Tolerance.resolve(self.precision, self.rtol, self.atol)
+        if self.tolerance_given:
+            return base
+        return spec.tolerance_for(self.case, self.precision, base) or base
 
     def run(self, spec: Regime, dtype: Precision, measure_memory: bool) -> RunResult:
         """One run of this plan's case under ``spec``, with the plan's seed, timeout and threads."""
@@ -245,8 +254,9 @@ def plan(case: Case | str, regimes: Iterable[str | Regime] | str | Regime | None
         expect_int("threads", threads)
     if not isinstance(compare_losses, bool):
         raise InvalidArgument.type("compare_losses", compare_losses, "bool")
+    given = rtol is not None
     rtol, atol = (case.rtol, case.atol) if rtol is None and atol is None else (rtol, atol)
-    return Plan(case, specs, reference, precision, rtol, atol, seed, timeout, threads, compare_losses)
+    return Plan(case, specs, reference, precision, rtol, atol, seed, timeout, threads, compare_losses, given)
 
 
 def iter_outcomes(plan: Plan, *, measure_memory: bool = True) -> Iterator[Outcome]:
@@ -330,8 +340,10 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
                 yield Outcome(case.name, str(spec), Verdict.EXPECTED_MISMATCH, None,
                               f"{declared}; it crashed: {crash}", seconds, details=details)
             continue
-        comparison = compare(ref, result, rtol=plan.rtol, atol=plan.atol)
-        if rounding.applies(precision, comparison):  # float64 shadows: the maths, or this case's rounding?
+        comparison = compare(ref, result, tolerance=plan.tolerance(spec))
+        # Float64 shadows: the maths, or this case's rounding? Not for a lossy regime judged at its own bound:
+        # its shadows would compare the compression at float64's tolerance.
+        if rounding.applies(precision, comparison) and not comparison.tolerance.source:
             comparison = rounding.judge(
                 case, comparison, ref, result, seed=seed,
                 shadow_reference=shadow_reference,
@@ -417,10 +429,19 @@ def _judge(case: Case, spec: Regime, comparison: Comparison, seconds: float, res
         reason = comparison.note if comparison.ok else _only_gradients(comparison)
     else:
         verdict = Verdict.EXPECTED_MISMATCH if not comparison.ok else Verdict.UNEXPECTED_MATCH
-    notes = dict.fromkeys(filter(None, (_clipping_note(reference_regime, reference), _clipping_note(spec, result))))
+    notes = dict.fromkeys(filter(None, (_clipping_note(reference_regime, reference), _clipping_note(spec, result),
+                                        _tolerance_note(comparison))))
     reason = "; ".join(filter(None, (reason, *notes)))
     return Outcome(case.name, str(spec), verdict, comparison, reason, seconds, result,
                    memory=MemoryUse.of(spec.micro_batches(case) > 1, result, reference))
+
+
+def _tolerance_note(comparison: Comparison) -> str:
+    """A lossy regime's verdict names the bound it was judged at, and the error it measured."""
+    tol = comparison.tolerance
+    if not tol.source:
+        return ""
+    return f"compared at {tol}; measured max abs error {comparison.max_abs:.3g}, margin {comparison.margin:.3g}"
 
 
 def _failed(comparison: Comparison) -> Verdict:

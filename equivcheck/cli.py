@@ -22,6 +22,7 @@ from typing import TextIO
 from . import catalogue as pitfall_catalogue
 from . import html_report
 from . import report as render
+from . import terminal
 from .audit import audit
 from .check import Report, Status, Verdict, iter_outcomes, plan_all, regimes_for
 from .distributed import launcher
@@ -208,7 +209,8 @@ def _run(args: argparse.Namespace) -> int:
         return code  # every rank ran the same checks; rank 0 reports them
     rows = render.to_rows(report)
     if report.outcomes:
-        print(render.render_overview(rows, _width(), colour=_colour()))
+        print(terminal.render_overview(rows, _width(), colour=_colour()) if sys.stdout.isatty()
+              else render.render_overview(rows, _width()))
     if report.outcomes and (args.matrix or not report.ok):
         print("\n" + render.render_matrix(report, _width()))
         print(render.LEGEND)

@@ -13,31 +13,9 @@ import math
 import torch
 from torch import Tensor
 
-from .errors import InvalidArgument, expect_tolerances
-from .precision import PRECISIONS, Precision, resolve_precision
+from .errors import InvalidArgument
+from .precision import PRECISIONS, Tolerance
 from .result import RunResult
-
-
-@dataclasses.dataclass(frozen=True)
-class Tolerance:
-    rtol: float
-    atol: float
-
-    @classmethod
-    def resolve(
-        cls, dtype: torch.dtype | Precision, rtol: float | None = None, atol: float | None = None
-    ) -> Tolerance:
-        """The call's override if given, else the precision mode's stated tolerance; rtol and atol go together."""
-        expect_tolerances(rtol, atol)
-        if rtol is None:
-            precision = resolve_precision(dtype)
-            rtol, atol = precision.rtol, precision.atol
-        if rtol == 0 and atol == 0:
-            raise InvalidArgument.value("atol", atol, "rtol or atol above 0 (a zero tolerance has no margin)")
-        return cls(float(rtol), float(atol))
-
-    def __str__(self) -> str:
-        return f"rtol={self.rtol:g}, atol={self.atol:g}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,11 +120,18 @@ class Comparison:
 
 
 def compare(
-    reference: RunResult, candidate: RunResult, *, rtol: float | None = None, atol: float | None = None
+    reference: RunResult, candidate: RunResult, *, rtol: float | None = None, atol: float | None = None,
+    tolerance: Tolerance | None = None,
 ) -> Comparison:
-    """Compare ``candidate`` against ``reference`` everywhere; the tolerance follows the precision mode."""
-    mode = PRECISIONS.get(reference.precision) or next(iter(reference.weights.values())).dtype
-    tol = Tolerance.resolve(mode, rtol, atol)
+    """Compare ``candidate`` against ``reference`` everywhere; the tolerance follows the precision mode,
+    unless ``rtol`` and ``atol`` or a whole ``tolerance`` (a lossy regime's own bound) are given."""
+    if tolerance is not None:
+        if not isinstance(tolerance, Tolerance):
+            raise InvalidArgument.type("tolerance", tolerance, "an equivcheck.Tolerance")
+        tol = tolerance
+    else:
+        mode = PRECISIONS.get(reference.precision) or next(iter(reference.weights.values())).dtype
+        tol = Tolerance.resolve(mode, rtol, atol)
     within = _all_within(reference, candidate, tol)
     if within is not None:  # the common case, in a few vectorised ops; the breakdown is for mismatches
         return Comparison(tol, (), (), *within)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .errors import InvalidArgument
+from .errors import InvalidArgument, expect_tolerances
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,3 +119,35 @@ def registered_name(precision: Precision) -> str:
     if PRECISIONS.get(precision.name) != precision:
         raise InvalidArgument.value("dtype", precision.name, f"one of {', '.join(PRECISIONS)} for distributed regimes")
     return precision.name
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """An element matches when ``|actual - expected| <= atol + rtol * |expected|``. ``source`` says where a
+    tolerance other than the precision mode's (or the call's, or the case's) came from: a lossy regime's own
+    error bound (a compressing DDP comm hook) names itself there, and every report prints it."""
+
+    rtol: float
+    atol: float
+    source: str = ""
+
+    @classmethod
+    def resolve(
+        cls, dtype: torch.dtype | Precision, rtol: float | None = None, atol: float | None = None
+    ) -> Tolerance:
+        """The call's override if given, else the precision mode's stated tolerance; rtol and atol go together."""
+        expect_tolerances(rtol, atol)
+        if rtol is None:
+            precision = resolve_precision(dtype)
+            rtol, atol = precision.rtol, precision.atol
+        if rtol == 0 and atol == 0:
+            raise InvalidArgument.value("atol", atol, "rtol or atol above 0 (a zero tolerance has no margin)")
+        return cls(float(rtol), float(atol))
+
+    def widened(self, rtol: float, atol: float, source: str) -> Tolerance:
+        """This tolerance with a lossy step's own error bound added: the mode's reordering error and the
+        compression's add up, element by element."""
+        return Tolerance(self.rtol + rtol, self.atol + atol, source)
+
+    def __str__(self) -> str:
+        return f"rtol={self.rtol:g}, atol={self.atol:g}" + (f": {self.source}" if self.source else "")

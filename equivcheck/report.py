@@ -147,9 +147,14 @@ def render_overview(rows: list[dict], width: int = 120, *, colour: bool = False)
     lines = render_columns(table).splitlines()
     lines = [line if len(line) <= width else line[: width - 3] + "..." for line in lines]
     if colour:
-        bad = {row[0] for row in table[1:] if any(v in row[1] for v in NOT_AS_EXPECTED_LABELS)}
+        bad = cases_not_as_expected(table)
         lines = lines[:2] + [f"{RED}{line}{RESET}" if row[0] in bad else line for row, line in zip(table[1:], lines[2:])]
     return "\n".join(lines)
+
+
+def cases_not_as_expected(table: list[list[str]]) -> set[str]:
+    """The cases of an overview table with a verdict not as expected (shown in red on a terminal)."""
+    return {row[0] for row in table[1:] if any(v in row[1] for v in NOT_AS_EXPECTED_LABELS)}
 
 
 def _margin(row: dict) -> str:

@@ -5,6 +5,8 @@ On a worker rank this is what each rank runs; :mod:`equivcheck.dispatch` decides
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -52,6 +54,10 @@ def train(
             model = build_model(case, precision, device)
             batches = load_batches(case, precision, device)
         objective = Objective(case, precision)
+        counted = objective.counted_by_its_loss(model, batches[0])
+        if counted is not case:  # a per-token loss without items=: every batch counts its tokens
+            case, objective = counted, Objective(counted, precision)
+            batches = [dataclasses.replace(batch, count=case.items) for batch in batches]
         module = regime.wrap(model, objective)  # first: a sharding wrapper replaces the parameters the optimizer holds
         optimizer = regime.build_optimizer(case, model)
         counter = regime.count_communication(module)

@@ -10,6 +10,7 @@ import pytest
 
 import equivcheck as ec
 from equivcheck import report as render
+from equivcheck import terminal
 from equivcheck.cli import main
 from equivcheck.html_report import PLOTS_MISSING, render_html, run_metadata
 from equivcheck.progress import Progress
@@ -72,6 +73,25 @@ def test_what_is_not_as_expected_leads_its_case_and_is_red_on_a_terminal(failing
     coloured = render.render_overview(failing_rows, colour=True)
     assert f"{render.RED}mlp " in coloured and f"{render.RED}naive_scaling" not in coloured
     assert render.RED not in plain
+
+
+def test_on_a_terminal_without_rich_the_overview_is_the_plain_columns(failing_rows, monkeypatch):
+    monkeypatch.setitem(sys.modules, "rich", None)  # import rich raises ImportError
+    assert terminal.render_overview(failing_rows, 120, colour=True) == render.render_overview(failing_rows, colour=True)
+
+
+def test_with_rich_long_cells_wrap_to_the_width_and_what_failed_is_red(failing_rows):
+    pytest.importorskip("rich", reason="the terminal extra (make test-frameworks installs it)")
+    long_rows = [{"case": "a_case_with_a_long_name", "regime": f"naive_accumulate:chunks={k}", "verdict": "expected_mismatch",
+                  "margin": 1e5, "problems": []} for k in range(2, 30)]
+    lines = terminal.render_overview(long_rows, 80, colour=False).splitlines()
+    assert all(len(line) <= 80 for line in lines) and len(lines) > 4  # wrapped, not cut
+    assert "naive_accumulate:chunks=29" in "".join(line.strip() for line in lines)
+    coloured = terminal.render_overview(failing_rows, 120, colour=True)
+    mlp = next(line for line in coloured.splitlines() if "mlp" in line)
+    naive = next(line for line in coloured.splitlines() if "naive_scaling" in line)
+    assert "\x1b[31m" in mlp and "\x1b[31m" not in naive
+    assert "\x1b[" not in terminal.render_overview(failing_rows, 120, colour=False)
 
 
 def test_markdown_says_the_status_and_each_failure_with_its_hint(tmp_path, capsys):

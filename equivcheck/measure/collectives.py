@@ -2,13 +2,21 @@
 collectives, so prove that they do."""
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from ..torch_support import DefaultAllGather, DefaultReduceScatter, FSDPModule
+
+
+# A comm hook as DDP takes it, (state, bucket) -> a future of the reduced bucket, and what makes one per wrapper.
+CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future]
+HookFactory = Callable[[dist.ProcessGroup], tuple[Any, CommHook]]
 
 
 @dataclasses.dataclass
@@ -26,13 +34,20 @@ class CommCounter:
     wrappers: int = 0
 
     @classmethod
-    def attach(cls, module: nn.Module) -> "CommCounter":
-        """Count every DDP wrapper in ``module``: the module itself, or the wrappers it holds."""
+    def attach(cls, module: nn.Module, hook: HookFactory | None = None) -> "CommCounter":
+        """Count every DDP wrapper in ``module``: the module itself, or the wrappers it holds.
+
+        DDP takes one comm hook per wrapper, and this counter is it: a regime that communicates through a
+        hook of its own (fp16 compression, PowerSGD) hands ``hook``, which makes each wrapper's (state,
+        hook) pair from its process group; every bucket is counted, then handed to that hook instead of
+        the default all-reduce."""
         counter = cls()
         for wrapper in (m for m in module.modules() if isinstance(m, DistributedDataParallel)):
             counter.process_group = wrapper.process_group
             counter.wrappers += 1
-            wrapper.register_comm_hook(counter, _counting_allreduce)
+            state, inner = hook(wrapper.process_group) if hook is not None else (wrapper.process_group,
+                                                                                default_hooks.allreduce_hook)
+            wrapper.register_comm_hook(_Counted(counter, inner, state), _counting_hook)
         return counter
 
     def take(self) -> tuple[int, int]:
@@ -42,12 +57,21 @@ class CommCounter:
         return taken
 
 
+@dataclasses.dataclass
+class _Counted:
+    """One wrapper's hook state: the shared counter, and the hook (with its own state) that communicates."""
+
+    counter: CommCounter
+    hook: CommHook
+    state: Any
+
+
 # DDP inspects the hook's annotations at run time, so they must be real objects, not strings.
-def _counting_allreduce(counter: CommCounter, bucket: dist.GradBucket):
+def _counting_hook(counted: _Counted, bucket: dist.GradBucket):
     buffer = bucket.buffer()
-    counter.bytes += buffer.numel() * buffer.element_size()
-    counter.syncs += int(bucket.is_last())
-    return default_hooks.allreduce_hook(counter.process_group, bucket)
+    counted.counter.bytes += buffer.numel() * buffer.element_size()
+    counted.counter.syncs += int(bucket.is_last())
+    return counted.hook(counted.state, bucket)
 
 
 @dataclasses.dataclass
@@ -109,9 +133,9 @@ class _CountingAllGather(DefaultAllGather):
         return super().__call__(output_tensor, input_tensor, group, async_op)
 
 
-def attach_counter(module: nn.Module) -> CommCounter | ShardedCommCounter:
+def attach_counter(module: nn.Module, hook: HookFactory | None = None) -> CommCounter | ShardedCommCounter:
     """The counter for the wrappers inside ``module``: FSDP2's collectives where it holds FSDP modules
-    (a regime's, or a team's own wrap), DDP's all-reduces otherwise."""
+    (a regime's, or a team's own wrap), DDP's all-reduces otherwise, through ``hook`` where it is given."""
     if any(isinstance(m, FSDPModule) for m in module.modules()):
         return ShardedCommCounter.attach(module)
-    return CommCounter.attach(module)
+    return CommCounter.attach(module, hook)

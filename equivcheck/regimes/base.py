@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 
 from ..case import Batch, Case, ModelParameters, Objective
 from ..errors import InvalidArgument, expect_int, expect_number
-from ..precision import Precision
+from ..precision import Precision, Tolerance
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +91,12 @@ class Regime:
     def count_communication(self, module: nn.Module) -> CommunicationCounter | None:
         """A counter of the gradient synchronisations ``module`` (every wrapper inside it) makes per step, or
         None: nothing to count."""
+        return None
+
+    def tolerance_for(self, case: Case, precision: Precision, base: Tolerance) -> Tolerance | None:
+        """The tolerance a lossy regime (a compressing comm hook) is compared at in ``precision``: ``base`` (the
+        case's or the mode's) widened by its own error bound, with ``source`` naming it; None: ``base``
+        itself. A tolerance the call gives (``rtol=``, ``atol=``) overrides this."""
         return None
 
     def clips_at(self) -> float | None:
@@ -230,7 +236,7 @@ def parse_regime(spec: str | Regime) -> Regime:
         kwargs[key] = _convert(key, raw.strip(), _FIELD_TYPES[str(fields[key].type)])
     missing = [k for k, f in fields.items() if k not in kwargs and f.default is dataclasses.MISSING]
     if missing:
-        example = ",".join(f"{k}=2" for k in missing)
+        example = ",".join(f"{k}={fields[k].metadata.get('example', 2)}" for k in missing)
         raise InvalidArgument(f"regime spec {spec!r}: {name} needs {', '.join(missing)} (e.g. '{name}:{example}')")
     return cls(**kwargs)
 
