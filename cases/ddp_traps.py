@@ -3,7 +3,8 @@ some micro-batches.
 
 DDP averages gradients over ranks *equally*. A rank's mean loss is therefore right only when every
 rank holds the same number of items; a sampler that pads shards to equal size counts the repeated
-samples twice. Accumulating under DDP without ``no_sync()`` gets the numbers right but all-reduces
+samples twice. A rank that runs out of data early must train inside ``model.join()``, and its peers' losses
+still be normalised by the global batch's items. Accumulating under DDP without ``no_sync()`` gets the numbers right but all-reduces
 every micro-batch, which is what accumulation under DDP is meant to avoid.
 """
 
@@ -95,11 +96,25 @@ routed_experts = ec.register_case(ec.Case(
     description="DDP trap: a parameter used only in the first micro-batch of each rank under no_sync()",
 ))
 
+ddp_join_uneven_tail = ec.register_case(dataclasses.replace(
+    mlp,
+    name="ddp_join_uneven_tail",
+    regimes=("full_batch", "ddp_join:world_size=2,chunks=3", "ddp_join_rank_mean:world_size=2,chunks=3",
+             "ddp_uneven_micro_batches:world_size=2,chunks=3"),
+    expect_mismatch={
+        "ddp_join_rank_mean": "each rank's mean: rank 1 sits out the last step (it joined), whose 12 samples then "
+                              "count half",
+    },
+    description="uneven inputs: rank 1 runs out of data a step early and joins (12 samples per step, 2 ranks)",
+))
+
 # The catalogue's entries that use these cases.
 add_entry(Entry("DDP per-rank mean loss, uneven shards", "ddp_uneven_shards", "ddp_mean_loss:world_size=2",
                 "ddp:world_size=2"))
 add_entry(Entry("DDP per-rank mean loss, uneven token counts", "ddp_mean_loss_uneven_tokens", "ddp_mean_loss:world_size=2",
                 "ddp:world_size=2"))
+add_entry(Entry("DDP join, each rank's loss over its own items", "ddp_join_uneven_tail",
+                "ddp_join_rank_mean:world_size=2,chunks=3", "ddp_join:world_size=2,chunks=3"))
 add_entry(Entry("DDP sampler pads shards by repeating samples", "ddp_uneven_shards", "ddp_padded_sampler:world_size=2",
                 "ddp:world_size=2"))
 

@@ -1,12 +1,16 @@
 """The regimes, by family: ``base`` (the interface, specs, the registry), ``loop`` (the micro-batch
 loop they share), ``local`` (full batch and faithful accumulation), ``pitfalls`` (each bug beside its
 faithful twin), ``ddp`` (DistributedDataParallel and DataParallel), ``ddp_hooks`` (DDP with a compressing comm
-hook, judged at its own error bound), ``ddp_partial`` (seed 000's accumulation
-over part of the model inside DDP and DataParallel), ``fsdp`` (FSDP2 fully_shard), ``zero`` (ZeroRedundancyOptimizer), ``pipeline`` (torch.distributed.pipelining stages), ``checkpoint`` (activation checkpointing inside accumulation), ``sync_batchnorm`` (SyncBatchNorm under DDP, GPUs only), ``user_code`` (a team's own step
-or loop). A regime of your own is one module that calls :func:`register_regime` on its class.
+hook, judged at its own error bound), ``ddp_join`` (uneven inputs under DDP, with and without join),
+``ddp_partial`` (seed 000's accumulation over part of the model inside DDP and DataParallel), ``fsdp`` (FSDP2
+fully_shard), ``zero`` (ZeroRedundancyOptimizer), ``pipeline`` (torch.distributed.pipelining stages),
+``checkpoint`` (activation checkpointing inside accumulation), ``sync_batchnorm`` (SyncBatchNorm under DDP, GPUs
+only), ``user_code`` (a team's own step or loop). A regime of your own is one module that calls
+:func:`register_regime` on its class.
 """
 
-from . import checkpoint, ddp, ddp_hooks, ddp_partial, fsdp, local, pipeline, pitfalls, sync_batchnorm, user_code, zero
+from . import (checkpoint, ddp, ddp_hooks, ddp_join, ddp_partial, fsdp, local, pipeline, pitfalls, sync_batchnorm,
+               user_code, zero)
 from .base import (DEFAULT_REGIMES, REGIMES, Chunked, CommunicationCounter, Regime, chunk_pairs, finish_step,
                    parse_regime, regime_source, register_regime)
 from .loop import accumulate, backward_chunks, global_mean_part, inputs_only, meddling_part
@@ -21,6 +25,8 @@ BUILT_IN: tuple[type[Regime], ...] = (
     ddp.Ddp, ddp.DdpNoSync, ddp.DdpNoSyncFindUnused, ddp.DdpNoSyncStaticGraph, ddp.DdpSyncEveryMicroBatch,
     ddp.DdpMeanLoss, ddp.DdpPaddedSampler, ddp.DataParallel,
     ddp_hooks.DdpHook, ddp_hooks.DdpHookMeanLoss,
+    ddp_join.DdpJoin, ddp_join.DdpUnevenWithoutJoin, ddp_join.DdpJoinRankMean, ddp_join.DdpUnevenMicroBatches,
+    ddp_join.DdpUnevenMicroBatchesJoin,
     ddp_partial.DdpDetachedPartial, ddp_partial.DdpDetachedPartialLastOutside, ddp_partial.DdpDetachedPartialBypass,
     ddp_partial.DdpDetachedPartialInForward, ddp_partial.DdpDetachedPartialSyncEveryChunk,
     ddp_partial.DataParallelDetachedPartial,
