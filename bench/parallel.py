@@ -18,7 +18,9 @@ SPECS = ("ddp:world_size=2", "ddp_no_sync:world_size=2,chunks=3", "ddp:world_siz
          "ddp:world_size=2,static_graph=1", "ddp:world_size=2,gradient_as_bucket_view=1", "zero:world_size=2",
          "fsdp:world_size=2", "fsdp_no_sync:world_size=2,chunks=3",
          "fsdp_no_sync:world_size=2,chunks=3,reshard_after_forward=0",
-         "fsdp_sync_every_micro_batch:world_size=2,chunks=3")
+         "fsdp_sync_every_micro_batch:world_size=2,chunks=3", "ddp_hook:world_size=2,hook=fp16",
+         "ddp_hook:world_size=2,hook=bf16", "ddp_join:world_size=2,chunks=3",
+         "ddp_uneven_micro_batches:world_size=2,chunks=3")
 PIPELINE_SPECS = ("pipeline:stages=2,microbatches=4", "pipeline:stages=2,microbatches=4,schedule=1f1b",
                   "pipeline:stages=2,microbatches=4,schedule=interleaved", "pipeline:stages=3,microbatches=6")
 
