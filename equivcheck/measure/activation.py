@@ -24,7 +24,8 @@ from contextlib import AbstractContextManager
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+
+from ..torch_support import is_dtensor
 
 SAVED_TENSORS = "saved_tensors"
 CUDA_ALLOCATOR = "cuda_allocator"
@@ -91,7 +92,7 @@ class _Saved:
 
 def _local(tensor: Tensor) -> Tensor:
     """The part of ``tensor`` this process holds: a sharded parameter's (FSDP2's DTensor) own shard."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def _unpack(saved: _Saved) -> Tensor:

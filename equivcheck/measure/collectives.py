@@ -2,6 +2,7 @@
 collectives, so prove that they do."""
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -11,7 +12,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from ..torch_support import DefaultAllGather, DefaultReduceScatter, FSDPModule
+from ..torch_support import fsdp2, is_fsdp_module
 
 
 # A comm hook as DDP takes it, (state, bucket) -> a future of the reduced bucket, and what makes one per wrapper.
@@ -88,11 +89,12 @@ class ShardedCommCounter:
     @classmethod
     def attach(cls, module: nn.Module) -> "ShardedCommCounter":
         counter = cls()
-        for sharded in (m for m in module.modules() if isinstance(m, FSDPModule)):
+        counting_reduce_scatter, counting_all_gather = _counting_collectives()
+        for sharded in (m for m in module.modules() if is_fsdp_module(m)):
             if _holds_parameters_of_its_own(sharded):  # a root holding none syncs nothing
                 counter.wrappers += 1
-                sharded.set_custom_reduce_scatter(_CountingReduceScatter(counter))
-                sharded.set_custom_all_gather(_CountingAllGather(counter))
+                sharded.set_custom_reduce_scatter(counting_reduce_scatter(counter))
+                sharded.set_custom_all_gather(counting_all_gather(counter))
         return counter
 
     def count(self, kind: str, tensor) -> None:
@@ -111,31 +113,38 @@ class ShardedCommCounter:
 def _holds_parameters_of_its_own(sharded: nn.Module) -> bool:
     """Whether ``sharded`` has parameters that no FSDP module inside it shards (public API only: FSDP2's
     private state differs between torch releases)."""
-    inner = {id(p) for m in sharded.modules() if m is not sharded and isinstance(m, FSDPModule) for p in m.parameters()}
+    inner = {id(p) for m in sharded.modules() if m is not sharded and is_fsdp_module(m) for p in m.parameters()}
     return any(id(p) not in inner for p in sharded.parameters())
 
 
-class _CountingReduceScatter(DefaultReduceScatter):
-    def __init__(self, counter: ShardedCommCounter) -> None:
-        self.counter = counter
+@functools.cache
+def _counting_collectives() -> tuple[type, type]:
+    """FSDP2's reduce-scatter and all-gather, each counting what it sends (made on first use: FSDP2 is
+    imported only then)."""
+    torch_fsdp = fsdp2()
 
-    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        self.counter.count("reduce_scatter", input_tensor)
-        return super().__call__(output_tensor, input_tensor, group, op, async_op)
+    class CountingReduceScatter(torch_fsdp.DefaultReduceScatter):
+        def __init__(self, counter: ShardedCommCounter) -> None:
+            self.counter = counter
 
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            self.counter.count("reduce_scatter", input_tensor)
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
-class _CountingAllGather(DefaultAllGather):
-    def __init__(self, counter: ShardedCommCounter) -> None:
-        self.counter = counter
+    class CountingAllGather(torch_fsdp.DefaultAllGather):
+        def __init__(self, counter: ShardedCommCounter) -> None:
+            self.counter = counter
 
-    def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        self.counter.count("all_gather", input_tensor)
-        return super().__call__(output_tensor, input_tensor, group, async_op)
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            self.counter.count("all_gather", input_tensor)
+            return super().__call__(output_tensor, input_tensor, group, async_op)
+
+    return CountingReduceScatter, CountingAllGather
 
 
 def attach_counter(module: nn.Module, hook: HookFactory | None = None) -> CommCounter | ShardedCommCounter:
     """The counter for the wrappers inside ``module``: FSDP2's collectives where it holds FSDP modules
     (a regime's, or a team's own wrap), DDP's all-reduces otherwise, through ``hook`` where it is given."""
-    if any(isinstance(m, FSDPModule) for m in module.modules()):
+    if any(is_fsdp_module(m) for m in module.modules()):
         return ShardedCommCounter.attach(module)
     return CommCounter.attach(module, hook)

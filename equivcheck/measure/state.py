@@ -9,13 +9,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
+
+from ..torch_support import is_dtensor
 
 
 def held_bytes(tensors: Iterable[Tensor | None]) -> int:
     """The bytes of the part of each tensor this rank holds (a DTensor's local shard)."""
-    local = (t.to_local() if isinstance(t, DTensor) else t for t in tensors if t is not None)
+    local = (t.to_local() if is_dtensor(t) else t for t in tensors if t is not None)
     return sum(t.numel() * t.element_size() for t in local)
 
 

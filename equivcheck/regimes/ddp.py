@@ -18,12 +18,12 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from ..case import Batch, Case, Objective
 from ..errors import InvalidArgument, expect_int, expect_number
 from ..measure.collectives import attach_counter
+from ..torch_support import is_dtensor
 from .base import CommunicationCounter, Regime, finish_step
 from .local import FullBatch
 from .loop import backward_chunks
@@ -100,7 +100,7 @@ class Distributed(Regime):
 
     def full_tensor(self, tensor: Tensor) -> Tensor:
         """A sharded tensor (FSDP2's DTensor, from a regime or a team's own wrap) gathered whole."""
-        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        return tensor.full_tensor() if is_dtensor(tensor) else tensor
 
     def rank_shard(self, batch: Batch) -> Batch:
         return shard(batch, dist.get_rank(), dist.get_world_size())

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from ..case import Objective
-from ..torch_support import FSDP2_MISSING, FSDPModule, fully_shard
+from ..torch_support import fsdp2, fsdp2_missing
 from .ddp import Accumulating, Ddp, Distributed
 
 
@@ -27,8 +27,8 @@ def shard_blocks(model: nn.Module, mesh, reshard_after_forward: bool) -> nn.Modu
     """``fully_shard`` on every direct child that holds parameters (a block), then on the root."""
     for block in model.children():
         if any(True for _ in block.parameters()):
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    return fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+            fsdp2().fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return fsdp2().fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
 
 
 class ShardedByFsdp:
@@ -39,7 +39,7 @@ class ShardedByFsdp:
     sync_collective = "reduce-scattered"
 
     def unavailable(self) -> str | None:
-        return FSDP2_MISSING or super().unavailable()
+        return fsdp2_missing() or super().unavailable()
 
     def unavailable_in(self, precision) -> str | None:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -74,7 +74,7 @@ class FsdpNoSync(ShardedByFsdp, Accumulating):
                "one reduce-scatter per block per step")
     reshard_after_forward: bool = True
 
-    def sync_context(self, model: FSDPModule, last: bool):
+    def sync_context(self, model: nn.Module, last: bool):
         return contextlib.nullcontext() if last else gradient_sync_off(model)
 
 
@@ -90,7 +90,7 @@ class FsdpSyncEveryMicroBatch(ShardedByFsdp, Accumulating):
 
 
 @contextlib.contextmanager
-def gradient_sync_off(model: FSDPModule):
+def gradient_sync_off(model: nn.Module):
     """FSDP2's no_sync(): gradients accumulate unsharded on each rank until sync is turned back on."""
     model.set_requires_gradient_sync(False)
     try:
