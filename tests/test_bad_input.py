@@ -26,6 +26,10 @@ def variant(**changes):
         ("accumulate:chunks=four", "Expected int but got chunks='four' (type=str)"),
         ("accumulate:chunks=2.5", "Expected int but got chunks='2.5' (type=str)"),
         ("accumulate", "accumulate needs chunks (e.g. 'accumulate:chunks=2')"),
+        # One rank shards nothing: a DDP check that defaulted to it would pass whatever the step does.
+        ("ddp:backend=gloo", "ddp needs world_size (e.g. 'ddp:world_size=2')"),
+        ("ddp_no_sync:chunks=3", "ddp_no_sync needs world_size (e.g. 'ddp_no_sync:world_size=2')"),
+        ("fsdp_no_sync:chunks=3", "fsdp_no_sync needs world_size"),
         ("accumulate:chunk=2", "'chunk=2' is not allowed: accumulate takes chunks=..."),
         ("full_batch:chunks=2", "full_batch takes max_norm=..."),
             ("sample_by_sample:chunks=2", "sample_by_sample takes no parameters"),

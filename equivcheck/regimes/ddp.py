@@ -47,7 +47,9 @@ def shard(batch: Batch, rank: int, world_size: int) -> Batch:
 class Distributed(Regime):
     """Common ground of the DDP regimes: world size, backend, device, the wrapper and its options."""
 
-    world_size: int
+    # Required in every spec: a bare `world_size: int` would take the base's class value (1) as its default,
+    # and a DDP check on one rank, which shards nothing, passes whatever the step does with the world size.
+    world_size: int = dataclasses.field()
     backend: str = "auto"
     distributed = True
     syncs_per_step = 1
