@@ -206,6 +206,9 @@ def _row(o: Outcome) -> dict:
         "seconds": round(o.seconds, 6),
         "optimizer_steps": o.result.optimizer_steps if o.result else None,
         "syncs": list(o.result.syncs) if o.result and o.result.syncs is not None else None,  # all-reduces per step
+        "collectives": ([{kind: {"calls": calls, "bytes": sent} for kind, (calls, sent) in step.items()}
+                         for step in o.result.collectives]
+                        if o.result and o.result.collectives is not None else None),
         "peak_activation_bytes": o.memory.peak_bytes if o.memory else None,
         "memory_method": o.memory.method if o.memory else None,
         "memory_ratio": o.memory.ratio if o.memory else None,

@@ -36,6 +36,9 @@ class RunResult:
     syncs: tuple[int, ...] | None = None
     sync_bytes: tuple[int, ...] | None = None
     sync_wrappers: int | None = None  # the DDP wrappers counted: a model wrapped in parts has several
+    # Every counted collective of each step by kind, "all_reduce" (DDP: one call per bucket) or "reduce_scatter"
+    # and "all_gather" (FSDP2): (calls, bytes this rank handed over).
+    collectives: tuple[dict[str, tuple[int, int]], ...] | None = None
     rank_spread: float | None = None
     rank_grad_spread: tuple[tuple[float, ...], ...] | None = None  # [step][rank]: max |grad - rank 0's grad|
     precision: str = ""  # the precision mode's name (equivcheck.precision); "" means the weights' dtype

@@ -82,6 +82,7 @@ def train(
         seconds=time.perf_counter() - started,
         syncs=None if counter is None else tuple(recorder.syncs),
         sync_bytes=None if counter is None else tuple(recorder.sync_bytes),
+        collectives=None if counter is None else tuple(recorder.collectives),
         sync_wrappers=None if counter is None else counter.wrappers,
         steps_per_batch=watched.steps_per_batch(len(recorder.grads)) if regime.steps_observable else None,
         precision=precision.name,
@@ -189,6 +190,7 @@ class GradRecorder:
         self.grads: list[dict[str, Tensor]] = []
         self.syncs: list[int] = []
         self.sync_bytes: list[int] = []
+        self.collectives: list[dict[str, tuple[int, int]]] = []
         self.grad_bytes = 0  # the gradient bytes this rank held at the last step
 
     def __enter__(self) -> GradRecorder:
@@ -207,6 +209,7 @@ class GradRecorder:
             syncs, sent = self._counter.take()
             self.syncs.append(syncs)
             self.sync_bytes.append(sent)
+            self.collectives.append(dict(self._counter.last_step))
 
     def __exit__(self, *exc: object) -> None:
         self._handle.remove()

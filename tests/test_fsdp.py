@@ -6,6 +6,7 @@ import pytest
 
 import equivcheck as ec
 from equivcheck import Verdict
+from equivcheck import report as render
 from equivcheck.errors import InvalidArgument
 
 FSDP_SPECS = ["fsdp:world_size=2", "fsdp_no_sync:world_size=2,chunks=3",
@@ -66,3 +67,22 @@ def test_fsdp_specs_parse_and_print_back():
     assert ec.parse_regime(str(regime)) == regime
     with pytest.raises(InvalidArgument, match="fsdp takes world_size=..., backend=..., reshard_after_forward=..."):
         ec.parse_regime("fsdp:world_size=2,mesh=4")
+
+
+def test_every_counted_collective_is_reported_by_kind_per_step(block_stack):
+    fsdp = block_stack.outcome("block_stack", "fsdp_no_sync:world_size=2,chunks=3").result
+    for step, syncs, sent in zip(fsdp.collectives, fsdp.syncs, fsdp.sync_bytes, strict=True):
+        assert step["reduce_scatter"] == (syncs, sent)
+        assert step["all_gather"][0] >= 2 * syncs  # each block's parameters gathered for forward and backward
+    ddp = block_stack.outcome("block_stack", "ddp:world_size=2").result
+    assert [step["all_reduce"][1] for step in ddp.collectives] == list(ddp.sync_bytes)
+    row = next(r for r in render.to_rows(block_stack) if r["regime"] == "fsdp_no_sync:world_size=2,chunks=3")
+    assert row["collectives"][0]["all_gather"] == {"calls": fsdp.collectives[0]["all_gather"][0],
+                                                   "bytes": fsdp.collectives[0]["all_gather"][1]}
+
+
+def test_ddp_all_reduces_one_call_per_bucket_once_it_has_rebuilt_its_buckets():
+    """DDP trains its first step in one bucket and rebuilds them from the order gradients arrived."""
+    result = ec.run("block_stack", "ddp:world_size=2,bucket_cap_mb=0.0001")
+    calls = [step["all_reduce"][0] for step in result.collectives]
+    assert result.syncs == (1, 1, 1) and calls[1] == calls[2] > 1

@@ -33,6 +33,8 @@ class CommCounter:
     syncs: int = 0
     bytes: int = 0
     wrappers: int = 0
+    calls: int = 0  # all-reduce calls: one per gradient bucket
+    last_step: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # kind -> (calls, bytes)
 
     @classmethod
     def attach(cls, module: nn.Module, hook: HookFactory | None = None) -> "CommCounter":
@@ -52,9 +54,11 @@ class CommCounter:
         return counter
 
     def take(self) -> tuple[int, int]:
-        """The syncs and bytes since the last call (one optimizer step's worth)."""
+        """The syncs and bytes since the last call (one optimizer step's worth); every all-reduce call (one
+        per gradient bucket) stays readable in ``last_step``."""
         taken = (self.syncs, self.bytes)
-        self.syncs = self.bytes = 0
+        self.last_step = {"all_reduce": (self.calls, self.bytes)}
+        self.syncs = self.bytes = self.calls = 0
         return taken
 
 
@@ -71,6 +75,7 @@ class _Counted:
 def _counting_hook(counted: _Counted, bucket: dist.GradBucket):
     buffer = bucket.buffer()
     counted.counter.bytes += buffer.numel() * buffer.element_size()
+    counted.counter.calls += 1
     counted.counter.syncs += int(bucket.is_last())
     return counted.hook(counted.state, bucket)
 

@@ -149,6 +149,8 @@ def chunk_pairs(batch: Batch, chunks: int) -> list[tuple[Tensor, Tensor]]:
 class CommunicationCounter(Protocol):
     wrappers: int  # the wrappers it counts: a faithful step synchronises each ``syncs_per_step`` times
 
+    last_step: dict[str, tuple[int, int]]  # after take(): every collective of that step, kind -> (calls, bytes)
+
     def take(self) -> tuple[int, int]:
         """The synchronisations and bytes per rank since the last call: one optimizer step's worth."""
 
