@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 import equivcheck as ec
-from timing import alternated_seconds
+from timing import alternated_seconds, markdown_table
 
 SPECS = ("ddp:world_size=2", "ddp_hook:world_size=2,hook=fp16", "ddp_hook:world_size=2,hook=bf16",
          "ddp_hook:world_size=2,hook=powersgd", "ddp_hook:world_size=2,hook=powersgd,start_iter=2",
@@ -37,11 +37,7 @@ def main() -> None:
         rows.append((spec, outcome.verdict.value, f"{tol.rtol:.3g}", f"{tol.atol:.3g}",
                      f"{outcome.comparison.margin:.3g}", f"{strict.margin:.3g}", f"{parallel * 1000:.0f}",
                      f"{accumulate * 1000:.0f}"))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for i, row in enumerate(rows):
-        print("| " + " | ".join(cell.ljust(width) for cell, width in zip(row, widths)) + " |")
-        if i == 0:
-            print("|" + "|".join("-" * (width + 2) for width in widths) + "|")
+    print(markdown_table(rows))
 
 
 if __name__ == "__main__":

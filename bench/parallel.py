@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 import equivcheck as ec
-from timing import alternated_seconds
+from timing import alternated_seconds, markdown_table
 
 SPECS = ("ddp:world_size=2", "ddp_no_sync:world_size=2,chunks=3", "ddp:world_size=2,bucket_cap_mb=0.0001",
          "ddp:world_size=2,static_graph=1", "ddp:world_size=2,gradient_as_bucket_view=1", "zero:world_size=2",
@@ -41,11 +41,7 @@ def main() -> None:
         syncs = ("-", "-") if result.syncs is None else (str(result.syncs[0]), str(result.sync_bytes[0]))
         rows.append((spec, *map(str, result.state_bytes), *syncs,
                      f"{parallel * 1000:.0f}", f"{accumulate * 1000:.0f}"))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for i, row in enumerate(rows):
-        print("| " + " | ".join(cell.ljust(width) for cell, width in zip(row, widths)) + " |")
-        if i == 0:
-            print("|" + "|".join("-" * (width + 2) for width in widths) + "|")
+    print(markdown_table(rows))
 
 
 if __name__ == "__main__":

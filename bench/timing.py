@@ -1,4 +1,5 @@
-"""Wall times for the benchmarks (run as scripts from bench/): one action, or several alternated."""
+"""Wall times for the benchmarks (run as scripts from bench/): one action, or several alternated; and the
+Markdown table the docs quote them in."""
 
 from __future__ import annotations
 
@@ -25,3 +26,11 @@ def alternated_seconds(*actions, repeats: int) -> list[float]:
 
 def median_seconds(action, repeats: int) -> float:
     return alternated_seconds(action, repeats=repeats)[0]
+
+
+def markdown_table(rows: list[tuple[str, ...]]) -> str:
+    """``rows`` (the first is the header) as a Markdown table, columns padded to line up."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["| " + " | ".join(cell.ljust(width) for cell, width in zip(row, widths)) + " |" for row in rows]
+    lines.insert(1, "|" + "|".join("-" * (width + 2) for width in widths) + "|")
+    return "\n".join(lines)

@@ -48,9 +48,9 @@ from torch import Tensor, nn
 from ..case import Batch, Case, Objective
 from ..errors import InvalidArgument, expect_int
 from .base import Regime, finish_step
+from .ddp import BACKENDS
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
-BACKENDS = ("auto", "gloo", "nccl")
 
 
 def stage_bounds(children: int, stages: int) -> list[tuple[int, int]]:
