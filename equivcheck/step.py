@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from torch import nn
+from torch.optim import Optimizer
 
 from .audit import warn_blind_spots
 from .case import Case
@@ -33,6 +34,7 @@ def check_step(
     wrap: Callable[[nn.Module], nn.Module] | None = None,
     per_run: bool = False,
     ddp_options: dict | None = None,
+    optimizer_wrap: Callable[[Optimizer], Optimizer] | None = None,
     **options,
 ) -> Report:
     """Check a team's ``step(model, optimizer, batch)`` against ``reference``: a regime spec, or another
@@ -43,14 +45,18 @@ def check_step(
     With ``world_size`` the step runs on that many DDP ranks of the warm pool (see ``regimes.user_code``),
     given the model in DistributedDataParallel, or what the team's ``wrap(model)`` makes of it (the
     trunk and the head each in DDP, say), made with ``ddp_options`` (``{"find_unused_parameters": True}``;
-    any of ``DistributedDataParallel``'s options that equivcheck's ddp regimes take). ``options`` go to :func:`equivcheck.check` (rtol, atol, seed,
-    backend, timeout).
+    any of ``DistributedDataParallel``'s options that equivcheck's ddp regimes take), and handed the
+    optimizer that the team's ``optimizer_wrap(optimizer)`` makes of the case's own (``ZeroRedundancyOptimizer``
+    around it, as :func:`equivcheck.regimes.zero.sharded_like` builds it: its state sharded over the ranks,
+    its broadcasts counted). ``wrap`` and ``optimizer_wrap`` must be module-level functions: the ranks import
+    them by name. ``options`` go to :func:`equivcheck.check` (rtol, atol, seed, backend, timeout).
     """
     reference = reference if isinstance(reference, (str, Regime)) else UserStep(reference)
     if not isinstance(per_run, bool):
         raise InvalidArgument.type("per_run", per_run, "bool")
-    candidate = (UserStep(step, per_run) if _in_process(world_size, wrap, ddp_options)
-                 else _on_ranks(DdpStep, "step", step, world_size, wrap, ddp_options, per_run=per_run))
+    ranks_only = {"wrap": wrap, "ddp_options": ddp_options, "optimizer_wrap": optimizer_wrap}
+    candidate = (UserStep(step, per_run) if _in_process(world_size, **ranks_only)
+                 else _on_ranks(DdpStep, "step", step, world_size, **ranks_only, per_run=per_run))
     warn_blind_spots(case, seed=options.get("seed", DEFAULT_SEED))
     return check(case, [candidate], reference=reference, **options)
 
@@ -63,39 +69,48 @@ def check_loop(
     world_size: int | None = None,
     wrap: Callable[[nn.Module], nn.Module] | None = None,
     ddp_options: dict | None = None,
+    optimizer_wrap: Callable[[Optimizer], Optimizer] | None = None,
     **options,
 ) -> Report:
     """Check a team's ``loop(model, optimizer, batches)`` against ``reference`` (a spec or another loop);
     with ``world_size``, the loop on that many DDP ranks, each given its shard of every global batch, the
-    model in DDP made with ``ddp_options`` (as :func:`check_step`)."""
+    model in DDP made with ``ddp_options`` and the optimizer made by ``optimizer_wrap`` (as :func:`check_step`)."""
     reference = reference if isinstance(reference, (str, Regime)) else UserLoop(reference)
-    candidate = (UserLoop(loop) if _in_process(world_size, wrap, ddp_options)
-                 else _on_ranks(DdpLoop, "loop", loop, world_size, wrap, ddp_options))
+    ranks_only = {"wrap": wrap, "ddp_options": ddp_options, "optimizer_wrap": optimizer_wrap}
+    candidate = (UserLoop(loop) if _in_process(world_size, **ranks_only)
+                 else _on_ranks(DdpLoop, "loop", loop, world_size, **ranks_only))
     warn_blind_spots(case, seed=options.get("seed", DEFAULT_SEED))
     return check(case, [candidate], reference=reference, **options)
 
 
-def _in_process(world_size: int | None, wrap: Callable | None, ddp_options: dict | None = None) -> bool:
-    if world_size is None and wrap is not None:
-        raise InvalidArgument(f"wrap={wrap!r} is not allowed without world_size: expected world_size= with it "
-                              "(the model is wrapped for DDP ranks only)")
-    if world_size is None and ddp_options:
-        raise InvalidArgument(f"ddp_options={ddp_options!r} is not allowed without world_size: expected world_size= "
-                              "with it (the options are DistributedDataParallel's)")
+# Why each argument that only ranks take is refused without world_size.
+_RANKS_ONLY = {"wrap": "the model is wrapped for DDP ranks only",
+               "ddp_options": "the options are DistributedDataParallel's",
+               "optimizer_wrap": "the optimizer is sharded over DDP ranks only"}
+
+
+def _in_process(world_size: int | None, **ranks_only) -> bool:
+    if world_size is None:
+        for argument, value in ranks_only.items():
+            if value:
+                raise InvalidArgument(f"{argument}={value!r} is not allowed without world_size: expected world_size= "
+                                      f"with it ({_RANKS_ONLY[argument]})")
     return world_size is None
 
 
 def _on_ranks(regime: type[DdpStep], argument: str, fn: Callable, world_size: int, wrap: Callable | None,
-              ddp_options: dict | None, **fields) -> DdpStep:
-    """The team's code on DDP ranks: it and its wrap travel by import path, which the ranks resolve."""
+              ddp_options: dict | None, optimizer_wrap: Callable | None, **fields) -> DdpStep:
+    """The team's code on DDP ranks: it and its wraps travel by import path, which the ranks resolve."""
     expect_callable(argument, fn)
     path = import_path(fn, argument)
-    if wrap is not None:
-        expect_callable("wrap", wrap)
+    wrappers = {}
+    for name, field, given in (("wrap", "wrapper", wrap), ("optimizer_wrap", "optimizer_wrapper", optimizer_wrap)):
+        if given is not None:
+            expect_callable(name, given)
+        wrappers[field] = "" if given is None else import_path(given, name)
     ddp_options = dict(ddp_options or {})
     unknown = sorted(set(ddp_options) - set(DDP_OPTIONS))
     if unknown:
         raise InvalidArgument(f"ddp_options: {unknown[0]!r} is not allowed: expected DistributedDataParallel options "
                               f"among {', '.join(DDP_OPTIONS)}")
-    return regime(world_size=world_size, fn=path, wrapper="" if wrap is None else import_path(wrap, "wrap"),
-                  **ddp_options, **fields)
+    return regime(world_size=world_size, fn=path, **wrappers, **ddp_options, **fields)

@@ -5,8 +5,8 @@ On a worker rank this is what each rank runs; :mod:`equivcheck.dispatch` decides
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -80,10 +80,10 @@ def train(
         weights=weights,
         buffers=snapshot(((n, b) for n, b in model.named_buffers() if b.is_floating_point()), regime.full_tensor),
         seconds=time.perf_counter() - started,
-        syncs=None if counter is None else tuple(recorder.syncs),
-        sync_bytes=None if counter is None else tuple(recorder.sync_bytes),
+        syncs=None if counter is None or not counter.counts_syncs else tuple(recorder.syncs),
+        sync_bytes=None if counter is None or not counter.counts_syncs else tuple(recorder.sync_bytes),
         collectives=None if counter is None else tuple(recorder.collectives),
-        sync_wrappers=None if counter is None else counter.wrappers,
+        sync_wrappers=None if counter is None or not counter.counts_syncs else counter.wrappers,
         steps_per_batch=watched.steps_per_batch(len(recorder.grads)) if regime.steps_observable else None,
         precision=precision.name,
         peak_activation_bytes=memory.peak,
@@ -178,8 +178,10 @@ class StepWatch(list):
 
 class GradRecorder:
     """Snapshot every parameter's gradient as each ``optimizer.step`` uses it, whoever calls it, and,
-    under DDP, what was communicated since the previous step. A step given a closure has its closure
-    run first (see :mod:`equivcheck.closure`): its backward belongs to the step."""
+    under a parallel wrapper, what was communicated from the end of the previous step to the end of this
+    one (ZeRO broadcasts parameters inside its step; what follows the last step, join's closing rounds,
+    counts in the last). A step given a closure has its closure run first (see :mod:`equivcheck.closure`):
+    its backward belongs to the step."""
 
     def __init__(self, model: nn.Module, optimizer: Optimizer, counter: CommunicationCounter | None = None,
                  full_tensor: Callable[[Tensor], Tensor] = lambda t: t) -> None:
@@ -194,25 +196,38 @@ class GradRecorder:
         self.grad_bytes = 0  # the gradient bytes this rank held at the last step
 
     def __enter__(self) -> GradRecorder:
-        self._handle = self._optimizer.register_step_pre_hook(self._before_step)
+        self._exits = contextlib.ExitStack()
+        self._exits.callback(self._optimizer.register_step_pre_hook(self._before_step).remove)
+        if self._counter is not None:
+            self._exits.enter_context(self._counter.counting())
+            self._exits.callback(self._optimizer.register_step_post_hook(self._after_step).remove)
+            self._exits.callback(self._count_the_tail)  # runs first: the counting is still on
         return self
 
     def _before_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         call = evaluate_closure(args, kwargs)
-        self._record()
-        return call
-
-    def _record(self) -> None:
         self.grad_bytes = held_bytes(p.grad for _, p in self._named)
         self.grads.append(self._snapshot())
-        if self._counter is not None:
-            syncs, sent = self._counter.take()
-            self.syncs.append(syncs)
-            self.sync_bytes.append(sent)
-            self.collectives.append(dict(self._counter.last_step))
+        return call
+
+    def _after_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
+        syncs, sent = self._counter.take()
+        self.syncs.append(syncs)
+        self.sync_bytes.append(sent)
+        self.collectives.append(dict(self._counter.last_step))
+
+    def _count_the_tail(self) -> None:
+        """What was communicated after the last step (join's closing rounds) belongs to the last step."""
+        self._counter.take()
+        if self.collectives:
+            last = self.collectives[-1]
+            for kind, (calls, sent) in self._counter.last_step.items():
+                if calls:
+                    before = last.get(kind, (0, 0))
+                    last[kind] = (before[0] + calls, before[1] + sent)
 
     def __exit__(self, *exc: object) -> None:
-        self._handle.remove()
+        self._exits.close()
 
     def _snapshot(self) -> dict[str, Tensor]:
         # A parameter that took no part in the step has no gradient: mathematically a zero one.

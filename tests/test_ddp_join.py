@@ -60,6 +60,23 @@ def test_join_matches_full_batch_while_a_rank_sits_out_the_last_step(report, spe
     assert len(result.rank_grad_spread) == steps_of(world_size - 1, 3) < 3 and result.rank_spread == 0
 
 
+def test_join_counts_its_flag_all_reduces_and_the_closing_broadcast(report):
+    """Rank 0 of ddp_join:world_size=2,chunks=3 per step: its gradient all-reduce (the last one shadowed by rank 1)
+    and, per forward, two one-element all-reduces (Join.notify_join_context and DDP's 'does this backward sync');
+    after its last step join's two closing rounds and the broadcast of rank 0's parameters to the joined rank,
+    counted in the last step. A flag is a one-element tensor of the default dtype while the case trains (float64)."""
+    model = ec.get_case(CASE).model().double()
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    flag, forwards = 8, 3
+    join = report.outcome(CASE, "ddp_join:world_size=2,chunks=3").result
+    every = (1 + 2 * forwards, whole + 2 * forwards * flag)
+    assert join.collectives[:2] == ({"all_reduce": every},) * 2
+    assert join.collectives[2] == {"all_reduce": (every[0] + 2, every[1] + 2 * flag), "broadcast": (1, whole)}
+    assert join.syncs == (1, 1, 1) and join.sync_bytes == (whole,) * 3  # the syncs stay the gradients' alone
+    plain = report.outcome(CASE, "ddp_uneven_micro_batches:world_size=2,chunks=3").result  # no join: gradients only
+    assert plain.collectives == ({"all_reduce": (1, whole)},) * 3
+
+
 def test_join_with_each_ranks_own_mean_is_caught_at_the_step_a_rank_sits_out(report):
     outcome = report.outcome(CASE, "ddp_join_rank_mean:world_size=2,chunks=3")
     assert outcome.verdict is Verdict.EXPECTED_MISMATCH and outcome.comparison.margin > 100

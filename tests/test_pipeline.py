@@ -42,6 +42,25 @@ def test_a_pipeline_adds_the_micro_batches_up_as_accumulation_does(block_stack):
         assert piped.losses == pytest.approx(accumulated.losses, rel=1e-12)
 
 
+@pytest.mark.parametrize("spec", ["pipeline:stages=2,microbatches=4", "pipeline:stages=2,microbatches=4,schedule=1f1b",
+                                  "pipeline:stages=3,microbatches=6"])
+def test_the_first_stage_sends_each_micro_batch_forward_and_receives_its_gradient(block_stack, spec):
+    """Rank 0 holds stage 0 alone: per step it sends K activations and receives K activation gradients, each one
+    micro-batch of stage 0's output. The first step also sends the shapes (PipelineStage infers them then). The
+    harness's broadcast of every stage's gradients (for the report) is not the pipeline's and is not counted."""
+    regime, case = ec.parse_regime(spec), ec.get_case("block_stack")
+    model, (inputs, _) = case.model().double(), case.data()
+    start, stop = stage_bounds(len(model), regime.stages)[0]
+    micro_batch = inputs[: case.batch_size // regime.microbatches].double()
+    sent = model[start:stop](micro_batch).detach()
+    each = sent.numel() * sent.element_size()
+    result = block_stack.outcome("block_stack", spec).result
+    k = regime.microbatches
+    assert result.collectives[1:] == ({"send": (k, k * each), "recv": (k, k * each)},) * 2, result.collectives
+    assert result.collectives[0]["send"][0] > k and result.collectives[0]["recv"][0] >= k  # and the shapes, once
+    assert result.syncs is None  # stages exchange activations: there is no gradient sync to judge
+
+
 def test_micro_batch_mean_loss_is_caught_on_uneven_token_counts():
     report = ec.check("pipeline_uneven_tokens")
     report.assert_equivalent()

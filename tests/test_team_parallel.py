@@ -1,5 +1,6 @@
-"""A team's own step, checked as the team runs it: under FSDP2 (their own fully_shard wrap) and under DDP
-with find_unused_parameters=True; each beside the bug the gate must catch."""
+"""A team's own step, checked as the team runs it: under FSDP2 (their own fully_shard wrap), under DDP
+with find_unused_parameters=True and under ZeRO (their own ZeroRedundancyOptimizer); each beside the bug the
+gate must catch."""
 
 import pytest
 import torch
@@ -24,17 +25,49 @@ def shard_every_block(model):
     return fully_shard(model)
 
 
-def train_step(model, optimizer, batch):
+def rank_loss(model, batch):
     """This rank's loss sum over the global sample count, times the world size: the ranks' average is the
-    global mean, which both DDP and FSDP2 compute by averaging the ranks' gradients."""
+    global mean, which DDP, FSDP2 and ZeRO (DDP underneath) compute by averaging the ranks' gradients."""
     inputs, targets = batch
     samples = inputs.new_tensor(float(len(inputs)))
     dist.all_reduce(samples)
-    loss = F.cross_entropy(model(inputs), targets, reduction="sum") * dist.get_world_size() / samples
+    return F.cross_entropy(model(inputs), targets, reduction="sum") * dist.get_world_size() / samples
+
+
+def train_step(model, optimizer, batch):
+    loss = rank_loss(model, batch)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
     return loss.detach()
+
+
+def train_step_forgetting_zero_grad(model, optimizer, batch):
+    """Wrong: the gradients are never cleared, so every step adds the previous steps' gradients up."""
+    loss = rank_loss(model, batch)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def train_loop(model, optimizer, batches):
+    return [train_step(model, optimizer, batch) for batch in batches]
+
+
+def zero(optimizer):
+    """The team's ZeRO stage 1: the optimizer they were given, its state sharded over the ranks."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # scripts optimizers with torch.jit on import
+
+    return ZeroRedundancyOptimizer(optimizer.param_groups[0]["params"], optimizer_class=type(optimizer),
+                                   **optimizer.defaults)
+
+
+def zero_with_the_learning_rate_only(optimizer):
+    """Wrong: rebuilt with the learning rate alone, so SGD's momentum (0.9 in the case) falls back to 0."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(optimizer.param_groups[0]["params"], optimizer_class=type(optimizer),
+                                   lr=optimizer.defaults["lr"])
 
 
 def train_step_forgetting_the_world_size(model, optimizer, batch):
@@ -82,3 +115,46 @@ def test_unknown_ddp_options_are_named_with_the_allowed_ones():
         ec.check_step("unused_branch", train_step, world_size=2, ddp_options={"find_unused": True})
     with pytest.raises(ec.InvalidArgument, match="ddp_options=.* is not allowed without world_size"):
         ec.check_step("unused_branch", train_step, ddp_options={"static_graph": True})
+
+
+@pytest.fixture(scope="module")
+def under_zero():
+    return ec.check_step("block_stack", train_step, world_size=2, optimizer_wrap=zero)
+
+
+def test_our_step_under_zero_matches_full_batch(under_zero):
+    (outcome,) = under_zero.outcomes
+    assert outcome.verdict is ec.Verdict.EQUIVALENT and outcome.comparison.margin < 1e-2
+    parameters = list(ec.get_case("block_stack").model().double().parameters())
+    whole = sum(p.numel() * p.element_size() for p in parameters)
+    # DDP's bucket and our one-sample-count all-reduce (a float64 scalar), then ZeRO's broadcast of every tensor
+    assert outcome.result.collectives == ({"all_reduce": (2, whole + 8), "broadcast": (len(parameters), whole)},) * 3
+    params, grads, state = outcome.result.state_bytes  # each rank holds about half of SGD's momentum buffers
+    assert params == grads == whole and 0.45 <= state / whole <= 0.55, outcome.result.state_bytes
+
+
+def test_our_loop_under_zero_matches_full_batch(equivcheck):
+    equivcheck.check_loop("block_stack", train_loop, world_size=2, optimizer_wrap=zero)
+
+
+@pytest.mark.parametrize(("step", "optimizer_wrap"), [(train_step, zero_with_the_learning_rate_only),
+                                                      (train_step_forgetting_zero_grad, zero)])
+def test_the_gate_catches_our_bugs_under_zero(step, optimizer_wrap):
+    (outcome,) = ec.check_step("block_stack", step, world_size=2, optimizer_wrap=optimizer_wrap).outcomes
+    assert outcome.verdict is ec.Verdict.MISMATCH and outcome.comparison.margin > 100, outcome.describe()
+
+
+def not_an_optimizer(optimizer):
+    return optimizer.param_groups
+
+
+def test_bad_optimizer_wraps_are_named():
+    with pytest.raises(ec.InvalidArgument, match="optimizer_wrap=.* is not allowed without world_size: expected "
+                                                 "world_size= with it"):
+        ec.check_step("block_stack", train_step, optimizer_wrap=zero)
+    with pytest.raises(ec.InvalidArgument, match="optimizer_wrap=.*lambda.* expected a function defined at the top "
+                                                 "level of an importable module"):
+        ec.check_step("block_stack", train_step, world_size=2, optimizer_wrap=lambda optimizer: optimizer)
+    with pytest.raises(ec.InvalidArgument, match="optimizer_wrap 'test_team_parallel:not_an_optimizer' returned a "
+                                                 "list: expected a torch.optim.Optimizer"):
+        ec.check_step("block_stack", train_step, world_size=2, optimizer_wrap=not_an_optimizer)

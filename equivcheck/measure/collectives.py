@@ -1,9 +1,11 @@
-"""Counting what DDP and FSDP2 communicate: no_sync() and set_requires_gradient_sync(False) exist to skip
-collectives, so prove that they do."""
+"""Counting what the parallel wrappers communicate: no_sync() and set_requires_gradient_sync(False) exist to
+skip collectives, so prove that they do; and say what ZeRO, join and pipeline schedules send besides."""
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -77,7 +79,8 @@ def _counting_hook(counted: _Counted, bucket: dist.GradBucket):
     counted.counter.bytes += buffer.numel() * buffer.element_size()
     counted.counter.calls += 1
     counted.counter.syncs += int(bucket.is_last())
-    return counted.hook(counted.state, bucket)
+    with uncounted():  # the bucket is counted here; the all-reduce the hook makes of it is not counted again
+        return counted.hook(counted.state, bucket)
 
 
 @dataclasses.dataclass
@@ -147,9 +150,105 @@ def _counting_collectives() -> tuple[type, type]:
     return CountingReduceScatter, CountingAllGather
 
 
-def attach_counter(module: nn.Module, hook: HookFactory | None = None) -> CommCounter | ShardedCommCounter:
+# The torch.distributed functions wrappers call from Python, by the kind of traffic each is: ZeRO broadcasts its
+# parameters, DDP's join all-reduces one-element flags and broadcasts the final model (coalesced), a pipeline
+# stage sends and receives activations and their gradients (isend/irecv, batched or not).
+CALLED_KINDS = {"broadcast": "broadcast", "_broadcast_coalesced": "broadcast", "all_reduce": "all_reduce",
+                "send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
+_paused = threading.local()
+
+
+@contextlib.contextmanager
+def uncounted() -> Iterator[None]:
+    """Leave this thread's torch.distributed calls out of every count: the harness's own traffic (a pipeline's
+    gradients broadcast for the report), or a collective another counter has counted already."""
+    _paused.depth = getattr(_paused, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _paused.depth -= 1
+
+
+@dataclasses.dataclass
+class CallCounter:
+    """Every call of the functions in ``CALLED_KINDS`` while :meth:`counting`, by kind, with the bytes of the
+    tensors handed over. They are replaced in ``torch.distributed`` and in ``distributed_c10d``, where
+    ``batch_isend_irecv`` tells a send from a receive by the identity of ``isend``: both namespaces must agree."""
+
+    counts: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # kind -> [calls, bytes]
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        namespaces = (dist, dist.distributed_c10d)
+        saved = [(space, name, getattr(space, name)) for space in namespaces for name in CALLED_KINDS
+                 if hasattr(space, name)]
+        counted = {name: self._counting(name, original) for _, name, original in saved}  # one per function
+        for space, name, _ in saved:
+            setattr(space, name, counted[name])
+        try:
+            yield
+        finally:
+            for space, name, original in saved:
+                setattr(space, name, original)
+
+    def _counting(self, name: str, original: Callable) -> Callable:
+        kind = CALLED_KINDS[name]
+
+        @functools.wraps(original)
+        def counted(*args, **kwargs):
+            if not getattr(_paused, "depth", 0):
+                tensors = (args[1] if len(args) > 1 else kwargs["tensors"]) if name == "_broadcast_coalesced" else \
+                    [args[0] if args else kwargs["tensor"]]
+                figures = self.counts.setdefault(kind, [0, 0])
+                figures[0] += 1
+                figures[1] += sum(t.numel() * t.element_size() for t in tensors)
+            return original(*args, **kwargs)
+
+        return counted
+
+    def take(self) -> dict[str, tuple[int, int]]:
+        """Every kind's (calls, bytes) since the last call."""
+        taken = {kind: (calls, sent) for kind, (calls, sent) in self.counts.items() if calls}
+        self.counts.clear()
+        return taken
+
+
+@dataclasses.dataclass
+class StepTraffic:
+    """What one rank communicates per optimizer step: a wrapper's gradient syncs (DDP's comm hook or FSDP2's
+    collectives; none for a pipeline) and every other call the wrappers make through torch.distributed, by kind.
+    A kind both count (join's flag all-reduces beside DDP's bucket all-reduces) adds up."""
+
+    syncs: CommCounter | ShardedCommCounter | None
+    calls: CallCounter = dataclasses.field(default_factory=CallCounter)
+    last_step: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # kind -> (calls, bytes)
+
+    @property
+    def wrappers(self) -> int:
+        return self.syncs.wrappers if self.syncs is not None else 0
+
+    @property
+    def counts_syncs(self) -> bool:
+        return self.syncs is not None
+
+    def counting(self) -> contextlib.AbstractContextManager:
+        return self.calls.counting()
+
+    def take(self) -> tuple[int, int]:
+        """The syncs and their bytes since the last call (0, 0 where nothing syncs); every kind in ``last_step``."""
+        taken = self.syncs.take() if self.syncs is not None else (0, 0)
+        merged = dict(self.syncs.last_step) if self.syncs is not None else {}
+        for kind, (calls, sent) in self.calls.take().items():
+            before = merged.get(kind, (0, 0))
+            merged[kind] = (before[0] + calls, before[1] + sent)
+        self.last_step = merged
+        return taken
+
+
+def attach_counter(module: nn.Module, hook: HookFactory | None = None) -> StepTraffic:
     """The counter for the wrappers inside ``module``: FSDP2's collectives where it holds FSDP modules
-    (a regime's, or a team's own wrap), DDP's all-reduces otherwise, through ``hook`` where it is given."""
+    (a regime's, or a team's own wrap), DDP's all-reduces otherwise, through ``hook`` where it is given;
+    and every other call they make through torch.distributed."""
     if any(is_fsdp_module(m) for m in module.modules()):
-        return ShardedCommCounter.attach(module)
-    return CommCounter.attach(module, hook)
+        return StepTraffic(ShardedCommCounter.attach(module))
+    return StepTraffic(CommCounter.attach(module, hook))

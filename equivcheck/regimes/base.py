@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import ClassVar, Protocol
 
 import torch
@@ -148,8 +149,12 @@ def chunk_pairs(batch: Batch, chunks: int) -> list[tuple[Tensor, Tensor]]:
 
 class CommunicationCounter(Protocol):
     wrappers: int  # the wrappers it counts: a faithful step synchronises each ``syncs_per_step`` times
+    counts_syncs: bool  # False: it counts traffic by kind only (a pipeline has no gradient sync)
 
     last_step: dict[str, tuple[int, int]]  # after take(): every collective of that step, kind -> (calls, bytes)
+
+    def counting(self) -> AbstractContextManager:
+        """While training: count what is called through torch.distributed besides the wrappers' syncs."""
 
     def take(self) -> tuple[int, int]:
         """The synchronisations and bytes per rank since the last call: one optimizer step's worth."""

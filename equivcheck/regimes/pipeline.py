@@ -33,7 +33,9 @@ global-sum loss left with the default ``scale_grads=True``: every gradient 1/K t
 
 Only the last stage computes losses; its rank reports the step's loss, the others a share of 0 (dispatch adds
 the ranks' shares). Runs on the CPU over gloo: nccl and CUDA precision modes are skipped with that reason.
-Communication is not counted (there is no gradient all-reduce to count: stages exchange activations).
+Communication is counted by kind, ``send`` and ``recv`` (every ``isend``/``irecv`` of activations and their
+gradients, and on the first step the shape metadata), never as a gradient sync (there is none); the harness's
+broadcast of each stage's gradients is left out.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ from torch import Tensor, nn
 
 from ..case import Batch, Case, Objective
 from ..errors import InvalidArgument, expect_int
-from .base import Regime, finish_step
+from ..measure.collectives import StepTraffic, uncounted
+from .base import CommunicationCounter, Regime, finish_step
 from .ddp import BACKENDS
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -85,6 +88,10 @@ class Pipelined(nn.Module):
     def share_stages(self) -> None:
         """Each stage's owner broadcasts its gradients and buffers: every rank then holds them all, whole."""
         rank = dist.get_rank()
+        with uncounted():  # the harness's traffic, for the report: not the pipeline's
+            self._broadcast_stages(rank)
+
+    def _broadcast_stages(self, rank: int) -> None:
         for owner, module in self.owners:
             for param in (p for p in module.parameters() if p.requires_grad):
                 if owner == rank:
@@ -192,6 +199,10 @@ class Pipeline(Regime):
                         f"with stage {owner[id(param)]} (tied weights): expected stages that share no parameter, "
                         "each stage's gradient being its owner's alone")
         return stages
+
+    def count_communication(self, module: nn.Module) -> CommunicationCounter:
+        """The schedule's sends and receives (no gradient sync: stages exchange activations)."""
+        return StepTraffic(None)
 
     def loss_fn(self, objective: Objective):
         """A micro-batch's loss as the schedule calls it: its sum over the global batch's items."""

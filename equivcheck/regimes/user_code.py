@@ -5,8 +5,10 @@ runs ``loop(model, optimizer, batches)`` over all of them (schedulers and other 
 across steps belong there). ``DdpStep`` runs the step on every rank of a process group: the harness
 wraps the model in DistributedDataParallel (or calls the team's own ``wrapper(model)``, which may wrap
 parts of it apart, as seed 000's trunk and head) and hands each rank its contiguous shard of the
-global batch, as a DistributedSampler would. Only plain data crosses to the worker ranks, so the step
-and the wrapper travel as import paths of module-level functions (``module:function``).
+global batch, as a DistributedSampler would. The team may shard the optimizer as they do, too: their
+``optimizer_wrapper(optimizer)`` (ZeroRedundancyOptimizer around the case's optimizer, say) makes what the
+step is handed. Only plain data crosses to the worker ranks, so the step and the wrappers travel as import
+paths of module-level functions (``module:function``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ..case import Batch, Objective
 from ..errors import InvalidArgument, expect_callable
 from .base import Regime
 from .ddp import DdpOptions, Distributed
+from .zero import local_part
 
 
 StepFn = Callable[[nn.Module, Optimizer, tuple[Tensor, Tensor]], object]
@@ -145,10 +148,12 @@ class DdpStep(DdpOptions, Distributed):
     fn: str = dataclasses.field(kw_only=True)  # module:function of the step
     wrapper: str = dataclasses.field(default="", kw_only=True)  # module:function of the team's wrap; "": DDP
     per_run: bool = dataclasses.field(default=False, kw_only=True)  # fn is a factory of the step, called per run
+    # module:function making the optimizer the step is handed from the case's (ZeRO, say); "": the case's own
+    optimizer_wrapper: str = dataclasses.field(default="", kw_only=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for argument in ("fn", "wrapper"):
+        for argument in ("fn", "wrapper", "optimizer_wrapper"):
             module, colon, function = getattr(self, argument).partition(":")
             if not (module and colon and function) and (argument == "fn" or getattr(self, argument)):
                 raise InvalidArgument.value(argument, getattr(self, argument),
@@ -156,6 +161,19 @@ class DdpStep(DdpOptions, Distributed):
 
     def wrap(self, model, objective):
         return resolve(self.wrapper)(model) if self.wrapper else super().wrap(model, objective)
+
+    def build_optimizer(self, case, model):
+        optimizer = super().build_optimizer(case, model)
+        if not self.optimizer_wrapper:
+            return optimizer
+        made = resolve(self.optimizer_wrapper)(optimizer)
+        if not isinstance(made, Optimizer):
+            raise InvalidArgument(f"optimizer_wrap {self.optimizer_wrapper!r} returned a {type(made).__name__}: expected a "
+                                  "torch.optim.Optimizer (ZeroRedundancyOptimizer around the one it was given, say)")
+        return made
+
+    def local_optimizer(self, optimizer):
+        return local_part(optimizer)
 
     def train(self, model, optimizer, batches, objective):
         step = fresh_step(resolve(self.fn), self.per_run)

@@ -9,6 +9,7 @@ each rank holds about 1/W of the optimizer state.
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 from torch import nn
 from torch.optim import Optimizer
@@ -27,6 +28,13 @@ def sharded_like(optimizer: Optimizer) -> Optimizer:
     return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **optimizer.defaults)
 
 
+def local_part(optimizer: Optimizer) -> Optimizer:
+    """The optimizer whose state this rank holds: a ZeroRedundancyOptimizer's local one (its shard), else
+    ``optimizer`` itself (ZeRO's module is looked up, not imported: an optimizer of its class means it is loaded)."""
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    return optimizer.optim if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer) else optimizer
+
+
 @dataclasses.dataclass(frozen=True)
 class Zero(Ddp):
     name = "zero"
@@ -36,4 +44,4 @@ class Zero(Ddp):
         return sharded_like(case.optimizer(ModelParameters(model)))
 
     def local_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        return optimizer.optim
+        return local_part(optimizer)
