@@ -4,6 +4,7 @@ import parallel_bugs  # noqa: F401  (registers the bugs; the ranks import it by 
 import pytest
 
 import equivcheck as ec
+from equivcheck import report as render
 from equivcheck import Verdict
 
 
@@ -28,6 +29,8 @@ def test_zero_broadcasts_every_parameter_from_its_owner_in_each_step(report):
     assert zero.collectives == ({"all_reduce": (1, whole), "broadcast": (len(parameters), whole)},) * 3
     ddp = report.outcome("block_stack", "ddp:world_size=2").result  # plain DDP broadcasts nothing after its forward
     assert ddp.collectives == ({"all_reduce": (1, whole)},) * 3
+    row = next(r for r in render.to_rows(report) if r["regime"] == "zero:world_size=2")
+    assert row["collectives"][0]["broadcast"] == {"calls": len(parameters), "bytes": whole}
 
 
 def test_twin_zero_without_the_cases_hyperparameters_is_a_mismatch(report):
