@@ -48,3 +48,9 @@ def test_sharding_regimes_hold_about_one_wth_of_what_they_shard(report):
     assert all(0.5 <= sharded / whole <= 0.55 for sharded, whole in zip(fsdp, ddp)), fsdp
     # ZeRO-1 shards only the optimizer state.
     assert zero[:2] == ddp[:2] and 0.45 <= zero[2] / ddp[2] <= 0.55, zero
+
+
+def test_overlap_with_ddp_is_not_offered():
+    """torch 2.13's hook_with_zero_step refuses gloo (docs/parallel.md says why it is not offered)."""
+    with pytest.raises(ec.InvalidArgument, match="'overlap_with_ddp=1' is not allowed: zero takes world_size="):
+        ec.parse_regime("zero:world_size=2,overlap_with_ddp=1")
