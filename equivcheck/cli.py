@@ -31,7 +31,7 @@ from .dispatch import DEFAULT_TIMEOUT
 from .precision import PRECISIONS
 from .process_exit import exit_without_teardown
 from .progress import Progress
-from .regimes import REGIMES
+from .regimes import REGIMES, spec_usage
 from .registry import all_cases, load_cases_from, resolve_case
 
 
@@ -175,9 +175,8 @@ def _list(args: argparse.Namespace) -> int:
         print(f"  {case.name:<28} {shape:<8} {case.description}")
     print("\nregimes:")
     for name, cls in REGIMES.items():
-        params = ",".join(f"{f.name}=K" for f in dataclasses.fields(cls))
-        spec = f"{name}:{params}" if params else name
-        print(f"  {spec:<32} {cls.summary}")
+        usage = spec_usage(name)  # a long one on a line of its own, the summary under it
+        print(f"  {usage:<32} {cls.summary}" if len(usage) <= 32 else f"  {usage}\n  {'':<32} {cls.summary}")
     print("\ndefault regimes per case: " + "; ".join(f"{c.name}: {', '.join(regimes_for(c))}"
                                                      for c in all_cases().values() if c.regimes is not None))
     return 0

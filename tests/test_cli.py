@@ -22,8 +22,11 @@ ec.register_case(dataclasses.replace(
 def test_list_shows_cases_and_regimes(capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out
-    for name in ("mlp", "seed004_linear", "batchnorm_cnn", "accumulate:chunks=K", "naive_accumulate:chunks=K"):
+    for name in ("mlp", "seed004_linear", "batchnorm_cnn", "accumulate:chunks=N[,max_norm=inf]", "naive_accumulate:chunks=N",
+                 "ddp:world_size=N[,backend=auto,", "ddp_hook:world_size=N,hook=NAME[,"):
         assert name in out
+    # Each option by its type (N, X, NAME, 0|1) or, where it has one, its default; never all alike.
+    assert "=K" not in out
 
 
 def test_run_prints_an_overview_and_only_on_request_the_matrix(capsys):

@@ -12,7 +12,7 @@ only), ``user_code`` (a team's own step or loop). A regime of your own is one mo
 from . import (checkpoint, ddp, ddp_hooks, ddp_join, ddp_partial, fsdp, local, pipeline, pitfalls, sync_batchnorm,
                user_code, zero)
 from .base import (DEFAULT_REGIMES, REGIMES, Chunked, CommunicationCounter, Regime, chunk_pairs, finish_step,
-                   parse_regime, regime_source, register_regime)
+                   parse_regime, regime_source, register_regime, spec_usage)
 from .loop import accumulate, backward_chunks, global_mean_part, inputs_only, meddling_part
 
 # Every built-in regime, registered here and only here; a name registered twice is an error.
@@ -50,5 +50,5 @@ __all__ = [
     "BUILT_IN", "DEFAULT_REGIMES", "REGIMES", "Accumulate", "Chunked", "CommunicationCounter", "DetachedPartial",
     "Distributed", "FullBatch", "Regime", "RetainedGraph", "SampleBySample", "SummedLoss", "accumulate",
     "backward_chunks", "chunk_pairs", "finish_step", "global_mean_part", "inputs_only", "meddling_part", "parse_regime",
-    "regime_source", "register_regime", "UserLoop", "UserStep",
+    "regime_source", "register_regime", "spec_usage", "UserLoop", "UserStep",
 ]

@@ -248,6 +248,22 @@ def parse_regime(spec: str | Regime) -> Regime:
     return cls(**kwargs)
 
 
+_PLACEHOLDERS = {"int": "N", "float": "X", "str": "NAME", "bool": "0|1"}
+
+
+def spec_usage(name: str) -> str:
+    """How a spec of regime ``name`` is written: its required parameters with a placeholder for their
+    type, its optional ones in brackets with their defaults (``ddp:world_size=N[,backend=auto,...]``)."""
+    fields = dataclasses.fields(REGIMES[name])
+    required = [f"{f.name}={_PLACEHOLDERS[str(f.type)]}" for f in fields
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    optional = [f"{f.name}={_spec_value(f.default)}" for f in fields if f.default is not dataclasses.MISSING]
+    usage = name + (":" + ",".join(required) if required else "")
+    if optional:
+        usage += "[" + ("," if required else ":") + ",".join(optional) + "]"
+    return usage
+
+
 def _spec_value(value: object) -> str:
     """A field's value as a spec writes it: a bool as 1 or 0, which parses back to itself."""
     return str(int(value)) if isinstance(value, bool) else str(value)
