@@ -19,6 +19,7 @@ from .case import Batch, Case, Objective
 from .closure import evaluate_closure
 from .errors import InvalidArgument, NonFinite, Unavailable
 from .measure.activation import activation_meter
+from .measure.collectives import add_traffic
 from .measure.state import held_bytes, optimizer_state_bytes
 from .precision import Precision, resolve_precision
 from .regimes import CommunicationCounter, Regime, parse_regime
@@ -220,11 +221,7 @@ class GradRecorder:
         """What was communicated after the last step (join's closing rounds) belongs to the last step."""
         self._counter.take()
         if self.collectives:
-            last = self.collectives[-1]
-            for kind, (calls, sent) in self._counter.last_step.items():
-                if calls:
-                    before = last.get(kind, (0, 0))
-                    last[kind] = (before[0] + calls, before[1] + sent)
+            add_traffic(self.collectives[-1], self._counter.last_step)
 
     def __exit__(self, *exc: object) -> None:
         self._exits.close()

@@ -176,6 +176,8 @@ class CallCounter:
     ``batch_isend_irecv`` tells a send from a receive by the identity of ``isend``: both namespaces must agree."""
 
     counts: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # kind -> [calls, bytes]
+    # A comm hook's callbacks (PowerSGD's second all-reduce) may run on the backend's thread.
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[None]:
@@ -199,17 +201,20 @@ class CallCounter:
             if not getattr(_paused, "depth", 0):
                 tensors = (args[1] if len(args) > 1 else kwargs["tensors"]) if name == "_broadcast_coalesced" else \
                     [args[0] if args else kwargs["tensor"]]
-                figures = self.counts.setdefault(kind, [0, 0])
-                figures[0] += 1
-                figures[1] += sum(t.numel() * t.element_size() for t in tensors)
+                sent = sum(t.numel() * t.element_size() for t in tensors)
+                with self.lock:
+                    figures = self.counts.setdefault(kind, [0, 0])
+                    figures[0] += 1
+                    figures[1] += sent
             return original(*args, **kwargs)
 
         return counted
 
     def take(self) -> dict[str, tuple[int, int]]:
         """Every kind's (calls, bytes) since the last call."""
-        taken = {kind: (calls, sent) for kind, (calls, sent) in self.counts.items() if calls}
-        self.counts.clear()
+        with self.lock:
+            taken = {kind: (calls, sent) for kind, (calls, sent) in self.counts.items() if calls}
+            self.counts.clear()
         return taken
 
 
@@ -237,12 +242,17 @@ class StepTraffic:
     def take(self) -> tuple[int, int]:
         """The syncs and their bytes since the last call (0, 0 where nothing syncs); every kind in ``last_step``."""
         taken = self.syncs.take() if self.syncs is not None else (0, 0)
-        merged = dict(self.syncs.last_step) if self.syncs is not None else {}
-        for kind, (calls, sent) in self.calls.take().items():
-            before = merged.get(kind, (0, 0))
-            merged[kind] = (before[0] + calls, before[1] + sent)
-        self.last_step = merged
+        self.last_step = dict(self.syncs.last_step) if self.syncs is not None else {}
+        add_traffic(self.last_step, self.calls.take())
         return taken
+
+
+def add_traffic(into: dict[str, tuple[int, int]], more: dict[str, tuple[int, int]]) -> None:
+    """Add ``more``'s calls and bytes to ``into``'s, kind by kind (a kind with no call stays out)."""
+    for kind, (calls, sent) in more.items():
+        if calls:
+            before = into.get(kind, (0, 0))
+            into[kind] = (before[0] + calls, before[1] + sent)
 
 
 def attach_counter(module: nn.Module, hook: HookFactory | None = None) -> StepTraffic:
