@@ -40,6 +40,8 @@ def test_a_lossy_hook_passes_at_its_own_bound_and_says_which(report, spec, hook,
     assert outcome.result.syncs == (1, 1, 1)  # counted through the hook: DDP takes one comm hook per wrapper
     # the bytes of the bucket as DDP hands it to the hook (6-10-3 MLP: 103 float64s, before compression), as ddp's
     assert outcome.result.sync_bytes == report.outcome(CASE, "ddp:world_size=2").result.sync_bytes == (8 * 103,) * 3
+    # what went over the wire: the bucket cast to the 16-bit type, 2 bytes per gradient
+    assert outcome.result.collectives == ({"all_reduce": (1, 2 * 103)},) * 3
 
 
 @pytest.mark.parametrize("spec", [FP16, BF16])
@@ -85,6 +87,10 @@ def test_powersgd_is_exact_before_it_starts_and_a_mismatch_from_its_first_compre
     assert compressed.verdict is Verdict.EXPECTED_MISMATCH and compressed.comparison.margin > 1e4
     assert compressed.comparison.first_divergent_step == 2  # steps 0 and 1 all-reduce plainly, exactly
     assert "compressing from step 2" in compressed.reason and compressed.result.syncs == (1, 1, 1)
+    # the traffic tells it too: the whole bucket all-reduced plainly, then from step 2 several smaller all-reduces
+    # (PowerSGD's uncompressed vectors, its P and Q factors) that add up to less than the bucket
+    traffic = [step["all_reduce"] for step in compressed.result.collectives]
+    assert traffic[:2] == [(1, 8 * 103)] * 2 and traffic[2][0] > 1 and traffic[2][1] < 8 * 103, traffic
 
 
 def test_hook_specs_parse_print_back_and_name_their_hook():

@@ -35,8 +35,9 @@ class CommCounter:
     syncs: int = 0
     bytes: int = 0
     wrappers: int = 0
-    calls: int = 0  # all-reduce calls: one per gradient bucket
-    last_step: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # kind -> (calls, bytes)
+    # Nothing by kind: the hook's all-reduces (one per bucket, or a compressing hook's several) are counted where
+    # they are made, with the bytes really sent, by the CallCounter beside it.
+    last_step: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def attach(cls, module: nn.Module, hook: HookFactory | None = None) -> "CommCounter":
@@ -56,11 +57,9 @@ class CommCounter:
         return counter
 
     def take(self) -> tuple[int, int]:
-        """The syncs and bytes since the last call (one optimizer step's worth); every all-reduce call (one
-        per gradient bucket) stays readable in ``last_step``."""
+        """The syncs and the bytes of their buckets since the last call (one optimizer step's worth)."""
         taken = (self.syncs, self.bytes)
-        self.last_step = {"all_reduce": (self.calls, self.bytes)}
-        self.syncs = self.bytes = self.calls = 0
+        self.syncs = self.bytes = 0
         return taken
 
 
@@ -77,10 +76,8 @@ class _Counted:
 def _counting_hook(counted: _Counted, bucket: dist.GradBucket):
     buffer = bucket.buffer()
     counted.counter.bytes += buffer.numel() * buffer.element_size()
-    counted.counter.calls += 1
     counted.counter.syncs += int(bucket.is_last())
-    with uncounted():  # the bucket is counted here; the all-reduce the hook makes of it is not counted again
-        return counted.hook(counted.state, bucket)
+    return counted.hook(counted.state, bucket)
 
 
 @dataclasses.dataclass
@@ -150,9 +147,10 @@ def _counting_collectives() -> tuple[type, type]:
     return CountingReduceScatter, CountingAllGather
 
 
-# The torch.distributed functions wrappers call from Python, by the kind of traffic each is: ZeRO broadcasts its
-# parameters, DDP's join all-reduces one-element flags and broadcasts the final model (coalesced), a pipeline
-# stage sends and receives activations and their gradients (isend/irecv, batched or not).
+# The torch.distributed functions wrappers call from Python, by the kind of traffic each is: DDP's comm hooks
+# all-reduce the buckets (compressed or not), ZeRO broadcasts its parameters, DDP's join all-reduces one-element
+# flags and broadcasts the final model (coalesced), a pipeline stage sends and receives activations and their
+# gradients (isend/irecv, batched or not).
 CALLED_KINDS = {"broadcast": "broadcast", "_broadcast_coalesced": "broadcast", "all_reduce": "all_reduce",
                 "send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
 _paused = threading.local()
@@ -161,7 +159,7 @@ _paused = threading.local()
 @contextlib.contextmanager
 def uncounted() -> Iterator[None]:
     """Leave this thread's torch.distributed calls out of every count: the harness's own traffic (a pipeline's
-    gradients broadcast for the report), or a collective another counter has counted already."""
+    gradients broadcast for the report)."""
     _paused.depth = getattr(_paused, "depth", 0) + 1
     try:
         yield
@@ -221,8 +219,8 @@ class CallCounter:
 @dataclasses.dataclass
 class StepTraffic:
     """What one rank communicates per optimizer step: a wrapper's gradient syncs (DDP's comm hook or FSDP2's
-    collectives; none for a pipeline) and every other call the wrappers make through torch.distributed, by kind.
-    A kind both count (join's flag all-reduces beside DDP's bucket all-reduces) adds up."""
+    collectives; none for a pipeline) and, by kind, every call made through torch.distributed (DDP's bucket
+    all-reduces as its hook makes them, join's flags, ZeRO's broadcasts, a pipeline's sends) besides FSDP2's own."""
 
     syncs: CommCounter | ShardedCommCounter | None
     calls: CallCounter = dataclasses.field(default_factory=CallCounter)
