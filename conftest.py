@@ -1,4 +1,11 @@
-"""Repository-wide pytest settings: hypothesis profiles (pick one with --hypothesis-profile), pytester."""
+"""Repository-wide pytest settings: hypothesis profiles (pick one with --hypothesis-profile), pytester, and
+what `make mutation` needs to see the DDP ranks."""
+
+import glob
+import json
+import os
+import sys
+import tempfile
 
 from hypothesis import HealthCheck, settings
 
@@ -9,3 +16,41 @@ settings.register_profile("ci", derandomize=True, max_examples=25, deadline=None
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", max_examples=300, deadline=None)
 settings.load_profile("ci")
+
+
+# `make mutation` maps every mutant to the tests that reach its function by recording, in the test process,
+# which functions each test calls. A DDP rank is a process of its own, so in that stats run every test ends by
+# closing its pools: the ranks exit and write what they called (tests/mutation/sitecustomize.py, on their
+# import path), which is added to the test's record before mutmut reads it. Without this, every function that
+# only the ranks run would count as reached by no test, and none of its mutants would be tried.
+_RANK_HITS = os.path.join(tempfile.gettempdir(), f"equivcheck-mutmut-rank-hits-{os.getpid()}")
+
+
+def _in_mutation_stats_run() -> bool:
+    return os.environ.get("MUTANT_UNDER_TEST") == "stats"
+
+
+def pytest_runtest_setup(item):
+    if _in_mutation_stats_run():
+        os.makedirs(_RANK_HITS, exist_ok=True)
+        os.environ["EQUIVCHECK_MUTMUT_RANK_HITS"] = _RANK_HITS
+        rank_site = os.path.join(os.path.dirname(__file__), "tests", "mutation")
+        if rank_site not in sys.path:
+            sys.path.append(rank_site)  # the pool hands its ranks this process's import path
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if not _in_mutation_stats_run():
+        return
+    from mutmut.state import state
+
+    from equivcheck.distributed import pool
+
+    if not any(warm._jobs for warm in pool._pools.values()):
+        return  # no rank trained anything in this test
+    pool.shutdown_pools()
+    for path in glob.glob(os.path.join(_RANK_HITS, "*.json")):
+        with open(path) as hits:
+            state()._stats.update(json.load(hits))
+        os.remove(path)
+    pool.pool_for("gloo", 2)  # warm again: a test that times its job must not time a pool's start
