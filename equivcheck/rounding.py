@@ -98,33 +98,36 @@ def _noise_margin(reference: RunResult, candidate: RunResult, ref64: RunResult, 
     is how far the two runs stray from their shadows on that quantity (that step's gradient of that
     parameter, a final weight, the loss series); and each run's greatest noise."""
     margin = ref_noise = cand_noise = 0.0
-    for (_, actual, expected, exact), (_, _, own, own_exact) in zip(_quantities(reference, candidate, ref64),
-                                                                    _quantities(candidate, candidate, cand64)):
+    for (actual, expected, exact), (_, own, own_exact) in zip(_quantities(reference, candidate, ref64),
+                                                              _quantities(candidate, candidate, cand64)):
         if not expected.numel():
             continue
         expected = expected.double()
         noise_ref = float((expected - exact.double()).abs().max())
         noise_cand = float((own.double() - own_exact.double()).abs().max())
         allowed = tol.atol + tol.rtol * expected.abs() + noise_ref + noise_cand
-        ratio = torch.nan_to_num((actual.double() - expected).abs() / allowed, nan=math.inf)
+        gap = (actual.double() - expected).abs()
+        ratio = torch.where(gap == 0, 0.0, gap / allowed)  # equal is 0 even where nothing is allowed
         margin, ref_noise, cand_noise = (max(margin, float(ratio.max())), max(ref_noise, noise_ref),
                                          max(cand_noise, noise_cand))
     return margin, ref_noise, cand_noise
 
 
 def _quantities(reference: RunResult, candidate: RunResult,
-                shadow: RunResult) -> Iterator[tuple[str, Tensor, Tensor, Tensor]]:
-    for step, (ref, cand, exact) in enumerate(zip(reference.grads, candidate.grads, shadow.grads)):
+                shadow: RunResult) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+    """(candidate's, reference's, shadow's) of every quantity compared: each step's gradient of each
+    parameter, each final weight and buffer, and the loss series."""
+    for ref, cand, exact in zip(reference.grads, candidate.grads, shadow.grads):
         for name in ref:
-            yield f"the step-{step} gradient of {name!r}", cand[name], ref[name], exact[name]
-    for kind, maps in (("weight", (reference.weights, candidate.weights, shadow.weights)),
-                       ("buffer", (reference.buffers, candidate.buffers, shadow.buffers))):
-        for name in maps[0]:
-            yield f"the final {kind} {name!r}", *(m[name] for m in maps)
+            yield cand[name], ref[name], exact[name]
+    for ref, cand, exact in ((reference.weights, candidate.weights, shadow.weights),
+                             (reference.buffers, candidate.buffers, shadow.buffers)):
+        for name in ref:
+            yield cand[name], ref[name], exact[name]
     series = [(r, c, s) for r, c, s in zip(reference.losses, candidate.losses, shadow.losses) if None not in (r, c, s)]
     if series:
         ref, cand, exact = (torch.tensor(values, dtype=torch.float64) for values in zip(*series))
-        yield "the loss", cand, ref, exact
+        yield cand, ref, exact
 
 
 def _conditioning(case: Case, seed: int) -> str:

@@ -9,6 +9,7 @@ from torch import nn
 
 import equivcheck as ec
 from equivcheck import Verdict
+from equivcheck.check import Status, plan, plan_all
 
 
 def test_faithful_accumulation_is_equivalent_and_its_buggy_twins_are_not():
@@ -129,3 +130,16 @@ def test_check_can_leave_memory_unmeasured():
     assert with_memory.verdict is without.verdict is ec.Verdict.EQUIVALENT
     assert with_memory.result.peak_activation_bytes > 0
     assert without.result.peak_activation_bytes is None and without.memory.ratio is None
+
+
+def test_a_report_of_skips_alone_checked_nothing():
+    assert Status.of([Verdict.SKIPPED, Verdict.SKIPPED]) is Status.of([]) is Status.NOTHING_CHECKED
+    assert Status.of([Verdict.SKIPPED, Verdict.EQUIVALENT]) is Status.OK
+
+
+def test_plan_all_plans_every_registered_case_and_each_its_own_regimes_unless_named():
+    plans = plan_all(None, ["full_batch"], rtol=0.5, atol=0.25)
+    assert [p.case.name for p in plans] == list(ec.all_cases())
+    assert all((p.rtol, p.atol, [str(s) for s in p.specs]) == (0.5, 0.25, ["full_batch"]) for p in plans)
+    (mlp,) = plan_all(["mlp"])
+    assert mlp.specs == plan("mlp").specs and len(mlp.specs) > 1

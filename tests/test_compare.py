@@ -139,3 +139,12 @@ def test_compare_measures_and_diagnose_names_the_pitfall_once(reference):
     assert ec.diagnose(reference, doubled, kept).hint == "the float64 shadows' hint"
     matching = ec.compare(reference, ec.run("mlp", "full_batch"))
     assert ec.diagnose(reference, reference, matching).hint == ""
+
+
+def test_a_final_weight_that_alone_differs_is_described_as_final():
+    reference = ec.run("mlp", "full_batch")
+    moved = dataclasses.replace(reference, weights={n: w + 1 for n, w in reference.weights.items()})
+    comparison = ec.compare(reference, moved)
+    assert {m.kind for m in comparison.mismatches} == {"weight"}
+    assert all(m.first_step is None for m in comparison.mismatches)
+    assert "mismatched final:" in comparison.mismatches[0].describe(comparison.tolerance)

@@ -1,6 +1,7 @@
 """Maths or rounding: float32 mismatches weighed by float64 shadows of both runs."""
 
 import dataclasses
+import math
 import sys
 from types import SimpleNamespace
 
@@ -13,7 +14,7 @@ import equivcheck as ec
 from equivcheck import Verdict
 from equivcheck.compare import Comparison, Tolerance
 from equivcheck.precision import PRECISIONS, SCALED_SHADOW, SHADOW
-from equivcheck.rounding import _start_gap, applies, shadow_of
+from equivcheck.rounding import _conditioning, _noise_margin, _start_gap, applies, judge, shadow_of
 
 
 def layernorm_over_two():
@@ -40,6 +41,9 @@ def test_an_ill_conditioned_float32_case_is_equivalent_with_a_note():
                                      "amplified by Adam")
     assert "the float64 runs match" in outcome.reason and "margin 165" in outcome.reason
     assert outcome.comparison.margin <= 1 and outcome.comparison.note == outcome.reason
+    table = ec.compare(reference, regime)  # the figures the table measured stay readable beside the verdict
+    assert (outcome.comparison.mismatches, outcome.comparison.problems) == ((), ())
+    assert (outcome.comparison.max_abs, outcome.comparison.max_rel) == (table.max_abs, table.max_rel)
     assert "note: ill-conditioned" in outcome.comparison.describe()
 
 
@@ -58,6 +62,8 @@ def test_a_shadow_that_starts_elsewhere_explains_nothing_and_blames_no_detach_or
     (outcome,) = ec.check(ILL, ["accumulate:chunks=5"], seed=SEED).outcomes
     assert outcome.verdict is Verdict.MISMATCH
     assert "did not start where its float32 run did" in outcome.comparison.hint
+    assert outcome.comparison.hint.endswith("so the difference could not be attributed to rounding")
+    assert outcome.comparison.note.startswith("the float64 runs match (margin ")
     assert "detach" not in outcome.comparison.hint and "RNG" not in outcome.comparison.hint
 
 
@@ -127,3 +133,76 @@ def test_the_shadow_starts_where_the_run_did_within_the_modes_tolerance(first, a
     runs = (SimpleNamespace(losses=(first, 9.0)), SimpleNamespace(losses=(again, 9.0)))
     assert _start_gap(*runs, Tolerance(rtol=0.5, atol=0.25)) == gap
     assert _start_gap(SimpleNamespace(losses=()), runs[1], Tolerance(rtol=0.5, atol=0.25)) is None
+
+
+def quantities(grad=(0.0, 0.0), weight=0.0, buffer=0.0, loss=0.0):
+    """What _noise_margin reads of a run: one step's gradients (an empty parameter first), a final weight and
+    buffer, the loss series; values exact in binary, so every margin below is exact."""
+    return SimpleNamespace(grads=({"empty": torch.zeros(0), "w": torch.tensor(grad)},),
+                           weights={"w": torch.tensor([weight])}, buffers={"b": torch.tensor([buffer])}, losses=(loss,))
+
+
+def test_each_runs_own_noise_widens_what_is_allowed_by_exactly_that_noise():
+    # allowed = 0.25 + 0.5 * |2| + noise 0.5 (reference from its shadow) + noise 0.25 (regime from its own)
+    reference, regime = quantities(grad=(2.0, 0.0)), quantities(grad=(3.0, 0.0))
+    ref64, regime64 = quantities(grad=(1.5, 0.0)), quantities(grad=(3.25, 0.0))
+    assert _noise_margin(reference, regime, ref64, regime64, Tolerance(rtol=0.5, atol=0.25)) == (0.5, 0.5, 0.25)
+
+
+@pytest.mark.parametrize("where", ["grad", "weight", "buffer", "loss"])
+def test_a_difference_in_any_compared_quantity_beyond_the_noise_sets_the_margin(where):
+    """No noise (each run is its own shadow): |5 - 2| / (0.25 + 0.5 * 2) = 2.4, wherever the difference is."""
+    reference = quantities(grad=(2.0, 2.0), weight=2.0, buffer=2.0, loss=2.0)
+    regime = quantities(**{"grad": (2.0, 2.0), "weight": 2.0, "buffer": 2.0, "loss": 2.0, where: 5.0}
+                        | ({"grad": (2.0, 5.0)} if where == "grad" else {}))
+    assert _noise_margin(reference, regime, reference, regime, Tolerance(rtol=0.5, atol=0.25)) == (2.4, 0.0, 0.0)
+
+
+def test_the_loss_series_is_weighed_in_float64_and_a_step_without_a_loss_is_left_out():
+    step = 2.0 ** -30  # lost in float32: 1 + 2^-30 rounds to 1
+    tol = Tolerance(rtol=0.0, atol=2.0 ** -31)
+    reference, regime = quantities(loss=1.0), quantities(loss=1.0 + step)
+    assert _noise_margin(reference, regime, reference, regime, tol)[0] == 2.0
+    silent = quantities(loss=None)
+    assert _noise_margin(silent, regime, silent, regime, tol)[0] == 0.0
+
+
+def test_equal_numbers_match_even_where_nothing_is_allowed():
+    reference, regime = quantities(grad=(1.0, 0.0)), quantities(grad=(1.0, 0.5))
+    assert _noise_margin(reference, reference, reference, reference, Tolerance(rtol=0.0, atol=0.0))[0] == 0.0
+    assert _noise_margin(reference, regime, reference, regime, Tolerance(rtol=0.0, atol=0.0))[0] == math.inf
+
+
+def conditioning(*modules, optimizer=torch.optim.SGD):
+    case = ec.Case(name="conditioning", model=lambda: nn.Sequential(*modules), data=data, loss=F.cross_entropy,
+                   batch_size=12, steps=1, optimizer=lambda params: optimizer(params, lr=0.1))
+    return _conditioning(case, seed=0)
+
+
+def test_the_note_names_each_normalisation_over_few_features_once_and_an_adaptive_optimizer():
+    assert conditioning(nn.LayerNorm(4), optimizer=torch.optim.Adam) == (
+        "LayerNorm over 4 features: gradients at rounding level, amplified by Adam (it scales each update to about "
+        "its learning rate)")
+    assert conditioning(nn.LayerNorm(1), nn.GroupNorm(2, 8), nn.GroupNorm(2, 8)) == (
+        "LayerNorm over 1 feature, GroupNorm over 4 channels per group: gradients at rounding level")
+    assert conditioning(nn.LayerNorm(5), nn.GroupNorm(1, 5)) == "rounding noise"
+
+
+def test_shadows_that_cannot_run_leave_the_low_precision_verdict_and_say_why():
+    failing = Comparison(Tolerance(1e-3, 1e-4), (object(),), (), 1.0, 1.0, 2.0, hint="a hint")
+
+    def cannot_run():
+        raise RuntimeError("no float64 here")
+
+    judged = judge(ILL, failing, None, None, cannot_run, cannot_run, seed=SEED)
+    assert judged == dataclasses.replace(failing, note="the float64 shadow runs failed: RuntimeError: no float64 here")
+
+
+def test_where_the_float64_runs_differ_their_hint_replaces_the_low_precision_tables():
+    ref64, cand64 = (ec.run(ILL, spec, seed=SEED, dtype=SHADOW) for spec in ("full_batch", "zero_grad_inside:chunks=5"))
+    failing = Comparison(Tolerance(1e-3, 1e-4), (object(),), (), 1.0, 1.0, 2.0, hint="the float32 table's guess")
+    judged = judge(ILL, failing, None, None, lambda: ref64, lambda: cand64, seed=SEED)
+    float64 = ec.diagnose(ref64, cand64, ec.compare(ref64, cand64))
+    assert judged.hint == float64.hint and "zero_grad" in judged.hint
+    assert judged.note == f"the float64 runs differ too (margin {float64.margin:.3g}): the maths differs"
+    assert judged.mismatches == failing.mismatches and judged.margin == failing.margin
