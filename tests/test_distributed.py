@@ -81,6 +81,16 @@ def test_data_parallel_is_skipped_without_two_gpus():
         ec.run("mlp", "ddp:world_size=2,backend=nccl")
 
 
+@pytest.mark.parametrize(("available", "count", "reason"), [
+    (True, 2, None), (True, 1, "DataParallel needs at least 2 CUDA devices; 1 found"),
+    (False, 3, "DataParallel needs at least 2 CUDA devices; 0 found"),  # devices a broken driver cannot use
+])
+def test_data_parallel_runs_on_two_or_more_usable_gpus_only(monkeypatch, available, count, reason):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    assert ec.parse_regime("data_parallel").unavailable() == reason
+
+
 @pytest.mark.parametrize(
     ("case", "timeout", "message"),
     [
