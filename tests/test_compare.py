@@ -163,6 +163,10 @@ def test_a_verdict_reads_whole_in_this_order_note_hint_problems_then_each_mismat
             "  Greatest relative difference: 1.5 at index (2,) (up to 0.5 allowed)\n"
             "  Margin: 2.4 (error / allowed error)")
     assert failing.describe() == text
+    scalar = TensorDiff(mismatched=1, total=1, max_abs=3.0, abs_index=(), abs_allowed=1.25, max_rel=1.5, rel_index=(),
+                        margin=2.4)  # a 0-d tensor (the loss) has no index to name
+    assert Mismatch("loss", "loss", 0, 0, scalar).describe(tol).splitlines()[2:4] == [
+        "  Greatest absolute difference: 3 (up to 1.25 allowed)", "  Greatest relative difference: 1.5 (up to 0.5 allowed)"]
     assert Comparison(tol, (), (), 0.0, 0.0, 0.5).describe() == "equivalent: margin 0.5 (rtol=0.5, atol=0.25)"
     outcome = ec.Outcome("mlp", "accumulate:chunks=2", ec.Verdict.MISMATCH, failing, reason="why")
     assert outcome.describe() == "mlp under accumulate:chunks=2: mismatch (why)\n" + text
