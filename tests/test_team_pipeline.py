@@ -15,6 +15,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 import equivcheck as ec
 
 MICRO_BATCHES = 4
+IGNORE = -100  # the padding's target in the token cases
 
 
 def our_stage(model):
@@ -25,31 +26,42 @@ def our_stage(model):
     return PipelineStage(nn.Sequential(*mine), dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
 
 
-def global_mean_part(output, target, samples):
+def global_mean_part(output, target, items):
     """A micro-batch's loss: its sum over the global batch's samples (the micro-batches' add up to the mean)."""
-    return F.cross_entropy(output, target, reduction="sum") / samples
+    return F.cross_entropy(output, target, reduction="sum") / items
 
 
-def pipelined_step(scale_grads=False, set_to_none=True):
+def global_token_mean_part(output, target, items):
+    """On padded token sequences: a micro-batch's sum over its real tokens, over the global batch's real tokens."""
+    return F.cross_entropy(output.flatten(0, 1), target.flatten(), ignore_index=IGNORE, reduction="sum") / items
+
+
+def micro_batch_token_mean(output, target):
+    """The pairing torch's docstring suggests: each micro-batch's own mean, averaged by scale_grads=True."""
+    return F.cross_entropy(output.flatten(0, 1), target.flatten(), ignore_index=IGNORE)
+
+
+def pipelined_step(loss_fn=global_mean_part, items=len, scale_grads=False, set_to_none=True, report=torch.sum):
     """Our step, made afresh for every run (per_run=True): its stage and GPipe schedule are built on the first
     call and kept, as a PipelineStage infers the shapes it sends on its first step. scale_grads=False: the
-    micro-batches' gradients add up, unscaled. The last stage returns the step's loss, the first None."""
+    micro-batches' gradients add up, unscaled. The last stage returns the step's loss (``report`` of the
+    micro-batches'), the first None."""
     schedule = None
 
     def step(model, optimizer, batch):
         nonlocal schedule
         if schedule is None:
-            schedule = ScheduleGPipe(our_stage(model), n_microbatches=MICRO_BATCHES, loss_fn=global_mean_part,
+            schedule = ScheduleGPipe(our_stage(model), n_microbatches=MICRO_BATCHES, loss_fn=loss_fn,
                                      scale_grads=scale_grads)
         inputs, targets = batch
         losses = []
         if dist.get_rank() == 0:
             schedule.step(inputs)
         else:
-            schedule.step(target=targets, losses=losses, loss_kwargs={"samples": len(inputs)})
+            schedule.step(target=targets, losses=losses, loss_kwargs={"items": items(targets)} if items else None)
         optimizer.step()
         optimizer.zero_grad(set_to_none=set_to_none)
-        return torch.stack(losses).sum().detach() if losses else None
+        return report(torch.stack(losses)).detach() if losses else None
 
     return step
 
@@ -66,6 +78,15 @@ def train_step_keeping_zeroed_gradients():
 def train_step_forgetting_scale_grads():
     """Wrong: the schedule's default scale_grads=True divides the summed gradients by K again: every one 1/K."""
     return pipelined_step(scale_grads=True)
+
+
+def token_step():
+    return pipelined_step(global_token_mean_part, items=lambda targets: int((targets != IGNORE).sum()))
+
+
+def token_step_with_micro_batch_means():
+    """Wrong where micro-batches hold unequal numbers of real tokens: each token weighs 1 / (K x its micro-batch's)."""
+    return pipelined_step(micro_batch_token_mean, items=None, scale_grads=True, report=torch.mean)
 
 
 def train_loop(model, optimizer, batches):
@@ -116,6 +137,15 @@ def test_the_gate_catches_our_pipeline_step_forgetting_scale_grads():
     (outcome,) = ec.check_step("block_stack", train_step_forgetting_scale_grads, world_size=2, pipeline=True,
                                per_run=True).outcomes
     assert outcome.verdict is ec.Verdict.MISMATCH and outcome.comparison.margin > 100, outcome.describe()
+
+
+def test_on_uneven_token_counts_the_global_token_mean_matches_and_micro_batch_means_are_caught():
+    """pipeline_uneven_tokens: 12 sequences of 1 to 7 real tokens per global batch, 4 micro-batches of 3."""
+    steps = [token_step, token_step_with_micro_batch_means]
+    right, wrong = (ec.check_step("pipeline_uneven_tokens", step, world_size=2, pipeline=True, per_run=True).outcomes[0]
+                    for step in steps)
+    assert right.verdict is ec.Verdict.EQUIVALENT and right.comparison.margin < 1e-2, right.describe()
+    assert wrong.verdict is ec.Verdict.MISMATCH and wrong.comparison.margin > 100, wrong.describe()
 
 
 def test_our_pipeline_loop_matches_full_batch(equivcheck):
