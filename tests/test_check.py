@@ -10,6 +10,7 @@ from torch import nn
 import equivcheck as ec
 from equivcheck import Verdict
 from equivcheck.check import Status, plan, plan_all
+from equivcheck.dispatch import Started
 
 
 def test_faithful_accumulation_is_equivalent_and_its_buggy_twins_are_not():
@@ -143,3 +144,24 @@ def test_plan_all_plans_every_registered_case_and_each_its_own_regimes_unless_na
     assert all((p.rtol, p.atol, [str(s) for s in p.specs]) == (0.5, 0.25, ["full_batch"]) for p in plans)
     (mlp,) = plan_all(["mlp"])
     assert mlp.specs == plan("mlp").specs and len(mlp.specs) > 1
+
+
+def test_check_all_checks_each_case_in_turn_and_measures_memory_unless_told_not_to():
+    report = ec.check_all(["mlp", "seed004_linear"], ["accumulate:chunks=2"], measure_memory=False)
+    assert [(o.case, o.verdict) for o in report.outcomes] == [("mlp", Verdict.EQUIVALENT),
+                                                              ("seed004_linear", Verdict.EQUIVALENT)]
+    assert all(o.memory.peak_bytes is None for o in report.outcomes)
+    (measured,) = ec.check_all(["mlp"], ["accumulate:chunks=2"]).outcomes
+    assert 0 < measured.memory.peak_bytes < measured.memory.reference_bytes
+
+
+def test_a_run_is_abandoned_once_and_never_after_its_result_was_read():
+    calls = []
+    started = Started(lambda: "result", lambda: calls.append("abandoned"))
+    started.abandon()
+    started.abandon()
+    assert calls == ["abandoned"] and started.done
+    finished = Started(lambda: "result", lambda: calls.append("too late"))
+    assert finished.result() == "result"
+    finished.abandon()
+    assert calls == ["abandoned"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import equivcheck as ec
-from equivcheck.compare import TensorDiff
+from equivcheck.compare import Comparison, Mismatch, TensorDiff, Tolerance
 
 
 @pytest.fixture(scope="module")
@@ -148,3 +148,23 @@ def test_a_final_weight_that_alone_differs_is_described_as_final():
     assert {m.kind for m in comparison.mismatches} == {"weight"}
     assert all(m.first_step is None for m in comparison.mismatches)
     assert "mismatched final:" in comparison.mismatches[0].describe(comparison.tolerance)
+
+
+def test_a_verdict_reads_whole_in_this_order_note_hint_problems_then_each_mismatch():
+    tol = Tolerance(rtol=0.5, atol=0.25)
+    diff = TensorDiff(mismatched=1, total=4, max_abs=3.0, abs_index=(2,), abs_allowed=1.25, max_rel=1.5, rel_index=(2,),
+                      margin=2.4)
+    failing = Comparison(tol, (Mismatch("grad", "w", 1, 2, diff),), ("optimizer steps: 3 vs 1",), 3.0, 1.5, 2.4,
+                         hint="the hint", note="the note")
+    text = ("not equivalent (rtol=0.5, atol=0.25): margin 2.4, max abs 3\nnote: the note\nhint: the hint\n"
+            "optimizer steps: 3 vs 1\ngrad of 'w' mismatched from step 1 (worst at step 2):\n"
+            "  Mismatched elements: 1 / 4 (25.0%)\n"
+            "  Greatest absolute difference: 3 at index (2,) (up to 1.25 allowed)\n"
+            "  Greatest relative difference: 1.5 at index (2,) (up to 0.5 allowed)\n"
+            "  Margin: 2.4 (error / allowed error)")
+    assert failing.describe() == text
+    assert Comparison(tol, (), (), 0.0, 0.0, 0.5).describe() == "equivalent: margin 0.5 (rtol=0.5, atol=0.25)"
+    outcome = ec.Outcome("mlp", "accumulate:chunks=2", ec.Verdict.MISMATCH, failing, reason="why")
+    assert outcome.describe() == "mlp under accumulate:chunks=2: mismatch (why)\n" + text
+    assert dataclasses.replace(outcome, verdict=ec.Verdict.EQUIVALENT).describe() == (
+        "mlp under accumulate:chunks=2: equivalent (why)")

@@ -11,10 +11,12 @@ import time
 
 import pytest
 import torch
+from torch import nn
 
 import equivcheck as ec
 from equivcheck import Verdict
 from equivcheck.distributed import pool as pools
+from equivcheck.regimes.ddp import auto_backend
 
 import fault_cases  # noqa: F401  (registers the fault_* cases; workers import it by name)
 from equivcheck_cases.seed003_article import ARTICLE_WEIGHTS
@@ -89,6 +91,29 @@ def test_data_parallel_runs_on_two_or_more_usable_gpus_only(monkeypatch, availab
     monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     assert ec.parse_regime("data_parallel").unavailable() == reason
+
+
+@pytest.mark.parametrize(("available", "count", "words"), [
+    (False, 2, "gloo"), (True, 0, "gloo"), (True, 1, "nccl up to 1 rank (a GPU each), gloo beyond"),
+    (True, 4, "nccl up to 4 ranks (a GPU each), gloo beyond"),
+])
+def test_auto_backend_in_words_for_the_gpus_this_machine_can_use(monkeypatch, available, count, words):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    assert auto_backend() == words
+
+
+def test_data_parallel_wraps_in_nn_data_parallel_with_the_model_on_the_first_gpu():
+    regime = ec.parse_regime("data_parallel")
+    assert regime.device() == torch.device("cuda", 0)
+    model = nn.Linear(2, 2)
+    wrapped = regime.wrap(model, None)  # constructible without a GPU: it then keeps the module as it is
+    assert isinstance(wrapped, nn.DataParallel) and wrapped.module is model
+
+
+def test_the_ddp_traps_build_ddp_with_their_option_on():
+    assert ec.parse_regime("ddp_no_sync_find_unused:world_size=2").ddp_options() == {"find_unused_parameters": True}
+    assert ec.parse_regime("ddp_no_sync_static_graph:world_size=2").ddp_options() == {"static_graph": True}
 
 
 @pytest.mark.parametrize(
