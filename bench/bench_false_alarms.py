@@ -35,11 +35,17 @@ from equivcheck.precision import PRECISIONS, SHADOW
 from equivcheck.regimes import REGIMES
 
 DRAWN_CASES = "EQUIVCHECK_DRAWN_CASES"
+def _drawable(cls) -> bool:
+    """Whether regime_specs can draw every required field (a team's fn=, a pipeline's stages= it cannot)."""
+    return all(f.name in ("world_size", "chunks") or f.default is not dataclasses.MISSING
+               or f.default_factory is not dataclasses.MISSING for f in dataclasses.fields(cls))
+
+
 IN_PROCESS = ["sample_by_sample", "accumulate", "retained_graph", "detached_partial"]
 PITFALLS = ["naive_accumulate", "zero_grad_inside", "step_per_micro_batch", "sampler_pad", "sampler_drop",
             "scaler_unscale_per_micro_batch", "scaler_step_per_micro_batch"]
 DISTRIBUTED = sorted(n for n, cls in REGIMES.items() if cls.distributed and not cls.pitfall and not cls.trap
-                     and n not in ("ddp_step", "data_parallel"))
+                     and n != "data_parallel" and _drawable(cls))
 
 
 def register_drawn(path: str) -> list[ec.Case]:

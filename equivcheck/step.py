@@ -22,7 +22,8 @@ from .errors import InvalidArgument, expect_callable
 from .regimes import Regime
 from .seeding import DEFAULT_SEED
 from .regimes.ddp import DDP_OPTIONS
-from .regimes.user_code import DdpLoop, DdpStep, LoopFn, StepFn, UserLoop, UserStep, import_path
+from .regimes.user_code import (DdpLoop, DdpStep, LoopFn, PipelineLoop, PipelineStep, StepFn, UserLoop, UserStep,
+                                import_path)
 
 
 def check_step(
@@ -35,6 +36,7 @@ def check_step(
     per_run: bool = False,
     ddp_options: dict | None = None,
     optimizer_wrap: Callable[[Optimizer], Optimizer] | None = None,
+    pipeline: bool = False,
     **options,
 ) -> Report:
     """Check a team's ``step(model, optimizer, batch)`` against ``reference``: a regime spec, or another
@@ -49,14 +51,25 @@ def check_step(
     optimizer that the team's ``optimizer_wrap(optimizer)`` makes of the case's own (``ZeroRedundancyOptimizer``
     around it, as :func:`equivcheck.regimes.zero.sharded_like` builds it: its state sharded over the ranks,
     its broadcasts counted). ``wrap`` and ``optimizer_wrap`` must be module-level functions: the ranks import
-    them by name. ``options`` go to :func:`equivcheck.check` (rtol, atol, seed, backend, timeout).
+    them by name.
+
+    With ``pipeline=True`` the step runs its own pipeline schedule (``torch.distributed.pipelining``) on
+    ``world_size`` ranks instead of DDP: each rank is handed the whole model, unwrapped, the case's optimizer
+    over all of it and the whole global batch, and builds its own stage from its rank (``PipelineStage``, a
+    schedule, ``schedule.step``); it returns its loss on the last stage and 0 or None on the others (they are
+    added). When it calls ``optimizer.step()``, every parameter's gradient is first broadcast from the rank whose
+    stage holds it, so every rank steps and reports the whole model (that broadcast is not counted; the
+    schedule's sends and receives are). A flag, not a wrapping function like ``wrap``: the harness wraps nothing
+    (the team's step cuts the stages and makes the schedule); it only changes what every rank is handed and
+    gathers the stages' gradients back. It takes no ``wrap``, ``ddp_options`` or ``optimizer_wrap`` (a
+    pipeline takes no DDP). ``options`` go to :func:`equivcheck.check` (rtol, atol, seed, backend, timeout).
     """
     reference = reference if isinstance(reference, (str, Regime)) else UserStep(reference)
     if not isinstance(per_run, bool):
         raise InvalidArgument.type("per_run", per_run, "bool")
-    ranks_only = {"wrap": wrap, "ddp_options": ddp_options, "optimizer_wrap": optimizer_wrap}
+    ranks_only = {"wrap": wrap, "ddp_options": ddp_options, "optimizer_wrap": optimizer_wrap, "pipeline": pipeline}
     candidate = (UserStep(step, per_run) if _in_process(world_size, **ranks_only)
-                 else _on_ranks(DdpStep, "step", step, world_size, **ranks_only, per_run=per_run))
+                 else _on_ranks((DdpStep, PipelineStep), "step", step, world_size, **ranks_only, per_run=per_run))
     warn_blind_spots(case, seed=options.get("seed", DEFAULT_SEED))
     return check(case, [candidate], reference=reference, **options)
 
@@ -70,15 +83,17 @@ def check_loop(
     wrap: Callable[[nn.Module], nn.Module] | None = None,
     ddp_options: dict | None = None,
     optimizer_wrap: Callable[[Optimizer], Optimizer] | None = None,
+    pipeline: bool = False,
     **options,
 ) -> Report:
     """Check a team's ``loop(model, optimizer, batches)`` against ``reference`` (a spec or another loop);
     with ``world_size``, the loop on that many DDP ranks, each given its shard of every global batch, the
-    model in DDP made with ``ddp_options`` and the optimizer made by ``optimizer_wrap`` (as :func:`check_step`)."""
+    model in DDP made with ``ddp_options`` and the optimizer made by ``optimizer_wrap``, or with ``pipeline=True``
+    the loop running its own pipeline schedule on every rank, given every whole global batch (as :func:`check_step`)."""
     reference = reference if isinstance(reference, (str, Regime)) else UserLoop(reference)
-    ranks_only = {"wrap": wrap, "ddp_options": ddp_options, "optimizer_wrap": optimizer_wrap}
+    ranks_only = {"wrap": wrap, "ddp_options": ddp_options, "optimizer_wrap": optimizer_wrap, "pipeline": pipeline}
     candidate = (UserLoop(loop) if _in_process(world_size, **ranks_only)
-                 else _on_ranks(DdpLoop, "loop", loop, world_size, **ranks_only))
+                 else _on_ranks((DdpLoop, PipelineLoop), "loop", loop, world_size, **ranks_only))
     warn_blind_spots(case, seed=options.get("seed", DEFAULT_SEED))
     return check(case, [candidate], reference=reference, **options)
 
@@ -86,10 +101,13 @@ def check_loop(
 # Why each argument that only ranks take is refused without world_size.
 _RANKS_ONLY = {"wrap": "the model is wrapped for DDP ranks only",
                "ddp_options": "the options are DistributedDataParallel's",
-               "optimizer_wrap": "the optimizer is sharded over DDP ranks only"}
+               "optimizer_wrap": "the optimizer is sharded over DDP ranks only",
+               "pipeline": "a pipeline's stages are spread over ranks, one each"}
 
 
 def _in_process(world_size: int | None, **ranks_only) -> bool:
+    if not isinstance(ranks_only["pipeline"], bool):
+        raise InvalidArgument.type("pipeline", ranks_only["pipeline"], "bool")
     if world_size is None:
         for argument, value in ranks_only.items():
             if value:
@@ -98,11 +116,21 @@ def _in_process(world_size: int | None, **ranks_only) -> bool:
     return world_size is None
 
 
-def _on_ranks(regime: type[DdpStep], argument: str, fn: Callable, world_size: int, wrap: Callable | None,
-              ddp_options: dict | None, optimizer_wrap: Callable | None, **fields) -> DdpStep:
-    """The team's code on DDP ranks: it and its wraps travel by import path, which the ranks resolve."""
+def _on_ranks(regimes: tuple[type[DdpStep], type[PipelineStep]], argument: str, fn: Callable, world_size: int,
+              wrap: Callable | None, ddp_options: dict | None, optimizer_wrap: Callable | None, pipeline: bool,
+              **fields) -> DdpStep | PipelineStep:
+    """The team's code on DDP ranks, or running its own pipeline on ranks: it and its wraps travel by import
+    path, which the ranks resolve."""
     expect_callable(argument, fn)
     path = import_path(fn, argument)
+    ddp_step, pipeline_step = regimes
+    if pipeline:
+        for name, given in (("wrap", wrap), ("ddp_options", ddp_options), ("optimizer_wrap", optimizer_wrap)):
+            if given:
+                raise InvalidArgument(f"{name}={given!r} is not allowed with pipeline=True: expected {name}=None (a "
+                                      "pipeline takes no DDP: every rank is handed the whole model, unwrapped, and "
+                                      "the case's own optimizer)")
+        return pipeline_step(world_size=world_size, fn=path, **fields)
     wrappers = {}
     for name, field, given in (("wrap", "wrapper", wrap), ("optimizer_wrap", "optimizer_wrapper", optimizer_wrap)):
         if given is not None:
@@ -113,4 +141,4 @@ def _on_ranks(regime: type[DdpStep], argument: str, fn: Callable, world_size: in
     if unknown:
         raise InvalidArgument(f"ddp_options: {unknown[0]!r} is not allowed: expected DistributedDataParallel options "
                               f"among {', '.join(DDP_OPTIONS)}")
-    return regime(world_size=world_size, fn=path, **wrappers, **ddp_options, **fields)
+    return ddp_step(world_size=world_size, fn=path, **wrappers, **ddp_options, **fields)

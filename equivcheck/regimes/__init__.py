@@ -37,6 +37,8 @@ BUILT_IN: tuple[type[Regime], ...] = (
     sync_batchnorm.SyncBatchNorm,
     user_code.DdpStep,
     user_code.DdpLoop,
+    user_code.PipelineStep,
+    user_code.PipelineLoop,
 )
 for _regime in BUILT_IN:
     register_regime(_regime)

@@ -41,6 +41,7 @@ broadcast of each stage's gradients is left out.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
 import torch
@@ -87,21 +88,47 @@ class Pipelined(nn.Module):
 
     def share_stages(self) -> None:
         """Each stage's owner broadcasts its gradients and buffers: every rank then holds them all, whole."""
-        rank = dist.get_rank()
+        broadcast_gradients((owner, param) for owner, module in self.owners
+                            for param in module.parameters() if param.requires_grad)
         with uncounted():  # the harness's traffic, for the report: not the pipeline's
-            self._broadcast_stages(rank)
+            for owner, module in self.owners:
+                for buffer in module.buffers():
+                    dist.broadcast(buffer.data, src=owner)
 
-    def _broadcast_stages(self, rank: int) -> None:
-        for owner, module in self.owners:
-            for param in (p for p in module.parameters() if p.requires_grad):
-                if owner == rank:
-                    grad = param.grad if param.grad is not None else torch.zeros_like(param)
-                else:
-                    grad = torch.empty_like(param)
-                dist.broadcast(grad, src=owner)
-                param.grad = grad
-            for buffer in module.buffers():
-                dist.broadcast(buffer.data, src=owner)
+
+def broadcast_gradients(owned: Iterable[tuple[int | None, nn.Parameter]]) -> None:
+    """Each parameter's gradient broadcast from the rank that owns it (its stage's) to every rank, so that every
+    rank holds and steps the whole gradient; the owner's missing one as zeros, a parameter no rank owns (None)
+    left as it is. The harness's traffic, for the report: left out of the counts."""
+    rank = dist.get_rank()
+    with uncounted():
+        for owner, param in owned:
+            if owner is None:
+                continue
+            if owner == rank:
+                grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            else:
+                grad = torch.empty_like(param)
+            dist.broadcast(grad, src=owner)
+            param.grad = grad
+
+
+def gradient_owners(parameters: Sequence[nn.Parameter]) -> list[int | None]:
+    """The rank that holds each parameter's gradient after a pipeline's step, where the harness did not cut the
+    stages (a team's own step): the first rank whose gradient is nonzero, else the first that holds one (zeros
+    where ``zero_grad(set_to_none=False)`` keeps them), else None. One all-gather of a flag per parameter."""
+    held = torch.tensor([0 if p.grad is None else 1 + bool(p.grad.any()) for p in parameters], dtype=torch.int32)
+    every = [torch.empty_like(held) for _ in range(dist.get_world_size())]
+    with uncounted():
+        dist.all_gather(every, held)
+    flags = torch.stack(every)  # ranks x parameters
+    best = flags.argmax(dim=0)  # the first rank with the highest flag
+    return [int(rank) if flags[rank, index] else None for index, rank in enumerate(best.tolist())]
+
+
+def share_team_gradients(parameters: Sequence[nn.Parameter]) -> None:
+    """Every gradient a team's pipeline step left on its stages' ranks, broadcast to every rank from its owner."""
+    broadcast_gradients(zip(gradient_owners(parameters), parameters))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,8 +7,10 @@ wraps the model in DistributedDataParallel (or calls the team's own ``wrapper(mo
 parts of it apart, as seed 000's trunk and head) and hands each rank its contiguous shard of the
 global batch, as a DistributedSampler would. The team may shard the optimizer as they do, too: their
 ``optimizer_wrapper(optimizer)`` (ZeroRedundancyOptimizer around the case's optimizer, say) makes what the
-step is handed. Only plain data crosses to the worker ranks, so the step and the wrappers travel as import
-paths of module-level functions (``module:function``).
+step is handed. ``PipelineStep`` (and ``PipelineLoop``) runs a step that drives its own pipeline schedule
+on every rank instead: the whole model, unwrapped, and the whole global batch, every stage's gradients
+broadcast to every rank before the optimizer steps. Only plain data crosses to the worker ranks, so the
+step and the wrappers travel as import paths of module-level functions (``module:function``).
 """
 
 from __future__ import annotations
@@ -18,14 +20,17 @@ import importlib
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.data import TensorDataset
 
 from ..case import Batch, Objective
 from ..errors import InvalidArgument, expect_callable
+from ..measure.collectives import StepTraffic, uncounted
 from .base import Regime
 from .ddp import DdpOptions, Distributed
+from .pipeline import share_team_gradients
 from .zero import local_part
 
 
@@ -141,6 +146,15 @@ def resolve(path: str) -> Callable:
     return found
 
 
+def expect_import_paths(regime: Regime, *arguments: str) -> None:
+    """Each of ``regime``'s fields named is ``module:function`` (``fn`` always, the others where given)."""
+    for argument in arguments:
+        module, colon, function = getattr(regime, argument).partition(":")
+        if not (module and colon and function) and (argument == "fn" or getattr(regime, argument)):
+            raise InvalidArgument.value(argument, getattr(regime, argument),
+                                        f"'module:function', the import path of a {argument} function")
+
+
 @dataclasses.dataclass(frozen=True)
 class DdpStep(DdpOptions, Distributed):
     name = "ddp_step"
@@ -153,11 +167,7 @@ class DdpStep(DdpOptions, Distributed):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for argument in ("fn", "wrapper", "optimizer_wrapper"):
-            module, colon, function = getattr(self, argument).partition(":")
-            if not (module and colon and function) and (argument == "fn" or getattr(self, argument)):
-                raise InvalidArgument.value(argument, getattr(self, argument),
-                                            f"'module:function', the import path of a {argument} function")
+        expect_import_paths(self, "fn", "wrapper", "optimizer_wrapper")
 
     def wrap(self, model, objective):
         return resolve(self.wrapper)(model) if self.wrapper else super().wrap(model, objective)
@@ -208,3 +218,69 @@ class DdpLoop(DdpStep):
         shards = LoopBatches([self.team_shard(b) for b in batches], objective.epochs)
         losses = resolve(self.fn)(model, optimizer, shards)
         return [self.share(loss) for loss in loop_losses(self.fn, losses, len(batches))]
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineStep(Distributed):
+    """A team's own step running its own pipeline schedule (``torch.distributed.pipelining``) on every rank.
+
+    Each rank is handed the whole model, not wrapped (a pipeline needs no DDP), the case's optimizer over all of
+    it and the whole global batch (the first stage takes it; the schedule cuts it into micro-batches); the step
+    builds its stage from its rank. A pipeline leaves each stage's gradients on its own rank, so when the step
+    calls ``optimizer.step()`` a pre-hook the harness installs first broadcasts every gradient from the rank
+    that holds it (:func:`equivcheck.regimes.pipeline.share_team_gradients`, uncounted, as the ``pipeline``
+    regime does): every rank steps and reports the whole model, and the ranks' spread is checked as under DDP.
+    The loss: only the last stage has one; the ranks' returned losses are added (None counting as nothing)."""
+
+    name = "pipeline_step"
+    summary = "a team's own step running its own pipeline schedule on every rank, each given the whole global batch"
+    fn: str = dataclasses.field(kw_only=True)  # module:function of the step
+    per_run: bool = dataclasses.field(default=False, kw_only=True)  # fn is a factory of the step, called per run
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        expect_import_paths(self, "fn")
+
+    def wrap(self, model, objective):
+        return model
+
+    def build_optimizer(self, case, model):
+        optimizer = super().build_optimizer(case, model)
+        parameters = [p for p in model.parameters() if p.requires_grad]
+        # Registered before GradRecorder's own pre-hook, so it runs first: the recorder snapshots the whole gradient.
+        optimizer.register_step_pre_hook(lambda *_: share_team_gradients(parameters))
+        return optimizer
+
+    def count_communication(self, module):
+        """The schedule's sends and receives, by kind (no gradient sync: stages exchange activations)."""
+        return StepTraffic(None)
+
+    def train(self, model, optimizer, batches, objective):
+        step = fresh_step(resolve(self.fn), self.per_run)
+        return stage_losses([step(model, optimizer, (batch.inputs, batch.targets)) for batch in batches])
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineLoop(PipelineStep):
+    """The team's own loop running its own pipeline schedule on every rank, each given every whole global batch."""
+
+    name = "pipeline_loop"
+    summary = "a team's own training loop running its own pipeline schedule on every rank, given the whole batches"
+    steps_observable = False
+
+    def train(self, model, optimizer, batches, objective):
+        losses = resolve(self.fn)(model, optimizer, LoopBatches(batches, objective.epochs))
+        return stage_losses(loop_losses(self.fn, losses, len(batches)))
+
+
+def stage_losses(returned: Sequence[object]) -> list[float | None]:
+    """Each step's loss as dispatch adds the ranks' shares up: what the ranks returned, added (only the last
+    stage has a loss; the others return 0 or None), reported by rank 0, the others' share 0; None where no
+    rank returned one. One gather of the ranks' losses after the run, the harness's: left out of the counts."""
+    mine = [None if loss is None else float(loss) for loss in returned]
+    every: list[list[float | None]] = [[] for _ in range(dist.get_world_size())]
+    with uncounted():
+        dist.all_gather_object(every, mine)
+    added = [None if all(loss is None for loss in step) else sum(loss for loss in step if loss is not None)
+             for step in zip(*every)]
+    return added if dist.get_rank() == 0 else [None if loss is None else 0.0 for loss in added]
