@@ -33,6 +33,8 @@ class TensorDiff:
 
     @classmethod
     def of(cls, actual: Tensor, expected: Tensor, tol: Tolerance) -> TensorDiff:
+        if not expected.numel():  # an empty parameter (a placeholder): nothing to differ
+            return cls(0, 0, 0.0, (), 0.0, 0.0, (), 0.0)
         abs_diff = (actual - expected).abs()
         allowed = tol.atol + tol.rtol * expected.abs()
         ratio = torch.nan_to_num(abs_diff / allowed, nan=math.inf)
@@ -48,7 +50,7 @@ class TensorDiff:
             abs_allowed=float(allowed.reshape(-1)[abs_at]),
             max_rel=float(rel_diff.reshape(-1)[rel_at]),
             rel_index=_index(rel_at, expected.shape),
-            margin=float(ratio.max()) if ratio.numel() else 0.0,
+            margin=float(ratio.max()),
         )
 
 
@@ -204,7 +206,7 @@ def _all_within(reference: RunResult, candidate: RunResult, tol: Tolerance) -> t
     """``(max_abs, max_rel, margin)`` when both runs have the same structure and every element is within
     ``tol``, computed as :class:`TensorDiff` does but on all tensors of a dtype at once; else None, and
     :func:`compare` takes the per-quantity path that locates every mismatch."""
-    if len(reference.grads) != len(candidate.grads) or reference.optimizer_steps != candidate.optimizer_steps:
+    if reference.optimizer_steps != candidate.optimizer_steps:
         return None
     pairs = [(cand_grads.get(name), expected)
              for ref_grads, cand_grads in zip(reference.grads, candidate.grads) for name, expected in ref_grads.items()]
@@ -217,8 +219,10 @@ def _all_within(reference: RunResult, candidate: RunResult, tol: Tolerance) -> t
         pairs.append(tuple(torch.tensor(series, dtype=torch.float64) for series in zip(*losses)))
     by_dtype: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
     for actual, expected in pairs:
-        if actual is None or actual.shape != expected.shape or expected.numel() == 0:
+        if actual is None or actual.shape != expected.shape:
             return None
+        if not expected.numel():
+            continue  # an empty parameter: nothing to compare
         actuals, expecteds = by_dtype.setdefault(expected.dtype, ([], []))
         actuals.append(actual.to(expected.dtype).reshape(-1))
         expecteds.append(expected.reshape(-1))

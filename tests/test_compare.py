@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import equivcheck as ec
-from equivcheck.compare import Comparison, Mismatch, TensorDiff, Tolerance
+from equivcheck.compare import Comparison, Mismatch, TensorDiff, Tolerance, _all_within
+from equivcheck.result import RunResult
 
 
 @pytest.fixture(scope="module")
@@ -172,3 +173,64 @@ def test_a_verdict_reads_whole_in_this_order_note_hint_problems_then_each_mismat
     assert outcome.describe() == "mlp under accumulate:chunks=2: mismatch (why)\n" + text
     assert dataclasses.replace(outcome, verdict=ec.Verdict.EQUIVALENT).describe() == (
         "mlp under accumulate:chunks=2: equivalent (why)")
+
+
+TOL = Tolerance(rtol=0.5, atol=0.25)
+
+
+def run_of(grad=(2.0, 0.0), weight=1.0, buffer=1.0, loss=2.0, names=("w",)):
+    """A run to compare, its numbers exact in binary so every figure below is exact."""
+    return RunResult(case="c", regime="r", losses=(loss,), grads=({n: torch.tensor(grad) for n in names},),
+                     weights={n: torch.tensor([weight]) for n in names}, buffers={"b": torch.tensor([buffer])},
+                     seconds=0.0)
+
+
+def test_the_fast_path_accepts_an_equivalent_pair_with_the_figures_the_breakdown_would_give():
+    reference, candidate = run_of(), run_of(grad=(2.625, 0.0))  # 0.625 of the 1.25 allowed at 2; 0/0: no difference
+    assert _all_within(reference, candidate, TOL) == (0.625, 0.3125, 0.5)
+    assert ec.compare(reference, candidate, tolerance=TOL) == Comparison(TOL, (), (), 0.625, 0.3125, 0.5)
+
+
+@pytest.mark.parametrize("where", ["grad", "weight", "buffer", "loss"])
+def test_a_margin_just_above_one_anywhere_is_declined_by_the_fast_path_and_a_mismatch(where):
+    reference = run_of(grad=(2.0, 2.0), weight=2.0, buffer=2.0, loss=2.0)
+    moved = {"grad": (2.0, 3.875), "weight": 3.875, "buffer": 3.875, "loss": 3.875}[where]  # 1.875 / 1.25 = 1.5
+    candidate = run_of(**{"grad": (2.0, 2.0), "weight": 2.0, "buffer": 2.0, "loss": 2.0, where: moved})
+    assert _all_within(reference, candidate, TOL) is None
+    comparison = ec.compare(reference, candidate, tolerance=TOL)
+    assert not comparison.ok and comparison.margin == 1.5 and comparison.mismatches[0].kind == where
+
+
+def test_the_fast_path_declines_every_difference_in_structure_and_the_breakdown_names_it():
+    reference = run_of()
+    for candidate, problem in [
+        (dataclasses.replace(run_of(), grads=()), "optimizer steps: the reference took 1, the candidate 0"),
+        (run_of(names=("v",)), "weight names differ: ['v', 'w']"),
+        (run_of(grad=(2.0, 0.0, 0.0)), "grad of 'w': candidate has (3,), reference (2,)"),
+    ]:
+        assert _all_within(reference, candidate, TOL) is None
+        assert problem in ec.compare(reference, candidate, tolerance=TOL).problems
+
+
+def test_an_empty_parameter_has_nothing_to_differ_on_either_path():
+    reference, candidate = run_of(grad=()), run_of(grad=())
+    assert _all_within(reference, candidate, TOL) == (0.0, 0.0, 0.0)
+    assert TensorDiff.of(torch.zeros(0), torch.zeros(0), TOL) == TensorDiff(0, 0, 0.0, (), 0.0, 0.0, (), 0.0)
+    moved = dataclasses.replace(candidate, weights={"w": torch.tensor([9.0])})
+    assert ec.compare(reference, moved, tolerance=TOL).mismatches[0].name == "w"  # the breakdown runs past it
+
+
+def test_a_tensor_difference_in_torch_testings_figures():
+    expected = torch.tensor([[0.0, 2.0], [1.0, 8.0]])
+    actual = torch.tensor([[0.0, 3.875], [1.75, 11.0]])  # ratios 0, 1.5, exactly 1 (within), 3 / 4.25
+    assert TensorDiff.of(actual, expected, TOL) == TensorDiff(
+        mismatched=1, total=4, max_abs=3.0, abs_index=(1, 1), abs_allowed=4.25, max_rel=0.9375, rel_index=(0, 1),
+        margin=1.5)
+
+
+def test_the_loss_series_names_its_first_and_worst_step_and_each_steps_margin():
+    reference = dataclasses.replace(run_of(), losses=(2.0, 2.0, 2.0, 2.0))
+    candidate = dataclasses.replace(run_of(), losses=(2.0, 3.25, 3.875, 2.5))  # margins 0, 1, 1.5, 0.4
+    (mismatch,) = ec.compare(reference, candidate, tolerance=TOL).mismatches
+    assert (mismatch.kind, mismatch.first_step, mismatch.worst_step) == ("loss", 2, 2)
+    assert mismatch.step_margins == (0.0, 1.0, 1.5, 0.4)
