@@ -8,6 +8,7 @@ import torch
 
 import equivcheck as ec
 from equivcheck.compare import Comparison, Mismatch, TensorDiff, Tolerance, _all_within
+from equivcheck.precision import PRECISIONS
 from equivcheck.result import RunResult
 
 
@@ -167,7 +168,8 @@ def test_a_verdict_reads_whole_in_this_order_note_hint_problems_then_each_mismat
     scalar = TensorDiff(mismatched=1, total=1, max_abs=3.0, abs_index=(), abs_allowed=1.25, max_rel=1.5, rel_index=(),
                         margin=2.4)  # a 0-d tensor (the loss) has no index to name
     assert Mismatch("loss", "loss", 0, 0, scalar).describe(tol).splitlines()[2:4] == [
-        "  Greatest absolute difference: 3 (up to 1.25 allowed)", "  Greatest relative difference: 1.5 (up to 0.5 allowed)"]
+        "  Greatest absolute difference: 3 (up to 1.25 allowed)",
+        "  Greatest relative difference: 1.5 (up to 0.5 allowed)"]
     assert Comparison(tol, (), (), 0.0, 0.0, 0.5).describe() == "equivalent: margin 0.5 (rtol=0.5, atol=0.25)"
     outcome = ec.Outcome("mlp", "accumulate:chunks=2", ec.Verdict.MISMATCH, failing, reason="why")
     assert outcome.describe() == "mlp under accumulate:chunks=2: mismatch (why)\n" + text
@@ -234,3 +236,21 @@ def test_the_loss_series_names_its_first_and_worst_step_and_each_steps_margin():
     (mismatch,) = ec.compare(reference, candidate, tolerance=TOL).mismatches
     assert (mismatch.kind, mismatch.first_step, mismatch.worst_step) == ("loss", 2, 2)
     assert mismatch.step_margins == (0.0, 1.0, 1.5, 0.4)
+
+
+def test_the_tolerance_follows_the_references_precision_mode_else_its_weights_dtype():
+    float32 = dataclasses.replace(run_of(), precision="")  # no mode named: the weights' dtype decides
+    assert ec.compare(float32, float32).tolerance == Tolerance.resolve(torch.float32)
+    autocast = dataclasses.replace(run_of(), precision="bf16-autocast")  # float32 weights, bf16's tolerance
+    assert ec.compare(autocast, autocast).tolerance == Tolerance.resolve(PRECISIONS["bf16-autocast"])
+    with pytest.raises(ec.InvalidArgument,
+                       match=r"^Expected an equivcheck.Tolerance but got tolerance=0.1 \(type=float\)$"):
+        ec.compare(float32, float32, tolerance=0.1)
+
+
+def test_matching_runs_take_the_vectorised_path_and_never_the_per_quantity_breakdown(monkeypatch):
+    def breakdown(*args):
+        raise AssertionError("the per-quantity breakdown ran on matching runs")
+
+    monkeypatch.setattr(TensorDiff, "of", breakdown)
+    assert ec.compare(run_of(), run_of(grad=(2.625, 0.0)), tolerance=TOL).ok
