@@ -209,9 +209,13 @@ def test_the_fast_path_declines_every_difference_in_structure_and_the_breakdown_
         (dataclasses.replace(run_of(), grads=()), "optimizer steps: the reference took 1, the candidate 0"),
         (run_of(names=("v",)), "weight names differ: ['v', 'w']"),
         (run_of(grad=(2.0, 0.0, 0.0)), "grad of 'w': candidate has (3,), reference (2,)"),
+        (dataclasses.replace(run_of(), grads=({},)), "grad of 'w': candidate has None, reference (2,)"),
+        (dataclasses.replace(run_of(), buffers={"c": torch.tensor([1.0])}), "buffer names differ: ['b', 'c']"),
     ]:
         assert _all_within(reference, candidate, TOL) is None
         assert problem in ec.compare(reference, candidate, tolerance=TOL).problems
+    fewer = ec.compare(reference, dataclasses.replace(run_of(), grads=()), tolerance=TOL)
+    assert (fewer.max_abs, fewer.max_rel, fewer.margin, fewer.mismatches) == (0.0, 0.0, 0.0, ())  # the rest is equal
 
 
 def test_an_empty_parameter_has_nothing_to_differ_on_either_path():
@@ -234,8 +238,12 @@ def test_the_loss_series_names_its_first_and_worst_step_and_each_steps_margin():
     reference = dataclasses.replace(run_of(), losses=(2.0, 2.0, 2.0, 2.0))
     candidate = dataclasses.replace(run_of(), losses=(2.0, 3.25, 3.875, 2.5))  # margins 0, 1, 1.5, 0.4
     (mismatch,) = ec.compare(reference, candidate, tolerance=TOL).mismatches
-    assert (mismatch.kind, mismatch.first_step, mismatch.worst_step) == ("loss", 2, 2)
+    assert (mismatch.kind, mismatch.name, mismatch.first_step, mismatch.worst_step) == ("loss", "loss", 2, 2)
     assert mismatch.step_margins == (0.0, 1.0, 1.5, 0.4)
+    # Weighed in float64: 1 + 2^-30 is 1 in float32, and that difference would vanish.
+    one, just_above = (dataclasses.replace(run_of(), losses=(loss,)) for loss in (1.0, 1.0 + 2.0 ** -30))
+    finer = ec.compare(one, just_above, tolerance=Tolerance(rtol=0.0, atol=2.0 ** -31))
+    assert finer.margin == 2.0 and finer.mismatches[0].kind == "loss"
 
 
 def test_the_tolerance_follows_the_references_precision_mode_else_its_weights_dtype():
