@@ -11,6 +11,7 @@ import equivcheck as ec
 from equivcheck import Verdict
 from equivcheck.check import Status, plan, plan_all
 from equivcheck.dispatch import Started
+from equivcheck.savings import MemoryUse
 
 
 def test_faithful_accumulation_is_equivalent_and_its_buggy_twins_are_not():
@@ -165,3 +166,31 @@ def test_a_run_is_abandoned_once_and_never_after_its_result_was_read():
     assert finished.result() == "result"
     finished.abandon()
     assert calls == ["abandoned"]
+
+
+def test_an_outcome_not_in_the_report_is_a_named_error_listing_the_ones_that_are():
+    report = ec.check("mlp", ["accumulate:chunks=2"], compare_losses=False)
+    with pytest.raises(ec.InvalidArgument) as raised:
+        report.outcome("mlp", "full_batch")
+    assert str(raised.value) == "unknown outcome 'mlp under full_batch'; known outcomes: mlp under accumulate:chunks=2"
+    # compare_losses=False: every run's losses left out, the gradients and weights still compared
+    assert report.outcome("mlp", "accumulate:chunks=2").result.losses == (None, None, None)
+    assert (report + report).outcomes == report.outcomes * 2
+
+
+def test_memory_not_saved_names_every_run_over_the_ratio_or_unmeasured():
+    def outcome(case, verdict, memory):
+        return ec.Outcome(case, "accumulate:chunks=2", verdict, memory=memory)
+
+    report = ec.Report((
+        outcome("a", Verdict.EQUIVALENT, MemoryUse(1024, 2048, "saved_tensors", True)),  # 0.5x: saves
+        outcome("b", Verdict.EQUIVALENT, MemoryUse(2048, 2048, "saved_tensors", True)),  # 1x: saves nothing
+        outcome("c", Verdict.SKIPPED, None),
+    ))
+    report.assert_saves_memory("accumulate:chunks=2", 0.5, case="a")
+    with pytest.raises(ec.MemoryNotSaved) as raised:
+        report.assert_saves_memory("accumulate:chunks=2", 0.5)
+    assert str(raised.value) == (
+        "2 of 3 runs of accumulate:chunks=2 peak above 0.5x the reference's activation memory:\n"
+        f"b under accumulate:chunks=2: {report.outcomes[1].memory.describe()}\n"
+        "c under accumulate:chunks=2: not measured (skipped)")

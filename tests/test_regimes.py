@@ -47,3 +47,11 @@ def test_faithful_regimes_hold_for_every_chunking(case, kind, chunks):
 def test_naive_scaling_is_caught_for_every_uneven_chunking(chunks):
     (outcome,) = ec.check("naive_scaling_uneven_chunks", [f"naive_accumulate:chunks={chunks}"]).outcomes
     assert outcome.verdict is ec.Verdict.EXPECTED_MISMATCH and outcome.comparison.margin > 100
+
+
+def test_a_spec_is_shown_as_typed_required_parameters_by_kind_optional_ones_with_defaults():
+    assert ec.regimes.spec_usage("sample_by_sample") == "sample_by_sample"
+    assert ec.regimes.spec_usage("full_batch") == "full_batch[:max_norm=inf]"
+    assert ec.regimes.spec_usage("accumulate") == "accumulate:chunks=N[,max_norm=inf]"
+    assert ec.regimes.spec_usage("ddp_mean_loss") == "ddp_mean_loss:world_size=N[,backend=auto]"
+    assert ec.regimes.spec_usage("ddp").endswith(",broadcast_buffers=1,find_unused_parameters=0]")  # bools as 0/1
