@@ -152,8 +152,9 @@ def test_check_all_checks_each_case_in_turn_and_measures_memory_unless_told_not_
     assert [(o.case, o.verdict) for o in report.outcomes] == [("mlp", Verdict.EQUIVALENT),
                                                               ("seed004_linear", Verdict.EQUIVALENT)]
     assert all(o.memory.peak_bytes is None for o in report.outcomes)
-    (measured,) = ec.check_all(["mlp"], ["accumulate:chunks=2"]).outcomes
+    (measured,) = ec.check_all(["mlp"], ["accumulate:chunks=2"], rtol=0.5, atol=0.25).outcomes
     assert 0 < measured.memory.peak_bytes < measured.memory.reference_bytes
+    assert measured.comparison.tolerance == ec.Tolerance(rtol=0.5, atol=0.25)  # the options reach every plan
 
 
 def test_a_run_is_abandoned_once_and_never_after_its_result_was_read():
@@ -194,3 +195,22 @@ def test_memory_not_saved_names_every_run_over_the_ratio_or_unmeasured():
         "2 of 3 runs of accumulate:chunks=2 peak above 0.5x the reference's activation memory:\n"
         f"b under accumulate:chunks=2: {report.outcomes[1].memory.describe()}\n"
         "c under accumulate:chunks=2: not measured (skipped)")
+
+
+def test_the_gate_fails_a_communication_verdict_unless_told_to_allow_it_and_never_a_mismatch():
+    def outcome(regime, verdict):
+        return ec.Outcome("mlp", regime, verdict, reason=verdict.value)
+
+    communication = ec.Report((outcome("ddp_sync_every_micro_batch:world_size=2,chunks=3", Verdict.COMMUNICATION),
+                               outcome("accumulate:chunks=2", Verdict.EQUIVALENT)))
+    with pytest.raises(ec.NotEquivalent) as raised:
+        communication.assert_equivalent()
+    assert str(raised.value) == f"1 of 2 checks failed:\n\n{communication.outcomes[0].describe()}"
+    communication.assert_equivalent(allow_communication=True)
+    both = communication + ec.Report((outcome("naive_accumulate:chunks=5", Verdict.MISMATCH),))
+    with pytest.raises(ec.NotEquivalent) as raised:
+        both.assert_equivalent(allow_communication=True)
+    assert str(raised.value) == f"1 of 3 checks failed:\n\n{both.outcomes[2].describe()}"
+    with pytest.raises(ec.NotEquivalent) as raised:
+        both.assert_equivalent()
+    assert str(raised.value).startswith("2 of 3 checks failed:\n\n") and "\n\nmlp under naive" in str(raised.value)

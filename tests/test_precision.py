@@ -31,7 +31,8 @@ def test_bf16_autocast_really_computes_in_bfloat16():
 def test_a_grad_scaler_precision_goes_through_every_regime():
     """Gradients recorded at the step are unscaled, so a scaled float32 run equals a plain one."""
     regimes = [ec.parse_regime(r) for r in ec.regimes_for(ec.get_case("mlp"))]
-    in_process = [r for r in regimes if not r.distributed and r.unavailable() is None]
+    in_process = [r for r in regimes if not r.distributed and r.unavailable() is None] + [
+        ec.parse_regime("summed_loss:chunks=5")]
     report = ec.check("mlp", in_process, dtype=FLOAT32_SCALED)  # a test-only mode cannot cross to worker ranks
     assert report.ok and all(o.verdict is Verdict.EQUIVALENT for o in report.outcomes)
     scaled, plain = ec.run("mlp", "accumulate:chunks=5", dtype=FLOAT32_SCALED), ec.run("mlp", "accumulate:chunks=5",

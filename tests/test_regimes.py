@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import equivcheck as ec
+from equivcheck import Verdict
 from equivcheck.regimes import Accumulate, DetachedPartial
 
 
@@ -55,3 +56,19 @@ def test_a_spec_is_shown_as_typed_required_parameters_by_kind_optional_ones_with
     assert ec.regimes.spec_usage("accumulate") == "accumulate:chunks=N[,max_norm=inf]"
     assert ec.regimes.spec_usage("ddp_mean_loss") == "ddp_mean_loss:world_size=N[,backend=auto]"
     assert ec.regimes.spec_usage("ddp").endswith(",broadcast_buffers=1,find_unused_parameters=0]")  # bools as 0/1
+
+
+OWN_FORWARD = ec.Case(
+    name="own_forward", model=lambda: torch.nn.Linear(4, 3),
+    data=lambda: (torch.randn(12, 4), torch.randint(0, 3, (12,))),
+    loss=lambda output, target: torch.nn.functional.cross_entropy(output, target, reduction="none"),
+    batch_size=6, steps=2,
+    forward=lambda model, x, y: model(x) + 0 * y[:, None],  # a model that needs its targets (computing its own loss)
+)
+
+
+@pytest.mark.parametrize("regime", ["sample_by_sample", "accumulate:chunks=3", "retained_graph:chunks=3",
+                                    "summed_loss:chunks=3"])
+def test_every_regime_hands_the_targets_to_a_cases_own_forward(regime):
+    (outcome,) = ec.check(OWN_FORWARD, [regime]).outcomes
+    assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
