@@ -41,9 +41,11 @@ class Checker:
                          options.get("world_size") is not None)
 
     def check_loop(self, case: ec.Case | str, loop: Callable, reference: object = None, **options) -> ec.Report:
-        """Check a team's ``loop(model, optimizer, batches)`` against ``reference`` (default: full batch)."""
+        """Check a team's ``loop(model, optimizer, batches)`` against ``reference`` (default: full batch);
+        ``world_size=W`` runs it on W ranks."""
         return self._run(lambda kw: ec.check_loop(self._case(case, kw), loop, **kw),
-                         {**options, "reference": reference}, f"check_loop of {case}", False)
+                         {**options, "reference": reference}, f"check_loop of {case}",
+                         options.get("world_size") is not None)
 
     def audit(self, case: ec.Case | str, *, require: Iterable[str] = ()) -> ec.Audit:
         """Audit ``case`` (``ec.audit``); fail the test unless it catches every class of bug named in ``require``

@@ -303,3 +303,21 @@ def test_by_name(equivcheck):
 ''')
     result = pytester.runpytest("--equivcheck-cases-from", "my_cases.py", "test_named.py")
     result.assert_outcomes(passed=1)
+
+
+@pytest.mark.parametrize("entry", ["check_step", "check_loop"])
+def test_a_team_check_on_ranks_is_bounded_by_its_pool_and_in_process_by_the_alarm(monkeypatch, entry):
+    """An alarm could interrupt a distributed job half-way; the pool bounds it and tears itself down cleanly."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import equivcheck as ec
+    from pytest_equivcheck import checker
+
+    bounds = []
+    monkeypatch.setattr(checker, "deadline", lambda seconds, what: bounds.append(seconds) or contextlib.nullcontext())
+    monkeypatch.setattr(ec, entry, lambda *args, **kwargs: ec.Report(()))
+    check = getattr(checker.Checker(SimpleNamespace(user_properties=[]), {"timeout": 5}), entry)
+    check("mlp", print, world_size=2)
+    check("mlp", print)
+    assert bounds == [None, 5]
