@@ -182,7 +182,8 @@ def compare(
             if kind == "loss":  # the loss series is one tensor over steps: each element is a step
                 step_margins = _element_margins(entries[0], tol)
                 worst_step = max(range(len(step_margins)), key=step_margins.__getitem__)
-                mismatches.append(Mismatch(kind, name, _first_bad(entries[0], tol), worst_step, worst[1], step_margins))
+                first_step = next(step for step, step_margin in enumerate(step_margins) if step_margin > 1)
+                mismatches.append(Mismatch(kind, name, first_step, worst_step, worst[1], step_margins))
             else:
                 mismatches.append(Mismatch(kind, name, first[0], worst[0], worst[1],
                                            tuple(margins) if kind == "grad" else ()))
@@ -190,16 +191,10 @@ def compare(
 
 
 def _element_margins(entry: tuple[int | None, Tensor, Tensor], tol: Tolerance) -> tuple[float, ...]:
-    """The loss series' margin at each step: one element per step."""
+    """The loss series' margin at each step: one element per step (a NaN is the worst, never a match)."""
     _, actual, expected = entry
     ratio = (actual - expected).abs() / (tol.atol + tol.rtol * expected.abs())
     return tuple(float(r) for r in torch.nan_to_num(ratio, nan=math.inf))
-
-
-def _first_bad(entry: tuple[int | None, Tensor, Tensor], tol: Tolerance) -> int:
-    _, actual, expected = entry
-    bad = (actual - expected).abs() > tol.atol + tol.rtol * expected.abs()
-    return int(bad.nonzero()[0, 0]) if bad.any() else 0
 
 
 def _all_within(reference: RunResult, candidate: RunResult, tol: Tolerance) -> tuple[float, float, float] | None:

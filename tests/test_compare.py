@@ -273,3 +273,13 @@ def test_a_gradient_series_names_its_first_and_first_worst_step_and_every_steps_
     assert (grad.kind, grad.first_step, grad.worst_step, grad.step_margins) == ("grad", 1, 1, (0.0, 1.5, 1.5))
     assert (weight.kind, weight.first_step, weight.step_margins) == ("weight", None, ())
     assert (comparison.max_abs, comparison.max_rel, comparison.margin) == (1.875, 1.5, 2.0)
+
+
+def test_a_nan_is_the_worst_difference_and_never_within_tolerance():
+    """Runs with a NaN are errors before they are compared (training.ensure_finite); compare, called directly,
+    still names a NaN as the greatest difference, not as a match."""
+    diff = TensorDiff.of(torch.tensor([1.5, math.nan]), torch.tensor([1.0, 1.0]), TOL)
+    assert (diff.mismatched, diff.abs_index, diff.margin) == (1, (1,), math.inf) and math.isnan(diff.max_abs)
+    reference = dataclasses.replace(run_of(), losses=(2.0, 2.0))
+    (mismatch,) = ec.compare(reference, dataclasses.replace(run_of(), losses=(2.0, math.nan)), tolerance=TOL).mismatches
+    assert (mismatch.kind, mismatch.first_step, mismatch.step_margins) == ("loss", 1, (0.0, math.inf))
