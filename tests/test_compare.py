@@ -264,13 +264,13 @@ def test_matching_runs_take_the_vectorised_path_and_never_the_per_quantity_break
     assert ec.compare(run_of(), run_of(grad=(2.625, 0.0)), tolerance=TOL).ok
 
 
-def test_a_gradient_series_names_its_first_and_first_worst_step_and_every_steps_margin():
-    steps = [(2.0, 2.0), (2.0, 3.875), (2.0, 3.875)]  # margins 0, 1.5, 1.5: the first of equal worsts is named
+def test_a_gradient_series_names_its_first_step_beyond_the_bound_the_first_worst_and_every_steps_margin():
+    steps = [(2.0, 2.0), (2.0, 3.25), (2.0, 3.875), (2.0, 3.875)]  # margins 0, 1 (within), 1.5, 1.5
     reference = dataclasses.replace(run_of(), grads=tuple({"w": torch.tensor((2.0, 2.0))} for _ in steps))
     candidate = dataclasses.replace(run_of(weight=2.5), grads=tuple({"w": torch.tensor(g)} for g in steps))
     comparison = ec.compare(reference, candidate, tolerance=TOL)
     grad, weight = comparison.mismatches
-    assert (grad.kind, grad.first_step, grad.worst_step, grad.step_margins) == ("grad", 1, 1, (0.0, 1.5, 1.5))
+    assert (grad.kind, grad.first_step, grad.worst_step, grad.step_margins) == ("grad", 2, 2, (0.0, 1.0, 1.5, 1.5))
     assert (weight.kind, weight.first_step, weight.step_margins) == ("weight", None, ())
     assert (comparison.max_abs, comparison.max_rel, comparison.margin) == (1.875, 1.5, 2.0)
 
