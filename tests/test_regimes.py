@@ -56,6 +56,7 @@ def test_a_spec_is_shown_as_typed_required_parameters_by_kind_optional_ones_with
     assert ec.regimes.spec_usage("accumulate") == "accumulate:chunks=N[,max_norm=inf]"
     assert ec.regimes.spec_usage("ddp_mean_loss") == "ddp_mean_loss:world_size=N[,backend=auto]"
     assert ec.regimes.spec_usage("ddp").endswith(",broadcast_buffers=1,find_unused_parameters=0]")  # bools as 0/1
+    assert ec.regimes.spec_usage("ddp_hook").startswith("ddp_hook:world_size=N,hook=NAME[,backend=auto,")
 
 
 OWN_FORWARD = ec.Case(
