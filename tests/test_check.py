@@ -214,3 +214,29 @@ def test_the_gate_fails_a_communication_verdict_unless_told_to_allow_it_and_neve
     with pytest.raises(ec.NotEquivalent) as raised:
         both.assert_equivalent()
     assert str(raised.value).startswith("2 of 3 checks failed:\n\n") and "\n\nmlp under naive" in str(raised.value)
+
+
+def test_only_communication_problems_make_a_communication_verdict_and_only_gradients_a_note():
+    from equivcheck.check import _failed, _only_gradients
+    from equivcheck.compare import Comparison, Mismatch, TensorDiff
+
+    tol = ec.Tolerance(rtol=0.5, atol=0.25)
+    counted = "communication: step 0 all-reduced gradients 3 time(s), expected 1"
+    diff = TensorDiff(1, 1, 3.0, (), 1.25, 1.5, (), 2.4)
+    grad, weight = Mismatch("grad", "w", 0, 0, diff), Mismatch("weight", "w", None, None, diff)
+    assert _failed(Comparison(tol, (), (counted,), 0.0, 0.0, 0.0)) is Verdict.COMMUNICATION
+    assert _failed(Comparison(tol, (), (counted, "optimizer steps: 3 vs 1"), 0.0, 0.0, 0.0)) is Verdict.MISMATCH
+    assert _failed(Comparison(tol, (grad,), (counted,), 3.0, 1.5, 2.4)) is Verdict.MISMATCH
+    assert _only_gradients(Comparison(tol, (grad,), (), 3.0, 1.5, 2.4)).startswith(
+        "only the gradients recorded at optimizer.step() differ; the final weights and the losses match (")
+    assert _only_gradients(Comparison(tol, (grad, weight), (), 3.0, 1.5, 2.4)) == ""
+    assert _only_gradients(Comparison(tol, (grad,), ("optimizer steps: 3 vs 1",), 3.0, 1.5, 2.4)) == ""
+    assert _only_gradients(Comparison(tol, (), (), 0.0, 0.0, 0.0)) == ""
+
+
+def test_the_default_regimes_leave_out_those_that_need_a_split_where_the_case_has_none():
+    with_split = ec.get_case("mlp")
+    assert with_split.split is not None and "detached_partial:chunks=5" in ec.regimes_for(with_split)
+    without = ec.Case(name="no_split", model=lambda: nn.Linear(2, 2), data=lambda: (torch.randn(4, 2), torch.zeros(4)),
+                      loss=lambda out, y: out.sum(dim=1), batch_size=2)
+    assert ec.regimes_for(without) == tuple(s for s in ec.regimes_for(with_split) if not s.startswith("detached"))
