@@ -227,8 +227,10 @@ def test_only_communication_problems_make_a_communication_verdict_and_only_gradi
     assert _failed(Comparison(tol, (), (counted,), 0.0, 0.0, 0.0)) is Verdict.COMMUNICATION
     assert _failed(Comparison(tol, (), (counted, "optimizer steps: 3 vs 1"), 0.0, 0.0, 0.0)) is Verdict.MISMATCH
     assert _failed(Comparison(tol, (grad,), (counted,), 3.0, 1.5, 2.4)) is Verdict.MISMATCH
-    assert _only_gradients(Comparison(tol, (grad,), (), 3.0, 1.5, 2.4)).startswith(
-        "only the gradients recorded at optimizer.step() differ; the final weights and the losses match (")
+    assert _only_gradients(Comparison(tol, (grad,), (), 3.0, 1.5, 2.4)) == (
+        "only the gradients recorded at optimizer.step() differ; the final weights and the losses match (the "
+        "optimizer absorbed the difference, as Adam does a constant scale, or the step changed the gradients after "
+        "they were recorded)")
     assert _only_gradients(Comparison(tol, (grad, weight), (), 3.0, 1.5, 2.4)) == ""
     assert _only_gradients(Comparison(tol, (grad,), ("optimizer steps: 3 vs 1",), 3.0, 1.5, 2.4)) == ""
     assert _only_gradients(Comparison(tol, (), (), 0.0, 0.0, 0.0)) == ""

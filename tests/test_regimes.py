@@ -73,3 +73,20 @@ OWN_FORWARD = ec.Case(
 def test_every_regime_hands_the_targets_to_a_cases_own_forward(regime):
     (outcome,) = ec.check(OWN_FORWARD, [regime]).outcomes
     assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
+
+
+def test_a_clipped_reference_and_regime_clip_at_their_threshold_and_only_they_do():
+    assert ec.parse_regime("accumulate:chunks=3,max_norm=0.1").clips_at() == 0.1
+    assert ec.parse_regime("full_batch:max_norm=0.1").clips_at() == 0.1
+    assert ec.parse_regime("accumulate:chunks=3").clips_at() is ec.parse_regime("full_batch").clips_at() is None
+    clipped, unclipped = ec.check("mlp", ["accumulate:chunks=3,max_norm=0.1", "accumulate:chunks=3"],
+                                  reference="full_batch:max_norm=0.1").outcomes
+    assert clipped.verdict is Verdict.EQUIVALENT and unclipped.verdict is Verdict.MISMATCH
+    assert clipped.reason.startswith("full_batch:max_norm=0.1: clipping engaged at 3 of 3 steps")
+
+
+def test_more_chunks_than_samples_is_a_usage_error_naming_the_regime_and_the_case():
+    with pytest.raises(ec.InvalidArgument) as raised:
+        ec.check("mlp", ["accumulate:chunks=13"])
+    assert str(raised.value) == ("regime 'accumulate:chunks=13' on case 'mlp': chunks=13 is not allowed: expected an "
+                                 "integer from 1 to 12 (the case's batch_size)")
