@@ -137,6 +137,7 @@ def test_a_faulty_rank_becomes_an_error_and_the_next_job_gets_a_fresh_pool(case,
     assert crashed.verdict is Verdict.ERROR and message in crashed.reason
     if case == "fault_raise":
         assert "injected fault on rank 1" in crashed.details and "Traceback" in crashed.details
+        assert 'fault_cases.py", line' in crashed.details  # the rank's own frames, not the parent's
     if case == "fault_hang":  # each hung rank's stack says where it stands
         rank1 = crashed.details.split("rank 1 stack when it timed out:")[1]
         assert "fault_cases.py" in rank1 and "in forward" in rank1
