@@ -62,6 +62,7 @@ def train(
         module = regime.wrap(model, objective)  # first: a sharding wrapper replaces the parameters the optimizer holds
         optimizer = regime.build_optimizer(case, model)
         counter = regime.count_communication(module)
+        counts_syncs = counter is not None and counter.counts_syncs  # a pipeline counts traffic, but no sync
         data = [t for batch in batches for t in (batch.inputs, batch.targets)]
         with GradRecorder(model, optimizer, counter, regime.full_tensor) as recorder, \
                 activation_meter(model, data, enabled=measure_memory) as memory:
@@ -81,10 +82,10 @@ def train(
         weights=weights,
         buffers=snapshot(((n, b) for n, b in model.named_buffers() if b.is_floating_point()), regime.full_tensor),
         seconds=time.perf_counter() - started,
-        syncs=None if counter is None or not counter.counts_syncs else tuple(recorder.syncs),
-        sync_bytes=None if counter is None or not counter.counts_syncs else tuple(recorder.sync_bytes),
+        syncs=tuple(recorder.syncs) if counts_syncs else None,
+        sync_bytes=tuple(recorder.sync_bytes) if counts_syncs else None,
         collectives=None if counter is None else tuple(recorder.collectives),
-        sync_wrappers=None if counter is None or not counter.counts_syncs else counter.wrappers,
+        sync_wrappers=counter.wrappers if counts_syncs else None,
         steps_per_batch=watched.steps_per_batch(len(recorder.grads)) if regime.steps_observable else None,
         precision=precision.name,
         peak_activation_bytes=memory.peak,
