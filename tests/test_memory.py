@@ -7,6 +7,7 @@ Every expectation has its twin: the regime that keeps every graph alive (seed 00
 import dataclasses
 import functools
 import json
+import sys
 
 import pytest
 import torch
@@ -126,6 +127,17 @@ def test_a_storage_saved_twice_counts_once_and_parameters_not_at_all():
     assert meter.live == meter.peak  # the product's two records went, but tanh still saves that storage
     del hidden
     assert meter.live == 0
+
+
+def test_a_record_stopped_half_built_by_a_signal_goes_quietly(monkeypatch):
+    """The CLI's SIGTERM can land inside a record's ``__init__``; its finalizer must not print a traceback."""
+    from equivcheck.measure.activation import _Saved
+
+    dropped = []
+    monkeypatch.setattr(sys, "unraisablehook", dropped.append)
+    half_built = _Saved.__new__(_Saved)  # what is left when __init__ raised before its first line
+    del half_built
+    assert dropped == []
 
 
 def test_assert_saves_memory_gates_on_the_ratio(report):

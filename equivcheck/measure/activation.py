@@ -86,8 +86,11 @@ class _Saved:
         self._address = address
 
     def __del__(self) -> None:
-        if self._meter is not None:
-            self._meter._release(self._address)
+        # A signal (the CLI's SIGTERM) can stop __init__ before _meter is set: that half-built record held
+        # nothing, and a missing attribute here would print a traceback on the way out.
+        meter = getattr(self, "_meter", None)
+        if meter is not None:
+            meter._release(self._address)
 
 
 def _local(tensor: Tensor) -> Tensor:
