@@ -232,7 +232,9 @@ def test_xdist_two_workers_give_the_same_verdicts_and_one_matrix(pytester):
     args = ("--equivcheck-cases", "batchnorm_cnn", "-p", "no:cacheprovider")
     serial_json, parallel_json = pytester.path / "n0.json", pytester.path / "n2.json"
     serial = pytester.runpytest(*args, "--equivcheck-json", str(serial_json))
-    parallel = pytester.runpytest(*args, "-n", "2", "--equivcheck-json", str(parallel_json))
+    html_path, markdown_path = pytester.path / "report.html", pytester.path / "summary.md"
+    parallel = pytester.runpytest(*args, "-n", "2", "--equivcheck-json", str(parallel_json),
+                                  f"--equivcheck-html={html_path}", f"--equivcheck-markdown={markdown_path}")
     # batchnorm_cnn's 8 regimes include ddp and ddp_no_sync (on each xdist worker's own pool) and
     # data_parallel, skipped without 2 GPUs.
     serial.assert_outcomes(passed=8, failed=1, skipped=1)
@@ -247,6 +249,15 @@ def test_xdist_two_workers_give_the_same_verdicts_and_one_matrix(pytester):
         return sorted((r["case"], r["regime"], r["verdict"], r["first_divergent_step"]) for r in json.loads(path.read_text())["rows"])
 
     assert verdicts(parallel_json) == verdicts(serial_json) and len(verdicts(serial_json)) == 10
+    # one HTML report and one Markdown summary from the controller, with every worker's checks in them
+    page = html_path.read_text()
+    assert "<h3>mlp under step:naive_step: mismatch</h3>" in page and "<td>ddp_no_sync:world_size=2,chunks=3</td>" in page
+    assert "title='DataParallel needs at least 2 CUDA devices; 0 found'>skipped</td>" in page
+    markdown = markdown_path.read_text()
+    assert markdown.startswith("## equivcheck (pytest): not as expected\n")
+    assert "| mlp | 1 ok, 1 MISMATCH | MISMATCH step:naive_step 4e+05 |" in markdown
+    assert "| batchnorm_cnn | 3 ok, 4 caught, 1 skipped | sample_by_sample 3e+06; accumulate:chunks=5 2e+06; " \
+           "ddp:world_size=2 1e+06; ddp_no_sync:world_size=2,chunks=3 2e+06 |" in markdown
 
 
 MYPROJECT_MODEL = '''

@@ -130,21 +130,11 @@ def test_without_matplotlib_the_report_keeps_its_tables_and_says_how_to_get_plot
     assert [None, "torch"] in page.cells
 
 
-def test_the_plugin_writes_one_html_report_and_markdown_under_xdist(pytester):
-    pytester.makepyfile('''
-def test_ok(equivcheck):
-    equivcheck.check("mlp", ["accumulate:chunks=5"])
-
-def test_caught(equivcheck):
-    equivcheck.check("naive_scaling_uneven_chunks", ["naive_accumulate:chunks=5"])
-''')
-    html_path, markdown_path = pytester.path / "report.html", pytester.path / "summary.md"
-    result = pytester.runpytest("-n", "2", f"--equivcheck-html={html_path}", f"--equivcheck-markdown={markdown_path}")
-    result.assert_outcomes(passed=2)
-    page = Parsed(html_path.read_text())
-    assert "ok" in page.headings and ["ok", "ok 5e-10"] in page.cells and ["caught", "caught 4e+05"] in page.cells
-    assert "| naive_scaling_uneven_chunks | 1 caught | naive_accumulate:chunks=5 4e+05 |" in markdown_path.read_text()
+def test_the_plugins_report_options_refuse_a_path_that_cannot_be_written(pytester):
+    """What the plugin writes under ``-n 2`` is read in test_pytest_plugin.py's xdist test (one xdist session)."""
     bad = pytester.runpytest("--equivcheck-html=/no/such/folder/r.html")
+    assert bad.ret == pytest.ExitCode.USAGE_ERROR
+    bad = pytester.runpytest("--equivcheck-markdown=/no/such/folder/s.md")
     assert bad.ret == pytest.ExitCode.USAGE_ERROR
 
 
