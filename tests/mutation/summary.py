@@ -1,7 +1,8 @@
 """The kill rate of the last `make mutation` run, per module and in all, read from mutmut's own records
 (mutants/**/*.meta). A mutant counts as killed when a test failed on it or it ran past its time limit;
-every other one (survived, reached by no test, crashed, suspicious, skipped) counts against the rate, as in
-mutmut's own score.
+every other one tried (survived, reached by no test, crashed, suspicious, skipped) counts against the rate, as
+in mutmut's own score. A mutant not tried yet (a run stopped early, or one given a sample of mutants by name)
+is counted apart and left out of the rate, which is then the rate of what was tried.
 
     python tests/mutation/summary.py [--survivors]
 """
@@ -31,13 +32,15 @@ def main() -> None:
         counts = Counter(status[code] for code in codes.values())
         rows.append((os.path.relpath(meta, args.mutants)[: -len(".meta")], counts))
         total += counts
-        left += sorted(name for name, code in codes.items() if status[code] not in ("killed", "timeout"))
-    print(f"{'module':<34} {'mutants':>7} {'killed':>7} {'timeout':>7} {'survived':>8} {'no tests':>8} {'rate':>6}")
+        left += sorted(name for name, code in codes.items() if status[code] not in ("killed", "timeout", "not checked"))
+    print(f"{'module':<34} {'mutants':>7} {'tried':>6} {'killed':>7} {'timeout':>7} {'survived':>8} "
+          f"{'no tests':>8} {'rate':>6}")
     for module, counts in rows + [("all", total)]:
-        n = sum(counts.values())
+        tried = sum(counts.values()) - counts["not checked"]
         caught = counts["killed"] + counts["timeout"]
-        print(f"{module:<34} {n:>7} {counts['killed']:>7} {counts['timeout']:>7} {counts['survived']:>8} "
-              f"{counts['no tests']:>8} {caught / n:>6.1%}")
+        rate = f"{caught / tried:>6.1%}" if tried else f"{'-':>6}"
+        print(f"{module:<34} {sum(counts.values()):>7} {tried:>6} {counts['killed']:>7} {counts['timeout']:>7} "
+              f"{counts['survived']:>8} {counts['no tests']:>8} {rate}")
     if args.survivors:
         print("\nnot killed:", *left, sep="\n  ")
 
