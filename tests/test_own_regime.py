@@ -1,7 +1,10 @@
 """A regime of a team's own is one new module: it runs in-process, on the pool and in the catalogue."""
 
+import dataclasses
+
 from equivcheck import Verdict, check
 from equivcheck.catalogue import Entry, run_catalogue, targets_met
+from equivcheck.regimes import Chunked, accumulate, register_regime
 
 import own_regime  # noqa: F401  (registers the regimes and their case; the ranks import it by name)
 
@@ -21,3 +24,22 @@ def test_a_regime_from_one_module_takes_its_row_in_the_catalogue():
     entry = Entry("loss halved again under DDP", "own_regime_mlp", "ddp_halved_loss:world_size=2", "ddp:world_size=2")
     (row,) = run_catalogue(["float64"], [entry])
     assert row.caught and row.twin.verdict is Verdict.EQUIVALENT and targets_met([row])
+
+
+@register_regime
+@dataclasses.dataclass(frozen=True)
+class CountlessAccumulate(Chunked):
+    """Declares DDP's one gradient sync per step but runs in-process: nothing wraps the model, nothing is counted."""
+
+    name = "countless_accumulate"
+    summary = "accumulate in-process while declaring one gradient sync per step"
+    syncs_per_step = 1
+
+    def train_step(self, model, optimizer, batch, objective):
+        return accumulate(model, optimizer, batch, objective, self.chunks)
+
+
+def test_a_declared_sync_count_is_held_to_only_where_the_run_counted_syncs():
+    (outcome,) = check("mlp", ["countless_accumulate:chunks=3"]).outcomes
+    assert outcome.verdict is Verdict.EQUIVALENT and outcome.result.syncs is None
+    assert outcome.comparison.problems == ()
