@@ -242,3 +242,11 @@ def test_the_default_regimes_leave_out_those_that_need_a_split_where_the_case_ha
     without = ec.Case(name="no_split", model=lambda: nn.Linear(2, 2), data=lambda: (torch.randn(4, 2), torch.zeros(4)),
                       loss=lambda out, y: out.sum(dim=1), batch_size=2)
     assert ec.regimes_for(without) == tuple(s for s in ec.regimes_for(with_split) if not s.startswith("detached"))
+
+
+def test_a_case_declares_a_pitfall_by_its_exact_spec_or_by_the_regimes_name():
+    report = ec.check("gru_detached_hidden", ["per_token:detach=0", "per_token:detach=1"])  # declared by exact spec
+    assert [o.verdict for o in report.outcomes] == [Verdict.EQUIVALENT, Verdict.EXPECTED_MISMATCH]
+    assert report.outcomes[1].reason.startswith("seed 002: the hidden state detached")
+    (by_name,) = ec.check("naive_scaling_uneven_chunks", ["naive_accumulate:chunks=7"]).outcomes  # by name
+    assert by_name.verdict is Verdict.EXPECTED_MISMATCH

@@ -2,7 +2,9 @@
 
 import dataclasses
 
-from equivcheck import Verdict, check
+import pytest
+
+from equivcheck import InvalidArgument, Verdict, check
 from equivcheck.catalogue import Entry, run_catalogue, targets_met
 from equivcheck.regimes import Chunked, accumulate, register_regime
 
@@ -43,3 +45,12 @@ def test_a_declared_sync_count_is_held_to_only_where_the_run_counted_syncs():
     (outcome,) = check("mlp", ["countless_accumulate:chunks=3"]).outcomes
     assert outcome.verdict is Verdict.EQUIVALENT and outcome.result.syncs is None
     assert outcome.comparison.problems == ()
+
+
+def test_a_second_regime_under_a_taken_name_is_refused_naming_both():
+    taken = type("Taken", (CountlessAccumulate,), {"name": "reversed_accumulate"})
+    with pytest.raises(InvalidArgument) as refused:
+        register_regime(taken)
+    assert str(refused.value) == ("name='reversed_accumulate' is not allowed: expected a regime name not registered "
+                                  "yet (it names own_regime.ReversedAccumulate)")
+    assert check("mlp", ["reversed_accumulate:chunks=3"]).ok  # the first keeps its name

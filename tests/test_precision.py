@@ -97,3 +97,12 @@ def test_a_case_resting_on_the_cpu_generator_is_skipped_where_a_mode_trains_on_c
     (outcome,) = ec.check("dropout_one_layer", ["accumulate:chunks=4"], dtype="fp16-autocast").outcomes
     assert outcome.verdict is Verdict.SKIPPED
     assert "dropout_one_layer: one dropout layer draws" in outcome.reason and "trains on cuda" in outcome.reason
+
+
+def test_the_grad_scaler_goes_through_the_ddp_family_on_the_ranks():
+    """A registered scaled mode crosses to the ranks by name; a DDP step that stepped around the scaler would
+    leave every gradient 65536 times too large."""
+    specs = ["ddp:world_size=2", "ddp_no_sync:world_size=2,chunks=3", "ddp_join:world_size=2,chunks=3",
+             "zero:world_size=2", "fsdp:world_size=2"]
+    report = ec.check("mlp", specs, dtype="float64-shadow-scaled")
+    assert [o.verdict for o in report.outcomes] == [Verdict.EQUIVALENT] * len(specs)
