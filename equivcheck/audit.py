@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -21,7 +20,7 @@ from torch import nn
 from .case import Batch, Case
 from .check import Outcome, check
 from .dispatch import run
-from .errors import BlindSpotWarning
+from .errors import BlindSpotWarning, warn
 from .registry import all_cases, resolve_case
 from .regimes import chunk_pairs
 from .regimes.ddp import shard
@@ -115,25 +114,25 @@ def _uniform_items_reason(shape: Shape) -> str | None:
     return None
 
 
-def warn_blind_spots(case: Case | str, *, seed: int = DEFAULT_SEED, stacklevel: int = 3) -> None:
+def warn_blind_spots(case: Case | str, *, seed: int = DEFAULT_SEED) -> None:
     """Warn where the case cannot show a bug a team's step could plausibly have: a normalisation bug
     when every sample holds the same number of items; a clipping bug when the declared ``max_norm``
     never engages in the reference (one full-batch run, only where clipping is declared)."""
     case = resolve_case(case)
     reason = _uniform_items_reason(Shape.of(case, seed))
     if reason is not None:
-        warnings.warn(BlindSpotWarning(
+        warn(BlindSpotWarning(
             f"case {case.name!r} cannot catch a per-micro-batch or per-rank mean (token normalisation): {reason}, "
             f"so a step that splits each batch of {case.batch_size} into equal micro-batches or shards averages "
             "exactly like full batch. Give samples different item counts (padding, masks) to catch it; "
-            "ec.audit(case) lists every class of bug the case can and cannot show"), stacklevel=stacklevel)
+            "ec.audit(case) lists every class of bug the case can and cannot show"))
     if case.max_norm is not None:
         norm = max(_norm(step) for step in run(case, "full_batch", seed=seed).grads)
         if norm < case.max_norm:
-            warnings.warn(BlindSpotWarning(
+            warn(BlindSpotWarning(
                 f"case {case.name!r} cannot catch a clipping bug: the reference's gradient norm (up to {norm:.2g}) "
                 f"never reaches max_norm ({case.max_norm:g}), so clipping never engages; scale the loss or the data "
-                "up, or check at a lower max_norm"), stacklevel=stacklevel)
+                "up, or check at a lower max_norm"))
 
 
 # --- the audit: every applicable pitfall regime, run ------------------------------------------------

@@ -8,7 +8,6 @@ import functools
 import math
 import time
 import traceback
-import warnings
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
@@ -16,7 +15,7 @@ import torch
 from .case import Case
 from .compare import Comparison, Tolerance, compare
 from .errors import (InvalidArgument, MemoryNotSaved, NotEquivalent, PrecisionWarning, Unavailable, WorkerError,
-                     expect_int, expect_number, expect_seed, expect_timeout)
+                     expect_int, expect_number, expect_seed, expect_timeout, warn)
 from .hints import diagnose
 from .dispatch import DEFAULT_TIMEOUT, Started, run, start
 from . import rounding
@@ -356,10 +355,10 @@ def _warn_lower_precision(case: Case, precision: Precision, reference: RunResult
     causal-LM losses do) runs at float32's rounding, which float64's tolerance does not allow for."""
     lower = [d for d in reference.loss_dtypes if d != str(precision.dtype)]
     if precision.dtype == torch.float64 and lower:
-        warnings.warn(PrecisionWarning(
+        warn(PrecisionWarning(
             f"case {case.name!r} trains in float64 but its loss is computed in {', '.join(lower)}: the runs carry "
             f"{lower[0]} rounding, and float64's tolerance leaves little headroom (a false alarm waits for the "
-            "next seed); check it as dtype=torch.float32, or keep the loss in float64"), stacklevel=4)
+            "next seed); check it as dtype=torch.float32, or keep the loss in float64"))
 
 
 def _crash(error: Exception) -> tuple[str, str]:

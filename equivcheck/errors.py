@@ -8,6 +8,9 @@ value it got and what is allowed. A failed equivalence raises :class:`NotEquival
 from __future__ import annotations
 
 import math
+import os
+import sys
+import warnings
 from collections.abc import Iterable
 
 
@@ -119,6 +122,20 @@ class BlindSpotWarning(UserWarning):
 class PrecisionWarning(UserWarning):
     """The case asks for a precision its computation does not run in (a float64 case whose loss comes out
     in float32): the tolerance then assumes rounding the runs do not have."""
+
+
+# equivcheck and its pytest plugin, side by side wherever they are installed: a warning's frames to skip
+_OWN_CODE = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), package) + os.sep
+                  for package in ("equivcheck", "pytest_equivcheck"))
+
+
+def warn(warning: Warning) -> None:
+    """Issue ``warning`` at the user's own call, the first frame outside equivcheck and its plugin, however
+    deep inside them it was found (what Python 3.12's ``skip_file_prefixes`` does)."""
+    frame, level = sys._getframe(0), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_OWN_CODE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(warning, stacklevel=level)
 
 
 class Interrupted(BaseException):

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 
 from .case import Case
 from .compare import Tolerance
 from .dispatch import importable_source
 from .distributed import launcher, pool
 from .errors import (BlindSpotWarning, InvalidArgument, NotEquivalent, Unavailable, expect_callable, expect_int,
-                     expect_seed, expect_timeout)
+                     expect_seed, expect_timeout, warn)
 from .evaluating import EvaluateFn, evaluate
 from .regimes.ddp import Ddp
 from .regimes.user_code import import_path
@@ -145,10 +144,10 @@ def check_eval(case: Case | str, evaluate_fn: EvaluateFn, *, world_size: int = 2
         replies = pool.run_job(group.resolved_backend, world_size, job, timeout)
     report = _compare(case, path, world_size, single, replies, tolerance)
     if single["samples"] % world_size == 0:
-        warnings.warn(BlindSpotWarning(
+        warn(BlindSpotWarning(
             f"case {case.name!r} holds {single['samples']} samples, which divide evenly over {world_size} ranks: a "
             "DistributedSampler pads nothing and every shard holds as many samples, so neither padding nor an "
-            "average of per-rank averages can show; use a sample count that leaves a remainder"), stacklevel=2)
+            "average of per-rank averages can show; use a sample count that leaves a remainder"))
     return report
 
 

@@ -91,8 +91,9 @@ def tokens_loss(output, targets):
 def test_the_token_bug_passes_on_equal_lengths_with_a_warning_and_is_caught_on_padded_tokens():
     same_lengths = dataclasses.replace(ec.get_case("tokens"), name="tokens_same_length",
                                        data=lambda: (torch.randint(1, 10, (24, 7)), torch.randint(1, 10, (24, 7))))
-    with pytest.warns(ec.BlindSpotWarning, match="every sample holds the same number of items .7."):
+    with pytest.warns(ec.BlindSpotWarning, match="every sample holds the same number of items .7.") as seen:
         blind = ec.check_step(same_lengths, mean_over_k_step)
+    assert seen[0].filename == __file__  # at the user's own call
     assert blind.outcomes[0].verdict is ec.Verdict.EQUIVALENT
     caught = ec.check_step("tokens", mean_over_k_step)
     assert caught.outcomes[0].verdict is ec.Verdict.MISMATCH
@@ -112,8 +113,9 @@ def test_a_declared_max_norm_that_never_engages_is_warned_about(recwarn):
         optimizer.zero_grad()
 
     never = dataclasses.replace(ec.get_case("tokens"), name="tokens_clip_1", max_norm=1e3)
-    with pytest.warns(ec.BlindSpotWarning, match=r"never reaches max_norm \(1000\)"):
+    with pytest.warns(ec.BlindSpotWarning, match=r"never reaches max_norm \(1000\)") as seen:
         ec.check_step(never, clipped_step, reference="full_batch")
+    assert seen[0].filename == __file__
     recwarn.clear()
     engages = dataclasses.replace(ec.get_case("tokens"), name="tokens_clip_small", max_norm=1e-3)
     ec.check_step(engages, clipped_step)

@@ -250,3 +250,11 @@ def test_a_case_declares_a_pitfall_by_its_exact_spec_or_by_the_regimes_name():
     assert report.outcomes[1].reason.startswith("seed 002: the hidden state detached")
     (by_name,) = ec.check("naive_scaling_uneven_chunks", ["naive_accumulate:chunks=7"]).outcomes  # by name
     assert by_name.verdict is Verdict.EXPECTED_MISMATCH
+
+
+def test_distributed_runs_between_in_process_ones_each_start_once_ahead_and_all_match():
+    """While an in-process run trains, the next distributed one starts on the pool: the next, never one already
+    collected (starting that again would leave it in flight and the next distributed run could not start)."""
+    specs = ["ddp:world_size=2", "accumulate:chunks=3", "ddp_no_sync:world_size=2,chunks=3", "sample_by_sample"]
+    report = ec.check("mlp", specs)
+    assert [o.verdict for o in report.outcomes] == [Verdict.EQUIVALENT] * 4, report.outcomes[2].describe()

@@ -109,8 +109,9 @@ def test_a_metric_never_all_reduced_shows_as_ranks_that_disagree():
 
 
 def test_an_even_split_is_blind_to_both_bugs_and_says_so():
-    with pytest.warns(ec.BlindSpotWarning, match="12 samples, which divide evenly over 2 ranks"):
+    with pytest.warns(ec.BlindSpotWarning, match="12 samples, which divide evenly over 2 ranks") as seen:
         report = ec.check_eval(TWELVE, evaluate_with_distributed_sampler, world_size=2)
+    assert seen[0].filename == __file__
     assert report.ok  # padding nothing: the bug cannot show here, hence the warning
 
 

@@ -66,8 +66,9 @@ class UpcastingLoss:
 
 def test_a_float64_case_whose_loss_runs_in_float32_is_warned_about_and_its_twin_is_not():
     upcast = dataclasses.replace(MLP, name="mlp_float32_loss", loss=UpcastingLoss())
-    with pytest.warns(ec.PrecisionWarning, match="trains in float64 but its loss is computed in torch.float32"):
+    with pytest.warns(ec.PrecisionWarning, match="trains in float64 but its loss is computed in torch.float32") as seen:
         ec.check(upcast, ["accumulate:chunks=4"])
+    assert seen[0].filename == __file__  # the warning points at the user's own call
     with warnings.catch_warnings():
         warnings.simplefilter("error", ec.PrecisionWarning)
         ec.check(MLP, ["accumulate:chunks=4"])
