@@ -258,3 +258,22 @@ def test_distributed_runs_between_in_process_ones_each_start_once_ahead_and_all_
     specs = ["ddp:world_size=2", "accumulate:chunks=3", "ddp_no_sync:world_size=2,chunks=3", "sample_by_sample"]
     report = ec.check("mlp", specs)
     assert [o.verdict for o in report.outcomes] == [Verdict.EQUIVALENT] * 4, report.outcomes[2].describe()
+
+
+class RaisesInForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x):
+        raise RuntimeError("broken forward")
+
+
+def test_a_reference_that_raises_makes_every_outcome_an_error_naming_its_case_and_regime():
+    case = ec.Case(name="broken_reference", model=RaisesInForward, batch_size=6, steps=2,
+                   data=lambda: (torch.randn(12, 4), torch.randint(0, 3, (12,))),
+                   loss=lambda output, target: nn.functional.cross_entropy(output, target, reduction="none"))
+    report = ec.check(case, ["accumulate:chunks=2", "sample_by_sample"])
+    assert [(o.case, o.regime, o.verdict) for o in report.outcomes] == [
+        ("broken_reference", "accumulate:chunks=2", Verdict.ERROR), ("broken_reference", "sample_by_sample", Verdict.ERROR)]
+    assert report.outcomes[1].reason == "the reference full_batch failed: RuntimeError: broken forward"

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from equivcheck.cli import main
 
@@ -135,7 +136,8 @@ def test_nothing_checked_exits_5_with_the_reason(capsys):
     out = capsys.readouterr().out
     if code != 5:
         pytest.skip("this machine has GPUs for nccl: the check ran")
-    assert "skipped: nccl needs one CUDA device per rank" in out
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert f"skipped: nccl needs one CUDA device per rank: 2 asked, {found} found" in out
     assert "1 checks: 1 skipped; nothing was checked: every check was skipped" in out
 
 
