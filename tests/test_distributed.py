@@ -129,6 +129,9 @@ def test_the_ddp_traps_build_ddp_with_their_option_on():
 def test_a_faulty_rank_becomes_an_error_and_the_next_job_gets_a_fresh_pool(case, timeout, message):
     warm = pools.pool_for("gloo", 2)
     pids = warm.pids
+    # The ranks' first step imports what torch loads lazily (seconds on a busy machine): done here, so that within
+    # the hang's 3 s each rank reaches the frame its stack must show
+    ec.run("mlp", "ddp:world_size=2")
     started = time.monotonic()
     report = ec.check(case, ["accumulate:chunks=2", "ddp:world_size=2", "accumulate:chunks=3"], timeout=timeout)
     before, crashed, after = report.outcomes
