@@ -286,3 +286,15 @@ def test_malformed_case_fields_give_a_named_error(changes):
         ec.check(case, ["accumulate:chunks=2"], measure_memory=False)
     except ec.InvalidArgument as error:
         assert str(error)
+
+
+def test_a_bool_option_and_a_regime_defined_in_main_are_refused_with_the_way_out():
+    with pytest.raises(ec.InvalidArgument) as refused:
+        ec.parse_regime("ddp:world_size=2,static_graph=yes")
+    assert str(refused.value) == "static_graph='yes' is not allowed: expected one of 0, 1, true, false"
+    in_main = type("InMain", (type(ec.parse_regime("ddp:world_size=2")),), {"__module__": "__main__"})
+    with pytest.raises(ec.InvalidArgument) as refused:
+        ec.regimes.regime_source(in_main(world_size=2))
+    assert str(refused.value) == (
+        "regime 'ddp:world_size=2' is not allowed here: worker processes import the module that defines a regime, "
+        "so distributed checks need a regime class defined in an importable module, not in __main__")
