@@ -7,6 +7,7 @@ checked next is still caught), no process and no folder left behind, finished re
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -289,3 +290,17 @@ def test_a_rank_whose_parent_stopped_listening_leaves_quietly():
     pipe = type("Pipe", (), {"send": staticmethod(sent.append)})()
     assert reply(pipe, 4, lambda: 1 / 0) is True
     assert sent[0][:2] == (4, "error") and "ZeroDivisionError" in sent[0][2]
+
+
+def test_a_pool_removes_the_folders_of_pools_whose_process_is_gone(tmp_path):
+    """A parent killed with its ranks leaves its folder; the next pool start removes it, never a live one's."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    orphan = tempfile.mkdtemp(prefix=f"{pools.FOLDER_PREFIX}{gone.pid}-")
+    live = tempfile.mkdtemp(prefix=f"{pools.FOLDER_PREFIX}{os.getppid()}-")  # a running process's
+    try:
+        pools.remove_orphaned_folders()
+        assert not os.path.exists(orphan) and os.path.isdir(live)
+    finally:
+        shutil.rmtree(live, ignore_errors=True)
+        shutil.rmtree(orphan, ignore_errors=True)

@@ -15,6 +15,7 @@ them; ranks whose parent died remove the pool's folder and exit.
 from __future__ import annotations
 
 import atexit
+import glob
 import multiprocessing
 import os
 import shutil
@@ -49,6 +50,7 @@ class WorkerPool:
     def __init__(self, backend: str, world_size: int, *, threads: int = WORKER_THREADS,
                  start_timeout: float = START_TIMEOUT) -> None:
         self.backend, self.world_size = backend, world_size
+        remove_orphaned_folders()
         self._folder = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-")  # whose pool it is, by name
         store = os.path.join(self._folder, "rendezvous")
         env = os.environ | {
@@ -229,6 +231,26 @@ def _exit_reason(process: subprocess.Popen) -> str:
 LOOPBACK = "lo"
 FOLDER_PREFIX = "equivcheck-pool-"
 _pools: dict[tuple[str, int], WorkerPool] = {}
+
+
+def remove_orphaned_folders() -> None:
+    """Remove the folders of pools whose process is gone. A parent killed together with its ranks (SIGKILL, or a
+    signal to the whole process group) runs no exit handler and leaves no rank to clean up; each folder names its
+    process, and one still running (another pytest-xdist worker's) keeps its own."""
+    for folder in glob.glob(os.path.join(tempfile.gettempdir(), f"{FOLDER_PREFIX}*")):
+        pid = os.path.basename(folder)[len(FOLDER_PREFIX):].partition("-")[0]
+        if pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def pool_for(backend: str, world_size: int) -> WorkerPool:
