@@ -17,6 +17,12 @@ from torch import nn
 import equivcheck as ec
 
 
+def pool_owner() -> int:
+    """The process whose pool this rank serves: the parent of the forker that forked it."""
+    with open(f"/proc/{os.getppid()}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[1])
+
+
 class Faulty(nn.Module):
     def __init__(self, fault: str) -> None:
         super().__init__()
@@ -27,10 +33,10 @@ class Faulty(nn.Module):
         if dist.is_initialized() and self.fault == "slow":
             time.sleep(1.0)  # a job that takes seconds: time to interrupt it
         if dist.is_initialized() and dist.get_rank() == 0 and self.fault == "sigint":
-            os.killpg(os.getpgid(os.getppid()), signal.SIGINT)  # Ctrl-C: the terminal signals the whole group
+            os.killpg(os.getpgid(pool_owner()), signal.SIGINT)  # Ctrl-C: the terminal signals the whole group
             time.sleep(1.0)  # still working on the job when the parent stops
         if dist.is_initialized() and dist.get_rank() == 0 and self.fault == "sigterm":
-            os.kill(os.getppid(), signal.SIGTERM)  # a job scheduler stops the parent
+            os.kill(pool_owner(), signal.SIGTERM)  # a job scheduler stops the parent
             time.sleep(1.0)
         if dist.is_initialized() and dist.get_rank() == 1:
             if self.fault == "raise":

@@ -168,8 +168,23 @@ def test_workers_exit_when_their_parent_dies(tmp_path):
     while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(pid) for pid in pids)
+    assert not forkers_of(killed.pid), "the forker outlived the process that started it"
     # The parent could not remove its pool's folder; its ranks did, on their way out.
     assert not glob.glob(os.path.join(tempfile.gettempdir(), f"{pools.FOLDER_PREFIX}{killed.pid}-*"))
+
+
+def forkers_of(parent: int) -> list[int]:
+    """Live forkers started by ``parent``: their command line ends with its pid."""
+    found = []
+    for cmdline in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            with open(cmdline, "rb") as file:
+                words = file.read().rstrip(b"\0").split(b"\0")
+        except OSError:
+            continue
+        if b"equivcheck.distributed" in words and words[-1] == str(parent).encode():
+            found.append(int(cmdline.split("/")[2]))
+    return [pid for pid in found if alive(pid)]
 
 
 def test_torchrun_runs_the_ddp_regimes_in_the_launchers_group(tmp_path):

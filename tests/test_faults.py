@@ -22,6 +22,7 @@ import pytest
 import equivcheck as ec
 from equivcheck import Verdict
 from equivcheck.distributed import capacity
+from equivcheck.distributed import forker as forkers
 from equivcheck.distributed import pool as pools
 
 import fault_cases  # noqa: F401  (registers the fault_* cases; workers import it by name)
@@ -30,20 +31,31 @@ FAULT_CASES = str(Path(fault_cases.__file__))
 
 
 def ranks_of(parent: int) -> set[int]:
-    """The live worker ranks started by process ``parent``: their command line names its pool folder."""
+    """The live worker ranks of process ``parent``'s pools: each keeps a file open in its pool's folder (where it
+    dumps its stack), and the folder's name says whose pool it is."""
+    marker = os.path.join(tempfile.gettempdir(), f"{pools.FOLDER_PREFIX}{parent}-")
     found = set()
-    for cmdline in glob.glob("/proc/[0-9]*/cmdline"):
+    for fds in glob.glob("/proc/[0-9]*/fd"):
+        pid = int(fds.split("/")[2])
         try:
-            with open(cmdline, "rb") as file:
-                words = file.read().split(b"\0")
-            with open(cmdline.replace("cmdline", "stat")) as stat:
+            with open(f"/proc/{pid}/stat") as stat:
                 zombie = stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+            names = os.listdir(fds)
         except OSError:
             continue
-        if b"equivcheck.distributed" in words and not zombie \
-                and any(f"{pools.FOLDER_PREFIX}{parent}-".encode() in w for w in words):
-            found.add(int(cmdline.split("/")[2]))
+        if not zombie and any(link.startswith(marker) for link in links_of(fds, names)):
+            found.add(pid)
     return found
+
+
+def links_of(fds: str, names: list[str]) -> list[str]:
+    links = []
+    for name in names:
+        try:
+            links.append(os.readlink(os.path.join(fds, name)))
+        except OSError:  # closed since it was listed
+            pass
+    return links
 
 
 def folders_of(parent: int) -> set[str]:
@@ -108,16 +120,50 @@ def test_a_reply_to_another_job_is_a_protocol_error_never_a_result():
     assert_a_buggy_regime_is_still_caught()
 
 
-def test_an_interrupt_while_the_pool_starts_leaves_no_rank_and_no_folder(alarm):
+def test_an_interrupt_while_the_forker_starts_leaves_no_rank_and_no_folder(alarm):
     me = os.getpid()
-    ranks_before, folders_before = ranks_of(me), folders_of(me)
-    alarm(0.5, KeyboardInterrupt)  # the ranks are still importing torch
+    forkers.shutdown_forker()
+    alarm(0.5, KeyboardInterrupt)  # the new forker is still importing torch: no rank was asked for
     with pytest.raises(KeyboardInterrupt):
         pools.pool_for("gloo", 3)
     assert ("gloo", 3) not in pools._pools
-    assert eventually(lambda: ranks_of(me) <= ranks_before), "a rank of the interrupted start lives on"
-    assert folders_of(me) <= folders_before
+    assert not ranks_of(me) and not folders_of(me)
     assert_a_buggy_regime_is_still_caught()
+
+
+def test_an_interrupt_between_a_fork_and_its_pid_reaching_the_pool_leaves_no_rank(monkeypatch):
+    """The narrowest window: the forker has forked a rank and the interrupt lands before the pool holds its pid.
+    The first rank waits in the rendezvous for the others; neither may live on."""
+    me = os.getpid()
+    ranks_before, folders_before = ranks_of(me), folders_of(me)
+    spawn, spawned = forkers.Forker.spawn, []
+
+    def interrupted_after_the_second_fork(self, *args, **kwargs):
+        rank = spawn(self, *args, **kwargs)
+        spawned.append(rank.pid)
+        if len(spawned) == 2:
+            raise KeyboardInterrupt
+        return rank
+
+    monkeypatch.setattr(forkers.Forker, "spawn", interrupted_after_the_second_fork)
+    with pytest.raises(KeyboardInterrupt):
+        pools.pool_for("gloo", 3)
+    monkeypatch.undo()
+    assert len(spawned) == 2 and ("gloo", 3) not in pools._pools
+    assert eventually(lambda: ranks_of(me) <= ranks_before), "a rank of the interrupted start lives on"
+    assert not any(pids_alive(spawned)) and folders_of(me) <= folders_before
+    assert_a_buggy_regime_is_still_caught()
+
+
+def pids_alive(pids: list[int]) -> list[bool]:
+    alive = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                alive.append(stat.read().rsplit(")", 1)[1].split()[0] != "Z")
+        except OSError:
+            alive.append(False)
+    return alive
 
 
 @pytest.mark.parametrize(("fault", "code"), [("sigint", 130), ("sigterm", 143)])
@@ -171,7 +217,7 @@ def test_a_check_at_import_time_is_a_usage_error_in_the_parent_not_a_runaway(tmp
     counter.join()
     assert run.returncode == 1
     assert "InvalidArgument" in stderr and 'if __name__ == "__main__":' in stderr and "worker rank" in stderr
-    assert 1 <= most <= 2, f"{most} processes descended from the script: at most the pool's 2 ranks, ever"
+    assert 1 <= most <= 3, f"{most} processes descended from the script: at most the forker and 2 ranks, ever"
     assert not ranks_of(run.pid) and not folders_of(run.pid)
 
 

@@ -1,7 +1,7 @@
 """A warm pool of worker ranks per (backend, world size), alive for a whole CLI run or test session.
 
-Spawning a process group costs seconds (a fresh interpreter, torch, rendezvous); a job on a warm
-pool costs milliseconds. The rendezvous is a file in a fresh temporary folder, so pools never
+Starting a process group costs time (a rank forked from a warm interpreter, see forker.py, and the
+rendezvous); a job on a warm pool costs milliseconds. The rendezvous is a file in a fresh temporary folder, so pools never
 collide (``pytest -n 2`` runs several side by side); gloo's own connections between the ranks
 listen on the loopback interface only. Any fault (a rank that raises, hangs past the timeout or
 dies) and any exception while a job is in flight (Ctrl-C included) tears the whole pool down,
@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 from ..errors import InvalidArgument, WorkerError
 from .capacity import ensure_room
+from .forker import ForkedRank, forker, import_path
 from .worker import INSIDE_RANK_VARIABLE, stack_file
 
 DEFAULT_TIMEOUT = 60.0  # seconds a job may take on its ranks
@@ -50,15 +51,13 @@ class WorkerPool:
     def __init__(self, backend: str, world_size: int, *, threads: int = WORKER_THREADS,
                  start_timeout: float = START_TIMEOUT) -> None:
         self.backend, self.world_size = backend, world_size
+        self._forker = forker(start_timeout)
         remove_orphaned_folders()
         self._folder = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-")  # whose pool it is, by name
         store = os.path.join(self._folder, "rendezvous")
-        env = os.environ | {
-            # The parent's import path, so that workers import case modules by the same names.
-            "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path),
-            # gloo's connections between the ranks listen on loopback, never on an outside interface.
-            "GLOO_SOCKET_IFNAME": LOOPBACK,
-        }
+        # The parent's import path, so that ranks import case modules by the same names; gloo's connections
+        # between the ranks listen on loopback, never on an outside interface.
+        env = os.environ | {"PYTHONPATH": os.pathsep.join(import_path()), "GLOO_SOCKET_IFNAME": LOOPBACK}
         self._conns, self._processes = [], []
         self._jobs = 0  # the number of the last job sent; replies must carry it
         self._in_flight: Ticket | None = None
@@ -67,11 +66,12 @@ class WorkerPool:
                 # A private socket pair per rank: no port, no authentication to get wrong, and EOF when either dies.
                 parent_end, child_end = multiprocessing.Pipe(duplex=True)
                 self._conns.append(parent_end)
-                command = [sys.executable, "-m", "equivcheck.distributed", str(rank), str(world_size), backend,
-                           store, str(child_end.fileno()), str(os.getpid()), str(threads), str(start_timeout)]
-                self._processes.append(subprocess.Popen(command, env=env, pass_fds=[child_end.fileno()],
-                                                        start_new_session=True))
-                child_end.close()
+                argv = [str(rank), str(world_size), backend, store, str(threads), str(start_timeout)]
+                try:
+                    self._processes.append(
+                        self._forker.spawn(self._folder, argv, child_end.fileno(), env, os.getcwd()))
+                finally:
+                    child_end.close()
             self._gather(Ticket(0, time.monotonic() + start_timeout, start_timeout, "start"))
         except BaseException:
             self.close()
@@ -187,6 +187,7 @@ class WorkerPool:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        self._forker.kill_group(self._folder)  # a rank forked for a start that was interrupted before it was known
         for conn in self._conns:
             conn.close()
         self._conns, self._processes = [], []
@@ -204,7 +205,7 @@ def _exception_line(traceback_text: str) -> str:
     return lines[last_frame + 1] if last_frame + 1 < len(lines) else lines[-1]
 
 
-def _dead_peer(processes: list[subprocess.Popen], raised: int, grace: float) -> int | None:
+def _dead_peer(processes: list[ForkedRank], raised: int, grace: float) -> int | None:
     """A rank other than ``raised`` that has died or dies within ``grace`` seconds, else None.
 
     When a rank dies, its peers' collectives break and they raise; which the parent reads first is a
@@ -218,7 +219,7 @@ def _dead_peer(processes: list[subprocess.Popen], raised: int, grace: float) -> 
         time.sleep(0.02)
 
 
-def _exit_reason(process: subprocess.Popen) -> str:
+def _exit_reason(process: ForkedRank) -> str:
     try:
         code = process.wait(1.0)
     except subprocess.TimeoutExpired:

@@ -100,8 +100,8 @@ def stack_file(folder: str, rank: int) -> str:
 
 
 def _exit_with_parent(parent: int, folder: str) -> None:
-    """A worker never outlives the process that started it, even while stuck in a collective; a
-    parent killed without its cleanup leaves its pool's folder to the ranks to remove."""
+    """A worker never outlives its parent (the forker, which never outlives the pool's process), even while
+    stuck in a collective; a parent killed without its cleanup leaves its pool's folder to the ranks to remove."""
 
     def watch() -> None:
         while os.getppid() == parent:
