@@ -278,6 +278,7 @@ def test_a_distributed_run_trains_while_the_reference_runs_and_an_abandoned_one_
     is in flight (Ctrl-C in the CLI) closes that pool, and the next check gets a fresh pool and its own results."""
     from equivcheck.check import iter_outcomes, plan
 
+    pools.pool_for("gloo", 2)  # the forker ready: a process's very first job waits for it (tests/test_forker.py)
     outcomes = iter_outcomes(plan("mlp", ["accumulate:chunks=2", "ddp:world_size=2"]))
     first = next(outcomes)
     assert first.regime == "accumulate:chunks=2"

@@ -82,3 +82,21 @@ def test_the_forker_forks_from_one_thread_whatever_the_environment_asks(monkeypa
     finally:
         forker.close()
     assert len(tasks) == 1, f"the forker runs {len(tasks)} threads: a fork would lose the others mid-work"
+
+
+def test_a_processs_first_job_is_sent_once_the_forker_is_ready_and_the_reference_runs_meanwhile(monkeypatch,
+                                                                                                 fresh_ranks):
+    from equivcheck.check import iter_outcomes, plan
+
+    monkeypatch.setattr(forkers.Forker, "ready", property(lambda self: False))  # as in a fresh process
+    outcomes = iter_outcomes(plan("mlp", ["accumulate:chunks=2", "ddp:world_size=2"]))
+    assert next(outcomes).verdict is Verdict.EQUIVALENT  # the reference and accumulate ran here meanwhile
+    assert ("gloo", 2) not in pools._pools, "the job waited for the forker before this process did any work"
+    (ddp,) = outcomes
+    assert ddp.regime == "ddp:world_size=2" and ddp.verdict is Verdict.EQUIVALENT, ddp.describe()
+
+    pools.shutdown_pools()
+    abandoned = iter_outcomes(plan("mlp", ["accumulate:chunks=2", "ddp:world_size=2"]))
+    next(abandoned)
+    abandoned.close()  # Ctrl-C before the job was sent: there is no pool to close
+    assert ("gloo", 2) not in pools._pools

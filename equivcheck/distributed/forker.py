@@ -63,6 +63,17 @@ class Forker:
     def alive(self) -> bool:
         return self._owner == os.getpid() and not self._gone and self._process.poll() is None
 
+    @property
+    def ready(self) -> bool:
+        """Whether the forker has finished its imports (a rank forks at once), without waiting."""
+        with self._lock:
+            try:
+                while not self._ready:
+                    self._read(0.0)
+            except (TimeoutError, WorkerError):
+                pass
+        return self._ready
+
     def spawn(self, group: str, argv: list[str], fd: int, env: dict[str, str], cwd: str) -> ForkedRank:
         """Fork a rank of pool ``group`` that runs ``worker.worker_main`` with ``argv``, ``fd`` as its end of the
         pool's pipe, and ``env``'s import path."""

@@ -255,17 +255,8 @@ def _running(pid: int) -> bool:
 
 
 def pool_for(backend: str, world_size: int) -> WorkerPool:
-    """The warm pool for (backend, world size), started on first use or after a fault.
-
-    Never inside a rank: a module that runs a check when imported would have every rank start a
-    pool of its own (1, 3, 7, 15 ... processes)."""
-    inside = os.environ.get(INSIDE_RANK_VARIABLE)
-    if inside is not None:
-        raise InvalidArgument(
-            f"a distributed check was started inside worker rank {inside} while it imported the case's module: "
-            "that module runs a check when it is imported. Put the check under `if __name__ == \"__main__\":` "
-            "(or inside a test function), so that importing the module only registers the case"
-        )
+    """The warm pool for (backend, world size), started on first use or after a fault."""
+    _refuse_inside_a_rank()
     key = (backend, world_size)
     pool = _pools.get(key)
     if pool is None or not pool.alive:
@@ -276,18 +267,44 @@ def pool_for(backend: str, world_size: int) -> WorkerPool:
     return pool
 
 
+def _refuse_inside_a_rank() -> None:
+    """A module that runs a check when imported would have every rank start a pool of its own (1, 3, 7, 15 ...
+    processes): ranks never start pools."""
+    inside = os.environ.get(INSIDE_RANK_VARIABLE)
+    if inside is not None:
+        raise InvalidArgument(
+            f"a distributed check was started inside worker rank {inside} while it imported the case's module: "
+            "that module runs a check when it is imported. Put the check under `if __name__ == \"__main__\":` "
+            "(or inside a test function), so that importing the module only registers the case"
+        )
+
+
 def run_job(backend: str, world_size: int, job: dict, timeout: float = DEFAULT_TIMEOUT) -> list[dict]:
     return submit_job(backend, world_size, job, timeout)()
 
 
 class InFlight:
-    """A job on a warm pool's ranks: call it for the replies, or ``abandon()`` it (the pool is closed, so no
-    reply left unread can answer a later job)."""
+    """A job for a warm pool's ranks: call it for the replies, or ``abandon()`` it (a pool it was sent to is
+    closed, so no reply left unread can answer a later job)."""
 
-    def __init__(self, backend: str, world_size: int, pool: WorkerPool, ticket: Ticket) -> None:
-        self._key, self._pool, self._ticket = (backend, world_size), pool, ticket
+    def __init__(self, backend: str, world_size: int, job: dict, timeout: float) -> None:
+        self._key, self._job, self._timeout = (backend, world_size), job, timeout
+        self._pool: WorkerPool | None = None
+        self._ticket: Ticket | None = None
+
+    def send(self) -> None:
+        pool = pool_for(*self._key)
+        try:
+            self._ticket = pool.submit(self._job, self._timeout)
+        except BaseException:
+            if not pool.alive:  # a failed send closed it; it is never reused
+                _pools.pop(self._key, None)
+            raise
+        self._pool = pool
 
     def __call__(self) -> list[dict]:
+        if self._pool is None:
+            self.send()
         try:
             return self._pool.collect(self._ticket)
         except BaseException:  # the pool closed itself; it is never reused
@@ -295,20 +312,22 @@ class InFlight:
             raise
 
     def abandon(self) -> None:
-        self._pool.close()
-        _pools.pop(self._key, None)
+        if self._pool is not None:
+            self._pool.close()
+            _pools.pop(self._key, None)
 
 
 def submit_job(backend: str, world_size: int, job: dict, timeout: float = DEFAULT_TIMEOUT) -> InFlight:
-    """Send ``job`` to the warm pool's ranks now; the returned job gives their replies when called."""
-    pool = pool_for(backend, world_size)
-    try:
-        ticket = pool.submit(job, timeout)
-    except BaseException:
-        if not pool.alive:  # a failed send closed it; it is never reused
-            _pools.pop((backend, world_size), None)
-        raise
-    return InFlight(backend, world_size, pool, ticket)
+    """Send ``job`` to the warm pool's ranks now; the returned job gives their replies when called.
+
+    A process's first pool waits for its forker to import torch: until the forker is ready the job is sent when
+    its replies are first asked for, so that this process works meanwhile (the reference, its own lazy imports)
+    instead of waiting."""
+    _refuse_inside_a_rank()
+    in_flight = InFlight(backend, world_size, job, timeout)
+    if forker(START_TIMEOUT).ready:
+        in_flight.send()
+    return in_flight
 
 
 def shutdown_pools() -> None:
