@@ -7,8 +7,11 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The cases are tiny: one torch thread per process beats several fighting over 2 cores.
 export OMP_NUM_THREADS ?= 1
+# pytest-xdist workers for make test and make test-dev: the suite's time is in the processes its tests start
+# (commands, ranks, pytest sessions), which two workers overlap (bench/README.md#the-suite).
+WORKERS ?= 2
 
-.PHONY: install demo test test-dev test-frameworks bench bench-speed bench-threads bench-memory bench-false-alarms mutation clean
+.PHONY: install demo test test-dev test-frameworks bench bench-speed bench-threads bench-memory bench-false-alarms bench-suite mutation clean
 
 # The developer's venv: an editable install, for make demo, make test-dev and the benchmarks.
 install: $(STAMP)
@@ -30,7 +33,7 @@ demo: install
 	@$(BIN)/equivcheck run --html $(DEMO)/report.html --markdown $(DEMO)/summary.md
 
 test-dev: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(WORKERS)
 
 # make test checks what users install: the sdist of the tree as git sees it, the wheel built from that sdist, that wheel installed into its own
 # venv, and the suite run from a copy of the tests, where nothing of the checkout is importable
@@ -56,7 +59,7 @@ test: $(INSTALLED)/venv/.installed
 	$(INSTALLED_BIN)/python -m pip install --quiet --disable-pip-version-check "$$(ls $(DIST)/*.whl)[test]"
 	mkdir -p $(SUITE) && cp -r tests conftest.py pyproject.toml README.md $(SUITE)/
 	cd $(SUITE) && EQUIVCHECK_SOURCE_TREE="$(CURDIR)" EQUIVCHECK_DIST="$(CURDIR)/$(DIST)" \
-		../venv/bin/python -m pytest -q -p no:cacheprovider
+		../venv/bin/python -m pytest -q -p no:cacheprovider -n $(WORKERS)
 
 # The framework recipes against pinned releases, installed after the pinned torch (pip keeps it), and the
 # report and terminal extras (matplotlib, rich), whose plots and tables tests/test_reports.py then draws.
@@ -68,6 +71,10 @@ test-frameworks: install
 
 bench: install bench-speed bench-threads
 	$(BIN)/python bench/bench_pool.py
+
+# The suite itself, serial against two workers, side by side (about 5 minutes here).
+bench-suite: install
+	$(BIN)/python bench/bench_suite.py
 
 # A check with and without OMP_NUM_THREADS (unset for its probes, whatever this Makefile exports), quiet and busy.
 bench-threads: install
