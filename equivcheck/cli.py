@@ -107,16 +107,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED[name]
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_stopping = False  # a stop signal has been raised: the command is keeping what finished and stopping its ranks
+
+
 @contextlib.contextmanager
 def _sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM stops the command the way Ctrl-C does (an exception in the main thread), not silently; and
-    neither is lost in a finalizer (see :func:`_interrupt`)."""
-    previous = {signum: signal.signal(signum, _interrupt) for signum in (signal.SIGINT, signal.SIGTERM)}
+    """SIGTERM stops the command the way Ctrl-C does (an exception in the main thread), not silently; neither
+    is lost in a finalizer, and a second one while the command stops is ignored (see :func:`_interrupt`)."""
+    global _stopping
+    previous = {signum: signal.signal(signum, _interrupt) for signum in STOP_SIGNALS}
     try:
         yield
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        _stopping = False
 
 
 REDELIVER_AFTER = 0.01  # seconds: a signal that landed in a finalizer comes again once the finalizer is done
@@ -126,7 +132,14 @@ def _interrupt(signum: int, frame) -> None:
     """Raise KeyboardInterrupt (SIGINT) or Interrupted (SIGTERM) in the main thread. Python runs a handler
     between any two bytecodes, finalizers (``__del__``) included, and an exception raised there is printed and
     dropped: the command would go on and a traceback would reach the terminal. So inside a finalizer the
-    signal is sent again a moment later, when the main thread is back in ordinary code."""
+    signal is sent again a moment later, when the main thread is back in ordinary code.
+
+    Once the command is stopping (a second Ctrl-C, or SIGTERM after Ctrl-C), a signal changes nothing: raised
+    again, it would break off the stop itself (ranks left to their parent-watch, the report or JSON half
+    written, a traceback); the stop is bounded, its ranks killed within a second of their pool's close."""
+    global _stopping
+    if _stopping:
+        return
     while frame is not None:
         if frame.f_code.co_name == "__del__":
             again = threading.Timer(REDELIVER_AFTER, os.kill, (os.getpid(), signum))
@@ -134,6 +147,7 @@ def _interrupt(signum: int, frame) -> None:
             again.start()
             return
         frame = frame.f_back
+    _stopping = True
     raise KeyboardInterrupt if signum == signal.SIGINT else Interrupted("SIGTERM")
 
 
@@ -164,6 +178,8 @@ def entry() -> None:
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush into the pipe
         code = EXIT_BROKEN_PIPE
+    for signum in STOP_SIGNALS:  # the exit handlers stop the ranks within a second; a signal now only interrupts that
+        signal.signal(signum, signal.SIG_IGN)
     exit_without_teardown(code)
 
 

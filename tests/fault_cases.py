@@ -23,6 +23,17 @@ def pool_owner() -> int:
         return int(stat.read().rsplit(")", 1)[1].split()[1])
 
 
+_signalled: set[str] = set()
+
+
+def once(signal_name: str) -> bool:
+    """True the first time in this rank: one Ctrl-C, not one per step (a second one would land in the parent's
+    own shutdown, whenever the rank outlives the parent's 1 s grace by a step)."""
+    first = signal_name not in _signalled
+    _signalled.add(signal_name)
+    return first
+
+
 class Faulty(nn.Module):
     def __init__(self, fault: str) -> None:
         super().__init__()
@@ -32,10 +43,15 @@ class Faulty(nn.Module):
     def forward(self, x):
         if dist.is_initialized() and self.fault == "slow":
             time.sleep(1.0)  # a job that takes seconds: time to interrupt it
-        if dist.is_initialized() and dist.get_rank() == 0 and self.fault == "sigint":
+        if dist.is_initialized() and dist.get_rank() == 0 and self.fault == "sigint" and once("sigint"):
             os.killpg(os.getpgid(pool_owner()), signal.SIGINT)  # Ctrl-C: the terminal signals the whole group
             time.sleep(1.0)  # still working on the job when the parent stops
-        if dist.is_initialized() and dist.get_rank() == 0 and self.fault == "sigterm":
+        if dist.is_initialized() and dist.get_rank() == 0 and self.fault == "sigint_twice" and once("sigint"):
+            os.killpg(os.getpgid(pool_owner()), signal.SIGINT)
+            time.sleep(0.3)  # the parent is closing its pool now, waiting for this rank to stop
+            os.killpg(os.getpgid(pool_owner()), signal.SIGINT)  # an impatient second Ctrl-C
+            time.sleep(1.0)
+        if dist.is_initialized() and dist.get_rank() == 0 and self.fault == "sigterm" and once("sigterm"):
             os.kill(pool_owner(), signal.SIGTERM)  # a job scheduler stops the parent
             time.sleep(1.0)
         if dist.is_initialized() and dist.get_rank() == 1:
@@ -53,7 +69,7 @@ class Faulty(nn.Module):
         return self.linear(x)
 
 
-for fault in ("raise", "hang", "kill", "late_kill", "slow", "sigint", "sigterm"):
+for fault in ("raise", "hang", "kill", "late_kill", "slow", "sigint", "sigint_twice", "sigterm"):
     ec.register_case(dataclasses.replace(
         ec.get_case("mlp"), name=f"fault_{fault}", model=lambda fault=fault: Faulty(fault), split=None, regimes=None,
     ))

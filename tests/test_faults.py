@@ -166,8 +166,10 @@ def pids_alive(pids: list[int]) -> list[bool]:
     return alive
 
 
-@pytest.mark.parametrize(("fault", "code"), [("sigint", 130), ("sigterm", 143)])
-def test_the_cli_keeps_finished_verdicts_when_interrupted(tmp_path, fault, code):
+@pytest.mark.parametrize(("fault", "code", "name"),
+                         [("sigint", 130, "SIGINT"), ("sigterm", 143, "SIGTERM"),
+                          ("sigint_twice", 130, "SIGINT")])  # the second Ctrl-C lands while the CLI stops its pool
+def test_the_cli_keeps_finished_verdicts_when_interrupted(tmp_path, fault, code, name):
     out = tmp_path / "rows.json"
     cli = subprocess.Popen(
         [sys.executable, "-m", "equivcheck", "run", "--cases-from", FAULT_CASES, "--case", "mlp",
@@ -186,7 +188,7 @@ def test_the_cli_keeps_finished_verdicts_when_interrupted(tmp_path, fault, code)
     rows = [(r["case"], r["regime"], r["verdict"]) for r in document["rows"]]
     assert rows == [("mlp", "accumulate:chunks=2", "equivalent"), ("mlp", "ddp:world_size=2", "equivalent"),
                     (f"fault_{fault}", "accumulate:chunks=2", "equivalent")][: len(rows)] and len(rows) >= 2
-    assert f"{len(rows)} checks: {len(rows)} equivalent; interrupted by {fault.upper()}" in stdout
+    assert f"{len(rows)} checks: {len(rows)} equivalent; interrupted by {name}" in stdout
     assert not ranks_of(cli.pid) and not folders_of(cli.pid)
 
 
@@ -318,6 +320,39 @@ def test_a_signal_that_lands_in_a_finalizer_still_stops_the_command(monkeypatch)
         Finalized()  # its finalizer runs at once
         time.sleep(5)  # the signal, sent again, stops this
     assert dropped == []
+
+
+def test_a_second_stop_signal_while_the_command_stops_changes_nothing():
+    """An impatient second Ctrl-C (or SIGTERM after it) while the CLI keeps what finished and stops its ranks would
+    break that stop off halfway: it is ignored until the command is done; the next command stops again."""
+    from equivcheck.cli import _sigterm_interrupts
+    from equivcheck.errors import Interrupted
+
+    with _sigterm_interrupts():
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        try:
+            signal.raise_signal(signal.SIGINT)  # the command is stopping: nothing is raised
+            signal.raise_signal(signal.SIGTERM)
+        except (KeyboardInterrupt, Interrupted) as stop:
+            pytest.fail(f"a second stop signal broke off the stop: {stop!r}")
+    with pytest.raises(KeyboardInterrupt), _sigterm_interrupts():
+        signal.raise_signal(signal.SIGINT)
+
+
+SIGNAL_AT_EXIT = """
+import atexit, os, signal, sys
+from equivcheck import cli
+atexit.register(os.kill, os.getpid(), signal.SIGINT)  # a Ctrl-C while the exit handlers stop the ranks
+sys.argv = ["equivcheck", "list"]
+cli.entry()
+"""
+
+
+def test_a_signal_while_the_command_exits_leaves_no_traceback():
+    done = subprocess.run([sys.executable, "-c", SIGNAL_AT_EXIT], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "Traceback" not in done.stderr and "KeyboardInterrupt" not in done.stderr, \
+        done.stderr
 
 
 class ClosedPipe:

@@ -20,7 +20,7 @@ assert os.environ.get("EQUIVCHECK_FORKER_PROBE") == "given after the forker star
     "EQUIVCHECK_FORKER_PROBE")
 assert os.getcwd() == {cwd!r}, os.getcwd()
 if "EQUIVCHECK_INSIDE_RANK" in os.environ:
-    print("rank", os.environ["EQUIVCHECK_INSIDE_RANK"], "imported the case", flush=True)
+    os.write(1, f"rank {{os.environ['EQUIVCHECK_INSIDE_RANK']}} imported the case\\n".encode())  # one write each
 CASE = ec.register_case(dataclasses.replace(ec.get_case("mlp"), name="forker_probe", regimes=None))
 '''
 
