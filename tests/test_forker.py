@@ -84,6 +84,42 @@ def test_the_forker_forks_from_one_thread_whatever_the_environment_asks(monkeypa
     assert len(tasks) == 1, f"the forker runs {len(tasks)} threads: a fork would lose the others mid-work"
 
 
+def test_an_interrupt_inside_a_message_from_the_forker_retires_it(monkeypatch, fresh_ranks):
+    """Ctrl-C between reading a message's length and its body: the body would be read as the next message's
+    length. That forker is stopped for good, and the next pool gets a new one."""
+    interrupted = forkers.forker(60.0)
+    assert interrupted.ready
+
+    def half_read():
+        interrupted._conn._recv(4)  # the length of the next message (the fork's answer), not its body
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(interrupted._conn, "recv", half_read)
+    with pytest.raises(KeyboardInterrupt):
+        pools.pool_for("gloo", 2)
+    assert not interrupted.alive, "a forker whose channel stands inside a message was kept"
+    assert ec.check("mlp", ["ddp:world_size=2"]).outcomes[0].verdict is Verdict.EQUIVALENT
+    assert forkers.forker(60.0) is not interrupted
+
+
+def test_an_interrupt_inside_a_request_to_the_forker_retires_it(monkeypatch, fresh_ranks):
+    """Ctrl-C between a fork's request and the descriptors that go with it: the forker waits for them, and would
+    take the next request's bytes for them. That forker is stopped for good."""
+    interrupted = forkers.forker(60.0)
+    assert interrupted.ready
+
+    def interrupted_before_the_descriptors(*args):
+        raise KeyboardInterrupt
+
+    send_fds = forkers.socket.send_fds
+    monkeypatch.setattr(forkers.socket, "send_fds", interrupted_before_the_descriptors)
+    with pytest.raises(KeyboardInterrupt):
+        pools.pool_for("gloo", 2)
+    monkeypatch.setattr(forkers.socket, "send_fds", send_fds)
+    assert not interrupted.alive, "a forker left waiting inside a request was kept"
+    assert ec.check("mlp", ["ddp:world_size=2"]).outcomes[0].verdict is Verdict.EQUIVALENT
+
+
 def test_a_processs_first_job_is_sent_once_the_forker_is_ready_and_the_reference_runs_meanwhile(monkeypatch,
                                                                                                  fresh_ranks):
     from equivcheck.check import iter_outcomes, plan

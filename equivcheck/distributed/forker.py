@@ -81,8 +81,15 @@ class Forker:
         with self._lock:
             self._wait_until_ready()
             self._requests += 1
-            self._conn.send(("spawn", self._requests, group, argv, env, import_path(), cwd, streams))
-            socket.send_fds(self._socket, [b"f"], [fd, *streams])  # a rank writes where its pool's process writes
+            try:
+                self._conn.send(("spawn", self._requests, group, argv, env, import_path(), cwd, streams))
+                socket.send_fds(self._socket, [b"f"], [fd, *streams])  # a rank writes where its pool writes
+            except OSError:
+                self._retire()
+                raise WorkerError("the forker that starts the ranks is gone") from None
+            except BaseException:  # interrupted inside the request: the forker may be waiting for the rest of it
+                self._retire()
+                raise
             while True:
                 message = self._read_in_time("fork a rank")
                 if message[0] == "spawned" and message[1] == self._requests:
@@ -122,8 +129,7 @@ class Forker:
         try:
             return self._read(self._start_timeout)
         except TimeoutError:
-            self._gone = True
-            self._process.kill()
+            self._retire()
             raise WorkerError(f"the forker that starts the ranks did not {what} within {self._start_timeout:g} s; "
                               "it was stopped") from None
 
@@ -131,7 +137,8 @@ class Forker:
         """The next message from the forker, noting exits and readiness on the way; TimeoutError when none came
         within ``timeout``, WorkerError when the forker is gone."""
         try:
-            message = self._conn.recv() if self._conn.poll(timeout) else None
+            ready = self._conn.poll(timeout)  # an interrupt while waiting here leaves the channel whole
+            message = self._whole_message() if ready else None
         except (EOFError, OSError):
             self._gone = True
             code = self._process.wait()
@@ -143,6 +150,21 @@ class Forker:
         elif message[0] == "ready":
             self._ready = True
         return message
+
+    def _whole_message(self) -> tuple:
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            raise
+        except BaseException:  # interrupted inside a message: the rest of it would be read as the next one
+            self._retire()
+            raise
+
+    def _retire(self) -> None:
+        """Stop this forker for good; its ranks leave with it, and the next pool starts a new one."""
+        self._gone = True
+        self._process.kill()
+        self._process.wait()
 
     def _send(self, message: tuple) -> None:
         with self._lock:
