@@ -8,6 +8,7 @@ import sys
 import tempfile
 import time
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 pytest_plugins = ["pytester"]  # the plugin's own tests run pytest inside pytest
@@ -17,6 +18,16 @@ settings.register_profile("ci", derandomize=True, max_examples=25, deadline=None
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", max_examples=300, deadline=None)
 settings.load_profile("ci")
+
+
+@pytest.fixture
+def isolated_registry(monkeypatch):
+    """User cases registered by a test leave the registry of the outer session as it was."""
+    from equivcheck import registry
+
+    registry.all_cases()  # the built-in cases are loaded once, into the registry the test leaves as it was
+    monkeypatch.setattr(registry, "_cases", dict(registry._cases))
+    monkeypatch.setattr(registry, "_sources", dict(registry._sources))
 
 
 # `make mutation` maps every mutant to the tests that reach its function by recording, in the test process,

@@ -7,7 +7,7 @@ import os
 import pytest
 
 import equivcheck as ec
-from equivcheck import Verdict, registry
+from equivcheck import Verdict
 from equivcheck.distributed import forker as forkers
 from equivcheck.distributed import pool as pools
 
@@ -26,11 +26,8 @@ CASE = ec.register_case(dataclasses.replace(ec.get_case("mlp"), name="forker_pro
 
 
 @pytest.fixture
-def fresh_ranks(monkeypatch):
+def fresh_ranks(isolated_registry):
     """A warm forker and no warm pool: the next job's ranks are forked now. The test's cases stay its own."""
-    registry.all_cases()  # the built-in cases are loaded once, into the registry this test leaves as it was
-    monkeypatch.setattr(registry, "_cases", dict(registry._cases))
-    monkeypatch.setattr(registry, "_sources", dict(registry._sources))
     pools.pool_for("gloo", 1)  # the forker runs from here on
     pools.shutdown_pools()
     yield

@@ -8,7 +8,6 @@ from pathlib import Path
 import _pytest.pytester
 import pytest
 
-from equivcheck import registry
 from equivcheck.cli import main
 from equivcheck.regimes.ddp import auto_backend
 
@@ -89,13 +88,6 @@ import equivcheck as ec
 ec.register_case(dataclasses.replace(ec.get_case("mlp"), name="wrongly_trusted", expect_mismatch={},
                                      regimes=("accumulate:chunks=5", "naive_accumulate:chunks=5")))
 '''
-
-
-@pytest.fixture
-def isolated_registry(monkeypatch):
-    """User cases registered by a test leave the registry of the outer session as it was."""
-    monkeypatch.setattr(registry, "_cases", dict(registry._cases))
-    monkeypatch.setattr(registry, "_sources", dict(registry._sources))
 
 
 def test_generated_failure_shows_the_mismatch_not_a_traceback_and_json_matches_the_cli(pytester, isolated_registry):
