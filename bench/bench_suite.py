@@ -51,8 +51,9 @@ def main() -> None:
           f"median of {args.repeats} run(s) each, alternated")
     for workers in args.workers:
         seconds = statistics.median(times[workers])
+        verdict = "met" if seconds <= TARGET_SECONDS else "not met"
         print(f"  pytest -n {workers:<3} {seconds:7.1f} s   {base / seconds:.2f}x as fast as -n {args.workers[0]}   "
-              f"{counts[workers]}   target <= {TARGET_SECONDS:.0f} s: {'met' if seconds <= TARGET_SECONDS else 'not met'}")
+              f"{counts[workers]}   target <= {TARGET_SECONDS:.0f} s: {verdict}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,6 @@ exact against full batch; the same without join hangs and becomes an error withi
 usable afterwards; join with each rank's own mean is caught by its numbers. Within one step, no_sync
 accumulation over different micro-batch counts needs no join, and inside join it crashes a rank."""
 
-import os
 import time
 
 import pytest
@@ -14,17 +13,9 @@ from equivcheck import Verdict
 from equivcheck.distributed import pool as pools
 from equivcheck.hypothesis import regime_specs
 from equivcheck.regimes.ddp_join import holders, micro_batches_of, steps_of
+from processes import alive
 
 CASE = "ddp_join_uneven_tail"  # mlp: 12 samples per step, 3 steps
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 @pytest.fixture(scope="module")

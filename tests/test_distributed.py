@@ -19,16 +19,8 @@ from equivcheck.distributed import pool as pools
 from equivcheck.regimes.ddp import auto_backend
 
 import fault_cases  # noqa: F401  (registers the fault_* cases; workers import it by name)
+from processes import alive
 from equivcheck_cases.seed003_article import ARTICLE_WEIGHTS
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as stat:  # a zombie has exited; only its parent has yet to reap it
-        return stat.read().split()[2] != "Z"
 
 
 @pytest.mark.parametrize("regime", ["full_batch", "accumulate:chunks=2", "ddp:world_size=2",

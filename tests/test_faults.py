@@ -26,6 +26,7 @@ from equivcheck.distributed import forker as forkers
 from equivcheck.distributed import pool as pools
 
 import fault_cases  # noqa: F401  (registers the fault_* cases; workers import it by name)
+from processes import alive
 
 FAULT_CASES = str(Path(fault_cases.__file__))
 
@@ -151,19 +152,8 @@ def test_an_interrupt_between_a_fork_and_its_pid_reaching_the_pool_leaves_no_ran
     monkeypatch.undo()
     assert len(spawned) == 2 and ("gloo", 3) not in pools._pools
     assert eventually(lambda: ranks_of(me) <= ranks_before), "a rank of the interrupted start lives on"
-    assert not any(pids_alive(spawned)) and folders_of(me) <= folders_before
+    assert not any(alive(pid) for pid in spawned) and folders_of(me) <= folders_before
     assert_a_buggy_regime_is_still_caught()
-
-
-def pids_alive(pids: list[int]) -> list[bool]:
-    alive = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                alive.append(stat.read().rsplit(")", 1)[1].split()[0] != "Z")
-        except OSError:
-            alive.append(False)
-    return alive
 
 
 @pytest.mark.parametrize(("fault", "code", "name"),

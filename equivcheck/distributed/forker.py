@@ -52,7 +52,7 @@ class Forker:
         try:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "equivcheck.distributed", str(forker_end.fileno()), str(os.getpid())],
-                env=os.environ | FORKER_ENVIRONMENT | {"PYTHONPATH": os.pathsep.join(import_path())},
+                env=os.environ | FORKER_ENVIRONMENT | {"PYTHONPATH": os.pathsep.join(search_path())},
                 pass_fds=[forker_end.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 start_new_session=True)  # a terminal's Ctrl-C reaches the parent only
         finally:
@@ -74,15 +74,16 @@ class Forker:
                 pass
         return self._ready
 
-    def spawn(self, group: str, argv: list[str], fd: int, env: dict[str, str], cwd: str) -> ForkedRank:
-        """Fork a rank of pool ``group`` that runs ``worker.worker_main`` with ``argv``, ``fd`` as its end of the
-        pool's pipe, and ``env``'s import path."""
+    def spawn(self, group: str, argv: list[str], fd: int, env: dict[str, str], path: list[str],
+              cwd: str) -> ForkedRank:
+        """Fork a rank of pool ``group`` that runs ``worker.worker_main`` with ``argv`` and ``fd`` as its end of the
+        pool's pipe, in environment ``env`` with module search path ``path`` and working directory ``cwd``."""
         streams = [stream for stream in STANDARD_STREAMS if _is_open(stream)]
         with self._lock:
             self._wait_until_ready()
             self._requests += 1
             try:
-                self._conn.send(("spawn", self._requests, group, argv, env, import_path(), cwd, streams))
+                self._conn.send(("spawn", self._requests, group, argv, env, path, cwd, streams))
                 socket.send_fds(self._socket, [b"f"], [fd, *streams])  # a rank writes where its pool writes
             except OSError:
                 self._retire()
@@ -205,8 +206,8 @@ class ForkedRank:
         self.send_signal(signal.SIGKILL)
 
 
-def import_path() -> list[str]:
-    """This process's import path, so that the forker and its ranks import modules where this process does."""
+def search_path() -> list[str]:
+    """This process's module search path, so that the forker and its ranks import modules where this one does."""
     return [p or os.getcwd() for p in sys.path]
 
 

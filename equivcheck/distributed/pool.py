@@ -1,9 +1,9 @@
 """A warm pool of worker ranks per (backend, world size), alive for a whole CLI run or test session.
 
-Starting a process group costs time (a rank forked from a warm interpreter, see forker.py, and the
-rendezvous); a job on a warm pool costs milliseconds. The rendezvous is a file in a fresh temporary folder, so pools never
-collide (``pytest -n 2`` runs several side by side); gloo's own connections between the ranks
-listen on the loopback interface only. Any fault (a rank that raises, hangs past the timeout or
+Starting a process group costs time (each rank is forked from a warm interpreter, see forker.py, then
+joins the rendezvous); a job on a warm pool costs milliseconds. The rendezvous is a file in a fresh
+temporary folder, so pools never collide (``pytest -n 2`` runs several side by side); gloo's own
+connections between the ranks listen on the loopback interface only. Any fault (a rank that raises, hangs past the timeout or
 dies) and any exception while a job is in flight (Ctrl-C included) tears the whole pool down,
 leaving no process behind: a reply left unread must never answer the next job. Every job carries
 its number and every reply names the job it answers; the next job starts a fresh pool.
@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 from ..errors import InvalidArgument, WorkerError
 from .capacity import ensure_room
-from .forker import ForkedRank, forker, import_path
+from .forker import ForkedRank, forker, search_path
 from .worker import INSIDE_RANK_VARIABLE, stack_file
 
 DEFAULT_TIMEOUT = 60.0  # seconds a job may take on its ranks
@@ -56,7 +56,8 @@ class WorkerPool:
         store = os.path.join(self._folder, "rendezvous")
         # The parent's import path, so that ranks import case modules by the same names; gloo's connections
         # between the ranks listen on loopback, never on an outside interface.
-        env = os.environ | {"PYTHONPATH": os.pathsep.join(import_path()), "GLOO_SOCKET_IFNAME": LOOPBACK}
+        path = search_path()
+        env = os.environ | {"PYTHONPATH": os.pathsep.join(path), "GLOO_SOCKET_IFNAME": LOOPBACK}
         self._conns, self._processes = [], []
         self._jobs = 0  # the number of the last job sent; replies must carry it
         self._in_flight: Ticket | None = None
@@ -68,7 +69,7 @@ class WorkerPool:
                 argv = [str(rank), str(world_size), backend, store, str(threads), str(start_timeout)]
                 try:
                     self._processes.append(
-                        self._forker.spawn(self._folder, argv, child_end.fileno(), env, os.getcwd()))
+                        self._forker.spawn(self._folder, argv, child_end.fileno(), env, path, os.getcwd()))
                 finally:
                     child_end.close()
             self._gather(Ticket(0, time.monotonic() + start_timeout, start_timeout, "start"))
