@@ -8,13 +8,17 @@ Prints medians over repeats and the ratios the project targets:
                                                                      which each rank imported before)
   a pool start once the forker runs / a bare process importing torch  (what forking the ranks saves)
   fresh process group per run / warm-pool run                       (what the pool saves)
+  the same work with torch alone (plain_ddp.py, no equivcheck): DDP on gloo ranks / accumulation in one process
+                                                                    (DDP's own ratio here: the floor under the first)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import equivcheck as ec
 from timing import alternated_seconds, median_seconds
@@ -35,6 +39,14 @@ def first_pool(world_size: int) -> None:
     WorkerPool("gloo", world_size).close()
 
 
+def plain_torch(args: argparse.Namespace) -> dict:
+    """DDP and accumulation of the same case with torch alone (plain_ddp.py), in a fresh process."""
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("plain_ddp.py")), "--case", args.case,
+                           "--world-size", str(args.world_size), "--repeats", str(args.repeats)],
+                          capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", default="mlp")
@@ -49,8 +61,8 @@ def main() -> None:
     pool_for("gloo", args.world_size)  # warm up: pool started, case modules imported on every rank
     ec.run(args.case, ddp)
     ec.run(args.case, local)
-    warm = median_seconds(lambda: ec.run(args.case, ddp), args.repeats)
-    in_process = median_seconds(lambda: ec.run(args.case, local), args.repeats)
+    warm, in_process = alternated_seconds(lambda: ec.run(args.case, ddp), lambda: ec.run(args.case, local),
+                                          repeats=args.repeats)
     check_ddp, check_local = alternated_seconds(lambda: ec.check(args.case, [ddp]), lambda: ec.check(args.case, [local]),
                                                 repeats=args.repeats)
     bare_import = median_seconds(
@@ -59,6 +71,7 @@ def main() -> None:
     pool_start = median_seconds(lambda: WorkerPool("gloo", args.world_size).close(), args.repeats)
     fresh = median_seconds(lambda: fresh_group_run(args.case, ddp), args.start_repeats)
     shutdown_pools()
+    plain = plain_torch(args) if args.regime is None else None
 
     rows = [
         (f"{ddp} run on the warm pool", warm, f"{warm / in_process:.2f}x in-process {local} ({in_process * 1e3:.1f} ms)",
@@ -71,6 +84,14 @@ def main() -> None:
          f"{pool_start / bare_import:.3f}x a bare 'import torch' process", ""),
         (f"{ddp} run on a fresh process group", fresh, f"{fresh / warm:.0f}x the warm-pool run", ""),
     ]
+    if plain is not None:  # the floor: DDP's own cost against accumulation's, torch alone
+        plain_ddp, plain_local = plain["ddp_ms"] / 1e3, plain["accumulate_ms"] / 1e3
+        rows += [
+            (f"  torch alone: DDP, {args.world_size} gloo ranks", plain_ddp,
+             f"{plain_ddp / plain_local:.2f}x torch alone accumulating in {args.world_size} chunks "
+             f"({plain_local * 1e3:.1f} ms): DDP's own ratio", ""),
+            ("  the warm-pool run / torch alone's DDP job", warm, f"{warm / plain_ddp:.2f}x: equivcheck's share", ""),
+        ]
     print(f"case {args.case}; medians of {args.repeats} (ms figures) and {args.start_repeats} (s figures) repeats")
     for what, seconds, ratio, target in rows:
         shown = f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
