@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import equivcheck as ec
-from timing import alternated_seconds, median_seconds
+from timing import alternated_seconds, compile_sources, median_seconds
 from equivcheck.distributed.forker import shutdown_forker
 from equivcheck.distributed.pool import WorkerPool, pool_for, shutdown_pools
 
@@ -57,6 +57,7 @@ def main() -> None:
     args = parser.parse_args()
     ddp = args.regime or f"ddp:world_size={args.world_size}"
     local = f"accumulate:chunks={args.world_size}"
+    compile_sources()  # the forker imports equivcheck as an installed copy would
 
     pool_for("gloo", args.world_size)  # warm up: pool started, case modules imported on every rank
     ec.run(args.case, ddp)

@@ -12,13 +12,15 @@ Rows and the targets of issue 7:
 
 The peer runs from its own virtual environment (bench/.peer-venv, made by `make bench-speed`) on
 bench/peer_case.py: the mlp case's model, optimizer, dtype and 12-sample batch, with one optimizer update
-per check where equivcheck trains 3 steps. The buggy accumulation is clip_grad_norm_ after every
+per check where equivcheck trains 3 steps; a row without a target times equivcheck's same check on the case
+trimmed to its first update, the peer's unit. The buggy accumulation is clip_grad_norm_ after every
 micro-batch instead of once before the step, which both tools can express.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -28,7 +30,7 @@ import time
 from pathlib import Path
 
 import equivcheck as ec
-from timing import alternated_seconds, median_seconds
+from timing import alternated_seconds, compile_sources, median_seconds
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -46,6 +48,16 @@ FAITHFUL = ["full_batch", "sample_by_sample", "accumulate", "retained_graph", "d
 # Makefile's own), so each tool trains with the threads it chooses itself.
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
 THREADS = os.environ.get("OMP_NUM_THREADS", "unset (as users run it)")
+
+
+def one_update_of(name: str) -> ec.Case:
+    """The case trimmed to its first step: one optimizer update, the unit the peer checks."""
+    case = ec.get_case(name)
+
+    def first_batch():
+        return tuple(tensor[:case.batch_size] for tensor in case.data())
+
+    return dataclasses.replace(case, name=f"{name}_one_update", data=first_batch, steps=1)
 
 
 def process(*command: str, expect_rc: int | None = 0) -> subprocess.CompletedProcess:
@@ -112,11 +124,14 @@ def main() -> None:
     args = parser.parse_args()
     if not PEER_PYTHON.exists():
         raise SystemExit(f"no peer venv at {PEER_PYTHON}: run `make bench-speed`, which creates it")
+    compile_sources()
 
     # Per check in one process: equivcheck warm, then the peer's own loop (three fresh workers a check).
     ec.check(*CORRECT)
-    in_process, no_memory = alternated_seconds(lambda: ec.check(*CORRECT),
-                                               lambda: ec.check(*CORRECT, measure_memory=False), repeats=args.repeats)
+    one_update = (one_update_of(CORRECT[0]), CORRECT[1])
+    in_process, no_memory, per_update = alternated_seconds(
+        lambda: ec.check(*CORRECT), lambda: ec.check(*CORRECT, measure_memory=False), lambda: ec.check(*one_update),
+        repeats=args.repeats)
     ours = {"correct": verdict_of(ec.check(*CORRECT)), "buggy": verdict_of(ec.check(*BUGGY))}
     peer_rows = json.loads(process(str(PEER_PYTHON), str(BENCH / "peer_check.py"), "correct", "buggy").stdout)
     peer = {row["plan"]: peer_verdict(row["outcome"]) for row in peer_rows}
@@ -146,6 +161,8 @@ def main() -> None:
          "", None),
         ("per check inside one process", f"{in_process * 1e3:.1f} ms", f"{peer_per_check:.2f} s",
          f"{peer_per_check / in_process:.0f}x faster", ">= 1000x", peer_per_check / in_process >= 1000),
+        ("  the same check of one update, as the peer's", f"{per_update * 1e3:.1f} ms", f"{peer_per_check:.2f} s",
+         f"{peer_per_check / per_update:.0f}x faster", "", None),
         ("CLI process start to verdict", f"{our_cli:.2f} s", f"{peer_cli:.2f} s", f"{peer_cli / our_cli:.1f}x faster",
          ">= 4x", peer_cli / our_cli >= 4),
         ("  the same, interpreter teardown kept", f"{with_teardown:.2f} s", "",
@@ -162,7 +179,7 @@ def main() -> None:
     rows.append((f"{fuzzed} hypothesis examples ({fuzzed_ddp} DDP)", f"{fuzz:.1f} s", "", "", "< 60 s", fuzz < 60))
     if matrix is not None:
         rows.append(("full built-in matrix (equivcheck run)", f"{matrix:.1f} s", "", "", "< 60 s", matrix < 60))
-    print(f"medians: {args.repeats} in-process checks (alternated with and without memory), {args.process_repeats} processes, {args.peer_repeats} peer "
+    print(f"medians: {args.repeats} in-process checks (alternated: with and without memory, one update), {args.process_repeats} processes, {args.peer_repeats} peer "
           f"processes, 2 peer checks in one process{'' if matrix is None else ', 1 matrix run'}; OMP_NUM_THREADS={THREADS}")
     header = ("measure", "equivcheck", "trainparity/base", "ratio", "target", "met")
     widths = (42, 34, 24, 24, 9, 4)

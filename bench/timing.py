@@ -1,10 +1,22 @@
-"""Wall times for the benchmarks (run as scripts from bench/): one action, or several alternated; and the
-Markdown table the docs quote them in."""
+"""Wall times for the benchmarks (run as scripts from bench/): one action, or several alternated; the
+Markdown table the docs quote them in; and the byte-compiled sources that an installed package has."""
 
 from __future__ import annotations
 
+import compileall
 import statistics
 import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def compile_sources() -> None:
+    """Byte-compile equivcheck's sources, as pip does when it installs the wheel. The editable install is
+    compiled again at every import where PYTHONDONTWRITEBYTECODE is set (0.1 s a process on this machine),
+    which no installed copy pays; a benchmark of processes calls this first."""
+    for package in ("equivcheck", "pytest_equivcheck", "cases"):
+        compileall.compile_dir(str(ROOT / package), quiet=1)
 
 
 def alternated_times(*actions, repeats: int) -> list[list[float]]:
