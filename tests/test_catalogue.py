@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import equivcheck as ec
-from equivcheck import Verdict
+from equivcheck import Verdict, catalogue
 from equivcheck.catalogue import (Entry, add_entry, catalogue_entries, render_catalogue, run_catalogue, targets_met,
                                   to_rows)
 from equivcheck.cli import main
@@ -87,12 +87,20 @@ def test_hints_name_the_pitfall(rows):
     assert twin.ok and twin.hint == ""
 
 
-def test_json_rows_and_the_command(rows, tmp_path, capsys):
+def test_json_rows_and_the_command(rows, tmp_path, capsys, monkeypatch):
     records = to_rows(rows)
     assert len(records) == 4 * len(catalogue_entries())
     assert {r["dtype"] for r in records if r["skipped"]} <= {"fp16-autocast"}
     path = tmp_path / "catalogue.json"
+    asked = []  # the command renders the rows the fixture measured, not a second measurement of them
+
+    def measured(dtypes):
+        asked.append(dtypes)
+        return by_mode(rows, "float64")
+
+    monkeypatch.setattr(catalogue, "run_catalogue", measured)
     assert main(["catalogue", "--dtype", "float64", "--json", str(path)]) == 0
+    assert asked == [["float64"]]
     out = capsys.readouterr().out
     assert f"{len(catalogue_entries())} rows ({len(catalogue_entries())} pitfalls x 1 precisions); every target met" in out
     assert "gradient clipping per micro-batch" in out and "headroom" in out
