@@ -71,7 +71,8 @@ def busy_neighbour(busy: bool) -> Iterator[None]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=30, help="checks timed per configuration")
-    parser.add_argument("--rounds", type=int, default=2, help="each configuration measured this many times, in turn")
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="each configuration measured this many times, in turn (2 let one busy row swing to 2x)")
     args = parser.parse_args()
     for busy in (False, True):
         results: dict[str, list[dict[str, float]]] = {label: [] for label, _, _ in CONFIGURATIONS}
