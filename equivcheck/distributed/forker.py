@@ -143,7 +143,7 @@ class Forker:
         except (EOFError, OSError):
             self._gone = True
             code = self._process.wait()
-            raise WorkerError(f"the forker that starts the ranks is gone ({_exit_words(code)})") from None
+            raise WorkerError(f"the forker that starts the ranks is gone ({exit_words(code)})") from None
         if message is None:
             raise TimeoutError
         if message[0] == "exit":
@@ -219,7 +219,8 @@ def _is_open(fd: int) -> bool:
     return True
 
 
-def _exit_words(code: int) -> str:
+def exit_words(code: int) -> str:
+    """How a process exited, from its return code as ``subprocess.Popen`` gives it (negative: the signal)."""
     return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 

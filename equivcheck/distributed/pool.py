@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 from ..errors import InvalidArgument, WorkerError
 from .capacity import ensure_room
-from .forker import ForkedRank, forker, search_path
+from .forker import ForkedRank, exit_words, forker, search_path
 from .worker import INSIDE_RANK_VARIABLE, stack_file
 
 DEFAULT_TIMEOUT = 60.0  # seconds a job may take on its ranks
@@ -224,9 +224,7 @@ def _exit_reason(process: ForkedRank) -> str:
         code = process.wait(1.0)
     except subprocess.TimeoutExpired:
         return "its connection closed while it still runs"
-    if code < 0:
-        return f"killed by {signal.Signals(-code).name}"
-    return f"exit code {code}"
+    return exit_words(code)
 
 
 LOOPBACK = "lo"
