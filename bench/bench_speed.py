@@ -30,10 +30,9 @@ import time
 from pathlib import Path
 
 import equivcheck as ec
-from timing import alternated_seconds, compile_sources, median_seconds
+from timing import ROOT, alternated_seconds, compile_sources, median_seconds
 
 BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
 PEER_PYTHON = BENCH / ".peer-venv" / "bin" / "python"
 BIN = Path(sys.executable).parent
 CORRECT = ("mlp", ["full_batch", "accumulate:chunks=4"])

@@ -19,7 +19,8 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from timing import ROOT
+
 TARGET_SECONDS = 60.0  # the target for the suite's test time on a 2-core machine
 
 

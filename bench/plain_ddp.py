@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -24,6 +22,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import equivcheck as ec
+from timing import median_seconds
 
 
 def case_of(name: str) -> ec.Case:
@@ -69,15 +68,10 @@ def ddp_job(case: ec.Case, data, rank: int, world_size: int) -> None:
 
 
 def median_ms(action, repeats: int, before=lambda: None) -> float:
+    """After three warm-up runs (the first builds what torch caches), the median milliseconds of ``action``."""
     for _ in range(3):
         action()
-    times = []
-    for _ in range(repeats):
-        before()
-        started = time.perf_counter()
-        action()
-        times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times)
+    return median_seconds(action, repeats, before=before) * 1e3
 
 
 def rank_main(rank: int, world_size: int, store: str, case_name: str, repeats: int, answer) -> None:

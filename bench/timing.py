@@ -19,25 +19,26 @@ def compile_sources() -> None:
         compileall.compile_dir(str(ROOT / package), quiet=1)
 
 
-def alternated_times(*actions, repeats: int) -> list[list[float]]:
+def alternated_times(*actions, repeats: int, before=lambda: None) -> list[list[float]]:
     """Seconds of every run of each action, the actions run in turn so the shared machine's load falls
-    on all alike."""
+    on all alike; ``before`` runs untimed ahead of each (DDP ranks meet at a barrier, so all start together)."""
     times: list[list[float]] = [[] for _ in actions]
     for _ in range(repeats):
         for action, kept in zip(actions, times):
+            before()
             started = time.perf_counter()
             action()
             kept.append(time.perf_counter() - started)
     return times
 
 
-def alternated_seconds(*actions, repeats: int) -> list[float]:
+def alternated_seconds(*actions, repeats: int, before=lambda: None) -> list[float]:
     """The median seconds of each action, run in turn."""
-    return [statistics.median(kept) for kept in alternated_times(*actions, repeats=repeats)]
+    return [statistics.median(kept) for kept in alternated_times(*actions, repeats=repeats, before=before)]
 
 
-def median_seconds(action, repeats: int) -> float:
-    return alternated_seconds(action, repeats=repeats)[0]
+def median_seconds(action, repeats: int, before=lambda: None) -> float:
+    return alternated_seconds(action, repeats=repeats, before=before)[0]
 
 
 def markdown_table(rows: list[tuple[str, ...]]) -> str:
