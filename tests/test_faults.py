@@ -39,12 +39,10 @@ def ranks_of(parent: int) -> set[int]:
     for fds in glob.glob("/proc/[0-9]*/fd"):
         pid = int(fds.split("/")[2])
         try:
-            with open(f"/proc/{pid}/stat") as stat:
-                zombie = stat.read().rsplit(")", 1)[1].split()[0] == "Z"
             names = os.listdir(fds)
         except OSError:
             continue
-        if not zombie and any(link.startswith(marker) for link in links_of(fds, names)):
+        if any(link.startswith(marker) for link in links_of(fds, names)) and alive(pid):
             found.add(pid)
     return found
 
