@@ -20,7 +20,7 @@ from torch import nn
 from .case import Batch, Case
 from .check import Outcome, check
 from .dispatch import run
-from .errors import BlindSpotWarning, warn
+from .errors import BlindSpotWarning, RunDied, warn
 from .registry import all_cases, resolve_case
 from .regimes import chunk_pairs
 from .regimes.ddp import shard
@@ -114,10 +114,11 @@ def _uniform_items_reason(shape: Shape) -> str | None:
     return None
 
 
-def warn_blind_spots(case: Case | str, *, seed: int = DEFAULT_SEED) -> None:
+def warn_blind_spots(case: Case | str, *, seed: int = DEFAULT_SEED, isolate: bool = True) -> None:
     """Warn where the case cannot show a bug a team's step could plausibly have: a normalisation bug
     when every sample holds the same number of items; a clipping bug when the declared ``max_norm``
-    never engages in the reference (one full-batch run, only where clipping is declared)."""
+    never engages in the reference (one full-batch run, only where clipping is declared, isolated as the
+    check's runs are: a reference that dies is the check's error to report, not this warning's)."""
     case = resolve_case(case)
     reason = _uniform_items_reason(Shape.of(case, seed))
     if reason is not None:
@@ -127,7 +128,10 @@ def warn_blind_spots(case: Case | str, *, seed: int = DEFAULT_SEED) -> None:
             "exactly like full batch. Give samples different item counts (padding, masks) to catch it; "
             "ec.audit(case) lists every class of bug the case can and cannot show"))
     if case.max_norm is not None:
-        norm = max(_norm(step) for step in run(case, "full_batch", seed=seed).grads)
+        try:
+            norm = max(_norm(step) for step in run(case, "full_batch", seed=seed, isolate=isolate).grads)
+        except RunDied:
+            return
         if norm < case.max_norm:
             warn(BlindSpotWarning(
                 f"case {case.name!r} cannot catch a clipping bug: the reference's gradient norm (up to {norm:.2g}) "
@@ -197,16 +201,17 @@ def _probes(shape: Shape, model: nn.Module) -> list[Probe]:
     ]
 
 
-def audit(case: Case | str, *, seed: int = DEFAULT_SEED, timeout: float | None = None) -> Audit:
+def audit(case: Case | str, *, seed: int = DEFAULT_SEED, timeout: float | None = None, isolate: bool = True) -> Audit:
     """Run every applicable built-in pitfall regime on ``case`` and say, per class of bug, whether the
-    case catches it (with the greatest margin) or is blind to it (with the reason measured from it)."""
+    case catches it (with the greatest margin) or is blind to it (with the reason measured from it).
+    ``isolate``: as for :func:`check`, the runs train in a forked child."""
     case = resolve_case(case)
     shape = Shape.of(case, seed)
     with seeded(seed):
         model = case.model()
     probes = _probes(shape, model)
     registered = all_cases().get(case.name) is case
-    options = {"seed": seed} | ({"timeout": timeout} if timeout is not None else {})
+    options = {"seed": seed, "isolate": isolate} | ({"timeout": timeout} if timeout is not None else {})
     wanted = {pair for p in probes if p.not_applicable is None and (registered or not p.distributed) for pair in p.pairs}
     outcomes = _against_twins(case, wanted, options)
     findings = [_finding(p, outcomes, registered) for p in probes]
@@ -274,6 +279,8 @@ def _clipping(case: Case, options: dict) -> Finding:
                                   expect_mismatch={})
     spec = f"clip_per_micro_batch:chunks=2,max_norm={case.max_norm:g}"
     (outcome,) = check(clipped, [spec], reference="accumulate:chunks=2", **options).outcomes
+    if outcome.comparison is None:  # the check could not run (an error, a skip): its outcome says why
+        return _strongest(pitfall, [outcome], lambda: "")
     norms = [_norm(step) for step in run(case, "full_batch", **options).grads]  # unclipped: what clipping meets
 
     def reason() -> str:

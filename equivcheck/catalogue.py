@@ -13,9 +13,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-from .check import Outcome, Verdict, check
+from .check import Outcome, Plan, Verdict, isolated, iter_outcomes, plan
 from .compare import Tolerance
 from .errors import InvalidArgument
+from .kernels import decisions
 from .precision import PRECISIONS, resolve_precision
 from .regimes import parse_regime
 from .registry import all_cases, get_case
@@ -148,9 +149,11 @@ class Row:
 
 
 def run_catalogue(
-    dtypes: Iterable[str] = DEFAULT_DTYPES, entries: Sequence[Entry] | None = None, *, seed: int = DEFAULT_SEED
+    dtypes: Iterable[str] = DEFAULT_DTYPES, entries: Sequence[Entry] | None = None, *, seed: int = DEFAULT_SEED,
+    isolate: bool = True,
 ) -> list[Row]:
-    """Measure every entry in every precision mode; the rows come grouped by mode."""
+    """Measure every entry in every precision mode; the rows come grouped by mode. ``isolate``: the runs train in
+    one forked child (check's ``isolate``), so a precision whose kernels kill their process gives error rows."""
     modes = [resolve_precision(d).name for d in dtypes]
     entries = catalogue_entries() if entries is None else list(entries)
     for entry in entries:  # usage errors before anything runs
@@ -159,17 +162,27 @@ def run_catalogue(
         if entry.regime not in _declared(entry):
             raise InvalidArgument(f"catalogue entry {entry.pitfall!r}: case {entry.case!r} does not declare "
                                   f"{entry.regime!r} in expect_mismatch: expected the pitfall declared by its case")
-    rows = []
+    def planned(case: str, specs: list[str], entry: Entry, mode: str) -> Plan:
+        return plan(case, specs, reference=entry.reference, dtype=mode, seed=seed, isolate=isolate)
+
+    plans = {}
     for mode in modes:
         for entry in entries:
             if entry.twin_case is None:
-                twin, pitfall = check(entry.case, [entry.twin, entry.regime], reference=entry.reference, dtype=mode,
-                                      seed=seed).outcomes
+                plans[entry, mode] = [planned(entry.case, [entry.twin, entry.regime], entry, mode)]
             else:
-                (pitfall,) = check(entry.case, [entry.regime], reference=entry.reference, dtype=mode, seed=seed).outcomes
-                (twin,) = check(entry.twin_case, [entry.twin], reference=entry.reference, dtype=mode, seed=seed).outcomes
+                plans[entry, mode] = [planned(entry.case, [entry.regime], entry, mode),
+                                      planned(entry.twin_case, [entry.twin], entry, mode)]
+    runner = isolated(p for each in plans.values() for p in each)  # one forked child for every row
+    try:
+        rows = []
+        for (entry, mode), each in plans.items():
+            outcomes = [o for p in each for o in iter_outcomes(p, runner=runner)]
+            pitfall, twin = outcomes if entry.twin_case else outcomes[::-1]
             rows.append(Row(entry, mode, pitfall, twin))
-    return rows
+        return rows
+    finally:
+        runner.close()
 
 
 def _declared(entry: Entry) -> set[str]:
@@ -236,7 +249,9 @@ def _mode_header(mode: str, block: Sequence[Row]) -> str:
     if mode in PITFALL_MARGIN:
         wants.append(f"pitfall margin >= {PITFALL_MARGIN[mode]:g}")
     wants.append(f"twin headroom >= {TWIN_HEADROOM[mode]:g}" if mode in TWIN_HEADROOM else "twin passes")
-    return f"{mode} ({PRECISIONS[mode].description}; {allowed}; targets: {', '.join(wants)})"
+    kernels = decisions().get(mode)  # a probed precision says which kernels it ran on, and why
+    return (f"{mode} ({PRECISIONS[mode].description}; {allowed}; targets: {', '.join(wants)})"
+            + (f"\n  kernels: {kernels.summary}" if kernels else ""))
 
 
 def _spec(case: str, regime: str) -> str:

@@ -6,6 +6,7 @@ import dataclasses
 import enum
 import functools
 import math
+import os
 import time
 import traceback
 from collections.abc import Iterable, Iterator, Sequence
@@ -16,7 +17,10 @@ from .case import Case
 from .compare import Comparison, Tolerance, compare
 from .errors import (InvalidArgument, MemoryNotSaved, NotEquivalent, PrecisionWarning, Unavailable, WorkerError,
                      expect_int, expect_number, expect_seed, expect_timeout, warn)
+from .distributed import pool
 from .hints import diagnose
+from .isolation import IsolatedRunner
+from .kernels import decisions
 from .dispatch import DEFAULT_TIMEOUT, Started, run, start
 from . import rounding
 from .precision import Precision, resolve_precision
@@ -167,6 +171,7 @@ def check(
     measure_memory: bool = True,
     threads: int | None = None,
     compare_losses: bool = True,
+    isolate: bool = True,
 ) -> Report:
     """Check ``case`` under each regime against ``reference`` (run twice, to prove it deterministic).
 
@@ -177,10 +182,13 @@ def check(
     activation memory (saved-tensor hooks: about a fifth of a tiny check's time). ``threads``: intra-op
     threads per run (default: one, unless ``OMP_NUM_THREADS`` or ``torch.set_num_threads`` chose).
     ``compare_losses=False`` compares gradients and weights only: for code that reports a logged loss.
+    ``isolate`` (default True) trains the in-process runs in a forked child, so that a run that kills its
+    process (a kernel's SIGILL, a segfault) is an ``error`` verdict and the check goes on (isolation.py);
+    ``isolate=False`` trains them in this process: a debugger's breakpoint in a step stops here.
     """
     return Report(tuple(iter_outcomes(plan(case, regimes, reference=reference, rtol=rtol, atol=atol, seed=seed,
                                           backend=backend, timeout=timeout, dtype=dtype, threads=threads,
-                                          compare_losses=compare_losses),
+                                          compare_losses=compare_losses, isolate=isolate),
                                      measure_memory=measure_memory)))
 
 
@@ -199,6 +207,8 @@ class Plan:
     threads: int | None = None  # intra-op threads per run (None: one, unless the user chose; intra_op.py)
     compare_losses: bool = True  # False: gradients and weights only (a step that returns a logged loss)
     tolerance_given: bool = False  # rtol and atol came from the call: they hold for every regime, a lossy one too
+    isolate: bool = True  # in-process runs train in a forked child (isolation.py)
+    runner: IsolatedRunner | None = dataclasses.field(default=None, compare=False, repr=False)  # while it runs
 
     def tolerance(self, spec: Regime) -> Tolerance:
         """What ``spec`` is compared at: the call's tolerance, else the regime's own bound where it is lossy
@@ -216,7 +226,7 @@ class Plan:
         """That run begun (on its ranks, for a distributed regime); an error starting it is read with its result."""
         try:
             started = start(self.case, spec, seed=self.seed, timeout=self.timeout, threads=self.threads, dtype=dtype,
-                            measure_memory=measure_memory)
+                            measure_memory=measure_memory, runner=self.runner)
         except Exception as error:
             return Started.failed(error)
         if self.compare_losses:
@@ -232,7 +242,7 @@ def plan(case: Case | str, regimes: Iterable[str | Regime] | str | Regime | None
          reference: str | Regime = "full_batch", rtol: float | None = None, atol: float | None = None,
          seed: int = DEFAULT_SEED, backend: str | None = None, timeout: float = DEFAULT_TIMEOUT,
          dtype: str | torch.dtype | Precision | None = None, threads: int | None = None,
-         compare_losses: bool = True) -> Plan:
+         compare_losses: bool = True, isolate: bool = True) -> Plan:
     """Validate a check's arguments; every usage error surfaces here, before anything runs."""
     case = resolve_case(case)
     if isinstance(regimes, (str, Regime)):  # one spec where a list was expected: checked as that one spec
@@ -251,32 +261,66 @@ def plan(case: Case | str, regimes: Iterable[str | Regime] | str | Regime | None
     expect_timeout(timeout)
     if threads is not None:
         expect_int("threads", threads)
-    if not isinstance(compare_losses, bool):
-        raise InvalidArgument.type("compare_losses", compare_losses, "bool")
+    for name, flag in (("compare_losses", compare_losses), ("isolate", isolate)):
+        if not isinstance(flag, bool):
+            raise InvalidArgument.type(name, flag, "bool")
     given = rtol is not None
     rtol, atol = (case.rtol, case.atol) if rtol is None and atol is None else (rtol, atol)
-    return Plan(case, specs, reference, precision, rtol, atol, seed, timeout, threads, compare_losses, given)
+    return Plan(case, specs, reference, precision, rtol, atol, seed, timeout, threads, compare_losses, given, isolate)
 
 
-def iter_outcomes(plan: Plan, *, measure_memory: bool = True) -> Iterator[Outcome]:
+def iter_outcomes(plan: Plan, *, measure_memory: bool = True, runner: IsolatedRunner | None = None) -> Iterator[Outcome]:
     """Run a planned check and yield each outcome as soon as it is known (the CLI keeps those done
-    when it is interrupted). A run that raises is an ``error`` verdict, not the end of the report."""
+    when it is interrupted). A run that raises, or kills its process, is an ``error`` verdict, not the end of
+    the report. ``runner``: the forked child of several plans (:func:`isolated`); by default an isolated plan
+    forks its own."""
     case, precision = plan.case, plan.precision
     missing = precision.unavailable()
     if missing is None and case.cpu_generator_only and precision.device != "cpu":
         missing = (f"{case.name}: {case.cpu_generator_only}; precision {precision.name!r} trains on "
                    f"{precision.device}, whose generator draws each launch's numbers by its own shape")
+    if missing is None:
+        try:
+            precision, note = _with_kernels(precision, runner)
+        except Unavailable as why:
+            missing = str(why)
     if missing:
         yield from (Outcome(case.name, str(s), Verdict.SKIPPED, reason=missing) for s in plan.specs)
         return
 
+    own_runner = runner is None and plan.isolate
+    if own_runner:
+        runner = isolated([plan])
+    plan = dataclasses.replace(plan, runner=runner if plan.isolate else None)
     # The first distributed run trains on its ranks while the reference runs here: one job in flight at a time.
     ahead = _ahead(plan, -1, precision, measure_memory)
     try:
-        yield from _outcomes(plan, precision, measure_memory, ahead)
-    finally:  # a consumer that stops early (Ctrl-C in the CLI) leaves no job unread on a pool
+        for outcome in _outcomes(plan, precision, measure_memory, ahead):
+            yield dataclasses.replace(outcome, reason="; ".join(filter(None, (outcome.reason, note))))
+    finally:  # a consumer that stops early (Ctrl-C in the CLI) leaves no job unread on a pool, and no child
         for started in ahead.values():
             started.abandon()
+        if own_runner:
+            runner.close()
+
+
+def _with_kernels(precision: Precision, runner: IsolatedRunner | None) -> tuple[Precision, str]:
+    """``precision`` on the kernel path this process can run (probed before its first run: kernels.py), and the
+    note every outcome then carries where that is not the default path. A path that set oneDNN's variables
+    reaches only processes forked from now on: the runner's child and the warm ranks are started afresh."""
+    before = dict(os.environ)
+    chosen = precision.with_kernels()
+    if dict(os.environ) != before:
+        pool.shutdown_pools()
+        if runner is not None:
+            runner.close()
+    return chosen, decisions()[precision.name].note if chosen.kernels else ""
+
+
+def isolated(plans: Iterable[Plan]) -> IsolatedRunner:
+    """One forked child for the in-process runs of ``plans`` (a command's whole matrix): forked once, warm
+    across cases, and again only after a run killed it. Close it when done."""
+    return IsolatedRunner((p.case, (p.reference, *p.specs)) for p in plans)
 
 
 def _ahead(plan: Plan, after: int, precision: Precision, measure_memory: bool) -> dict[int, Started]:
@@ -380,7 +424,11 @@ def check_all(
 ) -> Report:
     """Check several cases (default: every registered one) and merge their reports."""
     plans = plan_all(cases, regimes, **options)
-    return Report(tuple(o for p in plans for o in iter_outcomes(p, measure_memory=measure_memory)))
+    runner = isolated(plans)
+    try:
+        return Report(tuple(o for p in plans for o in iter_outcomes(p, measure_memory=measure_memory, runner=runner)))
+    finally:
+        runner.close()
 
 
 def with_backend(regime: Regime, backend: str | None) -> Regime:

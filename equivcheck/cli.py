@@ -24,7 +24,7 @@ from . import html_report
 from . import report as render
 from . import terminal
 from .audit import audit
-from .check import Report, Status, Verdict, iter_outcomes, plan_all, regimes_for
+from .check import Report, Status, Verdict, isolated, iter_outcomes, plan_all, regimes_for
 from .distributed import launcher
 from .errors import Interrupted, InvalidArgument
 from .dispatch import DEFAULT_TIMEOUT
@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     catalogue.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     auditing.add_argument("--case", action="append", metavar="NAME", help="a case to audit (repeatable; default: all)")
     auditing.add_argument("--json", metavar="PATH", help="also write the findings as JSON rows to PATH")
+    for sub in (running, catalogue, auditing):
+        sub.add_argument("--no-isolate", dest="isolate", action="store_false",
+                         help="train in this process, not in a forked child: a debugger's breakpoints stop, but a run "
+                              "that kills its process (SIGILL, SIGSEGV) ends the command instead of being an error")
     running.add_argument("--rtol", type=float, help="relative tolerance (with --atol)")
     running.add_argument("--atol", type=float, help="absolute tolerance (with --rtol)")
     return parser
@@ -201,20 +205,22 @@ def _list(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     plans = plan_all(args.case, args.regime, rtol=args.rtol, atol=args.atol, backend=args.backend,
-                     timeout=args.timeout, dtype=args.dtype, threads=args.threads)
+                     timeout=args.timeout, dtype=args.dtype, threads=args.threads, isolate=args.isolate)
+    runner = isolated(plans)  # one forked child for the whole matrix
     output = _open_output(args.json)
     html_output, markdown_output = _open_output(args.html, "--html"), _open_output(args.markdown, "--markdown")
     outcomes, interrupted = [], None
     progress = Progress(sum(len(p.specs) for p in plans), "checks")
     try:
         for plan in plans:
-            for outcome in iter_outcomes(plan):  # each outcome kept as it arrives
+            for outcome in iter_outcomes(plan, runner=runner):  # each outcome kept as it arrives
                 outcomes.append(outcome)
                 progress.step(f"{outcome.case} {outcome.regime}")
     except (KeyboardInterrupt, Interrupted) as stop:  # the pool in flight closed itself; keep what finished
         interrupted = _signal_name(stop)
     finally:
         progress.close()
+        runner.close()
         launcher.leave_group()
     report = Report(tuple(outcomes))
     gated = [Verdict.EQUIVALENT if args.allow_communication and o.verdict is Verdict.COMMUNICATION else o.verdict
@@ -265,7 +271,7 @@ def _metadata(args: argparse.Namespace, plans: list) -> dict[str, str]:
 def _catalogue(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     output = _open_output(args.json)
-    rows = pitfall_catalogue.run_catalogue(args.dtype or pitfall_catalogue.DEFAULT_DTYPES)
+    rows = pitfall_catalogue.run_catalogue(args.dtype or pitfall_catalogue.DEFAULT_DTYPES, isolate=args.isolate)
     print(pitfall_catalogue.render_catalogue(rows))
     print(pitfall_catalogue.CATALOGUE_LEGEND)
     if output is not None:
@@ -288,7 +294,7 @@ def _audit(args: argparse.Namespace) -> int:
     for name in names:
         resolve_case(name)  # every name known before anything trains
     output = _open_output(args.json)
-    audits = [audit(name) for name in names]
+    audits = [audit(name, isolate=args.isolate) for name in names]
     print("\n\n".join(a.describe() for a in audits))
     if output is not None:
         with output:

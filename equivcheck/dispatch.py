@@ -9,6 +9,7 @@ from collections.abc import Callable
 from .case import Case
 from .distributed import launcher, pool
 from .errors import InvalidArgument, Unavailable, expect_timeout
+from .isolation import IsolatedRunner, can_isolate
 from .precision import Precision, registered_name, resolve_precision
 from .regimes import Regime, parse_regime, regime_source
 from .registry import all_cases, case_source, resolve_case
@@ -21,13 +22,22 @@ DEFAULT_TIMEOUT = pool.DEFAULT_TIMEOUT
 
 
 def run(case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED, timeout: float = DEFAULT_TIMEOUT,
-        **options) -> RunResult:
+        isolate: bool = False, **options) -> RunResult:
     """Train ``case`` for its steps under ``regime`` from the seeded start and return what it produced.
 
     Raises :class:`Unavailable` when this machine cannot run the regime (no GPUs for nccl or
     DataParallel), :class:`WorkerError` when a worker rank raises, hangs past ``timeout`` or dies.
+    ``isolate=True`` trains an in-process run in a forked child: a run that kills its process raises
+    :class:`RunDied` here instead of ending this process.
     """
-    return start(case, regime, seed=seed, timeout=timeout, **options).result()
+    if not isolate:
+        return start(case, regime, seed=seed, timeout=timeout, **options).result()
+    case, regime = resolve_case(case), parse_regime(regime)
+    runner = IsolatedRunner([(case, [regime])])
+    try:
+        return start(case, regime, seed=seed, timeout=timeout, runner=runner, **options).result()
+    finally:
+        runner.close()
 
 
 class Started:
@@ -57,19 +67,23 @@ class Started:
 
 
 def start(case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED, timeout: float = DEFAULT_TIMEOUT,
-          **options) -> Started:
+          runner: IsolatedRunner | None = None, **options) -> Started:
     """Begin a run: a warm-pool job is sent to its ranks now; a run in this process (or in a launcher's
-    group, where every rank must run it together) happens when its result is asked for."""
+    group, where every rank must run it together) happens when its result is asked for, in ``runner``'s
+    forked child where one is given and the run can leave this process (isolation.py)."""
     case = resolve_case(case)
     regime = parse_regime(regime)
     expect_timeout(timeout)
     regime.validate(case)
-    reason = regime.unavailable() or regime.unavailable_in(resolve_precision(options.get("dtype"), default=case.dtype))
+    precision = resolve_precision(options.get("dtype"), default=case.dtype)
+    reason = regime.unavailable() or regime.unavailable_in(precision)
     if reason is not None:
         raise Unavailable(reason)
     # Resolved here, where the user's choice is visible: ranks train with the parent's count.
     options["threads"] = intra_op.resolve(options.get("threads"))
     if not regime.distributed:
+        if runner is not None and can_isolate(regime, precision.device, options["threads"]):
+            return Started(lambda: runner.train(case, regime, seed=seed, **options))
         return Started(lambda: train(case, regime, seed=seed, **options))
     source = importable_source(case)
     if isinstance(options.get("dtype"), Precision):  # workers look precision modes up by name

@@ -106,6 +106,17 @@ class WorkerError(EquivcheckError, RuntimeError):
         self.raised = raised
 
 
+class RunDied(WorkerError):
+    """An isolated run's process died before it answered: a signal (SIGILL in a kernel, SIGSEGV) or an exit.
+
+    ``remote_traceback`` holds the Python frames faulthandler wrote as it died, where it could; ``exit_code`` is
+    how it ended, as ``subprocess.Popen.returncode`` says it (negative: the signal)."""
+
+    def __init__(self, message: str, *, remote_traceback: str = "", exit_code: int = 0) -> None:
+        super().__init__(message, remote_traceback=remote_traceback)
+        self.exit_code = exit_code
+
+
 class Unavailable(EquivcheckError):
     """This machine cannot run the regime (for example: no GPUs for nccl or DataParallel)."""
 

@@ -17,7 +17,7 @@ import math
 import torch
 
 from . import __version__
-from .report import AS_EXPECTED, LABELS, overview_table
+from .report import AS_EXPECTED, LABELS, kernel_paths, overview_table
 from .check import Status, Verdict
 from .regimes.ddp import auto_backend
 
@@ -37,7 +37,8 @@ def run_metadata(*, seed: int, dtype: str | None, backend: str | None, world_siz
     return {"equivcheck": __version__, "torch": torch.__version__, "seed": str(seed),
             "precision": dtype or "each case's own", "backend": backend or f"auto: {auto_backend()}",
             "world sizes": ", ".join(map(str, sorted(set(world_sizes)))) if world_sizes else "as each check asked",
-            "written": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+            "written": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")} | (
+        {"kernels": "; ".join(kernel_paths().values())} if kernel_paths() else {})
 
 
 def render_html(rows: list[dict], metadata: dict[str, str]) -> str:

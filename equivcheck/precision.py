@@ -17,7 +17,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .errors import InvalidArgument, expect_tolerances
+from .errors import InvalidArgument, Unavailable, expect_tolerances
+from .kernels import DEFAULT, KernelPath, decide, needs_probe, path_named
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +36,22 @@ class Precision:
     # The dtype the model and data are drawn in, where it is not ``dtype``: torch draws other random
     # numbers in float64 than in float32, so a float64 shadow of a float32 run draws in float32.
     draw_dtype: torch.dtype | None = None
+    # The kernel path a CPU autocast mode runs on in this process (kernels.py), once probed; None: not yet.
+    kernels: str | None = None
+
+    @property
+    def kernel_path(self) -> KernelPath:
+        return path_named(self.kernels or DEFAULT.name)
+
+    def with_kernels(self) -> Precision:
+        """This mode with its kernel path decided: probed in this process where it needs one (kernels.py).
+        Raises :class:`Unavailable` when no path survives its probe."""
+        if self.kernels is not None or not needs_probe(self):
+            return self
+        decision = decide(self)
+        if decision.path is None:
+            raise Unavailable(decision.note)
+        return dataclasses.replace(self, kernels=decision.path.name)
 
     def unavailable(self) -> str | None:
         """Why this machine cannot run the mode (None when it can): never faked on other hardware."""
@@ -109,16 +126,23 @@ def resolve_precision(dtype: str | torch.dtype | Precision | None, default: torc
         return PRECISIONS[NAMES_OF_DTYPES[dtype]]
     if not isinstance(dtype, str):
         raise InvalidArgument.type("dtype", dtype, f"a precision name ({', '.join(PRECISIONS)}) or a torch.dtype")
+    if KERNELS_SEPARATOR in dtype:  # from another process: the mode on the kernel path that process chose
+        name, kernels = dtype.split(KERNELS_SEPARATOR, 1)
+        return dataclasses.replace(resolve_precision(name), kernels=path_named(kernels).name)
     if dtype not in PRECISIONS:
         raise InvalidArgument.unknown("dtype", dtype, PRECISIONS)
     return PRECISIONS[dtype]
 
 
+KERNELS_SEPARATOR = "@"  # 'bf16-autocast@mkldnn-off': a mode and its kernel path, as another process is told them
+
+
 def registered_name(precision: Precision) -> str:
-    """The name another process can look ``precision`` up by; only registered modes cross processes."""
-    if PRECISIONS.get(precision.name) != precision:
+    """The name another process can look ``precision`` up by, with its kernel path where one was chosen; only
+    registered modes cross processes."""
+    if PRECISIONS.get(precision.name) != dataclasses.replace(precision, kernels=None):
         raise InvalidArgument.value("dtype", precision.name, f"one of {', '.join(PRECISIONS)} for distributed regimes")
-    return precision.name
+    return precision.name + (KERNELS_SEPARATOR + precision.kernels if precision.kernels else "")
 
 
 @dataclasses.dataclass(frozen=True)

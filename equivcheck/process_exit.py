@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import sys
 import threading
+import time
+from collections.abc import Callable
 from typing import NoReturn
 
 
@@ -29,3 +32,24 @@ def exit_without_teardown(code: int) -> NoReturn:
         except (OSError, ValueError):  # a closed pipe (`equivcheck run | head`) or a closed stream
             pass
     os._exit(code)
+
+
+def exit_words(code: int) -> str:
+    """How a process exited, from its return code as ``subprocess.Popen`` gives it (negative: the signal)."""
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
+def leave_with_parent(parent: int, cleanup: Callable[[], None] = lambda: None) -> None:
+    """End this process (after ``cleanup``) once ``parent`` is gone, even while its main thread is stuck in a
+    collective or a long run: a child equivcheck started never outlives the process that needs its answer."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_SECONDS)
+        cleanup()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="equivcheck-parent-watch", daemon=True).start()
+
+
+PARENT_POLL_SECONDS = 0.5

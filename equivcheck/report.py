@@ -7,6 +7,7 @@ import math
 from collections.abc import Iterable
 
 from .check import Outcome, Report, Status, Verdict
+from .kernels import decisions
 from .savings import format_bytes
 
 LABELS = {
@@ -188,7 +189,13 @@ def to_rows(report: Report) -> list[dict]:
 def json_document(rows: list[dict], interrupted: str | None = None) -> str:
     """The one JSON format of the CLI and the plugin: the status of the whole run beside every row."""
     status = "interrupted" if interrupted else Status.of(Verdict(r["verdict"]) for r in rows).value
-    return json.dumps({"status": status, "interrupted": bool(interrupted), "rows": rows}, indent=2) + "\n"
+    return json.dumps({"status": status, "interrupted": bool(interrupted), "kernels": kernel_paths(), "rows": rows},
+                      indent=2) + "\n"
+
+
+def kernel_paths() -> dict[str, str]:
+    """The kernel path each probed precision ran on in this process, and why (kernels.py)."""
+    return {name: decision.summary for name, decision in decisions().items()}
 
 
 def _row(o: Outcome) -> dict:

@@ -9,6 +9,7 @@ collectives) those regimes are skipped with the reason and everything else runs.
 from __future__ import annotations
 
 import functools
+import importlib
 import sys
 import types
 
@@ -16,6 +17,17 @@ import torch
 from torch import nn
 
 from .errors import Unavailable
+
+
+# What a first run imports lazily (creating an optimizer imports torch._dynamo, and with it sympy: about a
+# second here). A process that forks runs or ranks imports it once, before forking, so no child pays it again.
+TRAINING_IMPORTS = ("torch._dynamo",)
+
+
+@functools.cache
+def import_what_training_imports() -> None:
+    for module in TRAINING_IMPORTS:
+        importlib.import_module(module)
 
 
 @functools.cache

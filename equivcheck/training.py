@@ -48,9 +48,11 @@ def train(
     missing = precision.unavailable()
     if missing:
         raise Unavailable(f"dtype={precision.name!r} cannot run here: {missing}")
+    precision = precision.with_kernels()  # decided by a check before its runs; probed here for a lone run
     started = time.perf_counter()
     device = regime.device() if regime.device().type != "cpu" else torch.device(precision.device)
-    with intra_op.using(intra_op.resolve(threads)), seeded(seed), default_dtype(precision.dtype):
+    with intra_op.using(intra_op.resolve(threads)), seeded(seed), default_dtype(precision.dtype), \
+            precision.kernel_path.applied():
         with default_dtype(precision.draw_dtype or precision.dtype):
             model = build_model(case, precision, device)
             batches = load_batches(case, precision, device)

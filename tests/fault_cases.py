@@ -11,6 +11,7 @@ import os
 import signal
 import time
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -81,3 +82,46 @@ for fault in ("raise", "kill"):
         ec.get_case(f"fault_{fault}"), name=f"declared_fault_{fault}",
         expect_mismatch={"ddp": "a declared pitfall under DDP"},
     ))
+
+
+class Crashing(nn.Module):
+    """Kills its own process in a forward over fewer samples than the global batch (a micro-batch, or a rank's
+    shard), as a kernel that faults on some shapes does: the reference trains, every split run dies. ``signum``
+    0 leaves through ``os._exit(3)`` instead of a signal."""
+
+    def __init__(self, signum: int, batch_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 3)
+        self.signum, self.batch_size = signum, batch_size
+
+    def forward(self, x):
+        if x.shape[0] < self.batch_size:
+            if self.signum:
+                os.kill(os.getpid(), self.signum)
+            os._exit(3)
+        return self.linear(x)
+
+
+for name, signum in (("sigsegv", signal.SIGSEGV), ("sigill", signal.SIGILL), ("exit", 0)):
+    ec.register_case(dataclasses.replace(
+        ec.get_case("mlp"), name=f"crash_{name}", split=None, regimes=None,
+        model=lambda signum=signum: Crashing(signum, ec.get_case("mlp").batch_size),
+    ))
+
+
+class MkldnnFaults(nn.Module):
+    """A run on a machine whose oneDNN bf16 kernels fault: its first autocast forward with mkldnn on kills the
+    process with SIGILL, as oneDNN's AMX path does on some virtual CPUs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 3)
+
+    def forward(self, x):
+        if torch.is_autocast_enabled("cpu") and torch._C._get_mkldnn_enabled():
+            os.kill(os.getpid(), signal.SIGILL)
+        return self.linear(x)
+
+
+ec.register_case(dataclasses.replace(ec.get_case("mlp"), name="mkldnn_faults", model=MkldnnFaults, split=None,
+                                     regimes=None))

@@ -94,13 +94,13 @@ def test_json_rows_and_the_command(rows, tmp_path, capsys, monkeypatch):
     path = tmp_path / "catalogue.json"
     asked = []  # the command renders the rows the fixture measured, not a second measurement of them
 
-    def measured(dtypes):
-        asked.append(dtypes)
+    def measured(dtypes, isolate):
+        asked.append((dtypes, isolate))
         return by_mode(rows, "float64")
 
     monkeypatch.setattr(catalogue, "run_catalogue", measured)
     assert main(["catalogue", "--dtype", "float64", "--json", str(path)]) == 0
-    assert asked == [["float64"]]
+    assert asked == [(["float64"], True)]  # its runs isolated: a precision whose kernels kill a process is an error row
     out = capsys.readouterr().out
     assert f"{len(catalogue_entries())} rows ({len(catalogue_entries())} pitfalls x 1 precisions); every target met" in out
     assert "gradient clipping per micro-batch" in out and "headroom" in out

@@ -29,19 +29,20 @@ def data():
 ILL = ec.Case(name="layernorm_over_two_adam", model=layernorm_over_two, data=data,
               loss=lambda output, target: F.cross_entropy(output, target, reduction="none"), batch_size=12, steps=3,
               optimizer=lambda params: torch.optim.Adam(params, lr=1e-2), dtype=torch.float32)
-SEED = 3  # the table alone gives margin 165 here
+SEED = 3  # the table alone gives margin 165 on one CPU, 71 on another (kernels differ by instruction set)
 
 
 def test_an_ill_conditioned_float32_case_is_equivalent_with_a_note():
     reference, regime = ec.run(ILL, "full_batch", seed=SEED), ec.run(ILL, "accumulate:chunks=5", seed=SEED)
-    assert ec.compare(reference, regime).margin > 100  # torch.testing's float32 table alone: a false alarm
+    table = ec.compare(reference, regime)
+    assert table.margin > 10  # torch.testing's float32 table alone: a false alarm (165 on one CPU, 71 on another)
     (outcome,) = ec.check(ILL, ["accumulate:chunks=5"], seed=SEED).outcomes
     assert outcome.verdict is Verdict.EQUIVALENT and outcome.comparison.ok
     assert outcome.reason.startswith("ill-conditioned: LayerNorm over 2 features: gradients at rounding level, "
                                      "amplified by Adam")
-    assert "the float64 runs match" in outcome.reason and "margin 165" in outcome.reason
+    assert "the float64 runs match" in outcome.reason and f"margin {table.margin:.3g}" in outcome.reason
     assert outcome.comparison.margin <= 1 and outcome.comparison.note == outcome.reason
-    table = ec.compare(reference, regime)  # the figures the table measured stay readable beside the verdict
+    # the figures the table measured stay readable beside the verdict
     assert (outcome.comparison.mismatches, outcome.comparison.problems) == ((), ())
     assert (outcome.comparison.max_abs, outcome.comparison.max_rel) == (table.max_abs, table.max_rel)
     assert "note: ill-conditioned" in outcome.comparison.describe()

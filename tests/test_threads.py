@@ -18,9 +18,12 @@ def full_batch_step(model, optimizer, batch):
     return loss.detach()
 
 
-def recording_step(seen):
+def insisting_on(threads):
+    """A step that raises unless it trains with ``threads`` intra-op threads: seen wherever the run trains (a forked
+    child, this process)."""
     def step(model, optimizer, batch):
-        seen.add(torch.get_num_threads())
+        if torch.get_num_threads() != threads:
+            raise RuntimeError(f"the step trains with {torch.get_num_threads()} threads, not {threads}")
         return full_batch_step(model, optimizer, batch)
     return step
 
@@ -38,10 +41,11 @@ def torch_default(monkeypatch):
 
 
 def test_by_default_a_run_uses_one_thread_and_gives_the_callers_back(torch_default):
-    seen = set()
-    ec.check_step("mlp", recording_step(seen)).assert_equivalent()
-    assert seen == {1}
+    ec.check_step("mlp", insisting_on(1)).assert_equivalent()
+    ec.check_step("mlp", insisting_on(1), isolate=False).assert_equivalent()
     assert torch.get_num_threads() == torch_default
+    (other,) = ec.check_step("mlp", insisting_on(2)).outcomes  # the twin: a count the run does not use is seen
+    assert other.verdict is ec.Verdict.ERROR and "trains with 1 threads, not 2" in other.reason
 
 
 def test_the_callers_count_comes_back_when_the_step_raises(torch_default):
@@ -62,9 +66,7 @@ def test_a_users_choice_is_kept(torch_default, monkeypatch, choose):
         torch.set_num_threads(3)
     else:
         options["threads"] = 3
-    seen = set()
-    ec.check_step("mlp", recording_step(seen), **options).assert_equivalent()
-    assert seen == ({2} if choose == "environment" else {3})
+    ec.check_step("mlp", insisting_on(2 if choose == "environment" else 3), **options).assert_equivalent()
     assert torch.get_num_threads() == (3 if choose == "set_num_threads" else torch_default)
 
 

@@ -11,7 +11,7 @@ The forker is the ranks' parent: it reaps them and reports each exit status, and
 through :class:`ForkedRank`, which answers what ``subprocess.Popen`` answers. Ranks are grouped by pool,
 so a pool whose start was interrupted has the forker kill every rank it forked for it, including one whose
 pid the interrupted start never learned. The forker leaves when the process that started it is gone; its
-ranks then see their parent change and leave too (``worker._exit_with_parent``).
+ranks then see their parent change and leave too (``process_exit.leave_with_parent``).
 """
 
 from __future__ import annotations
@@ -27,13 +27,15 @@ import time
 from multiprocessing.connection import Connection
 
 from ..errors import WorkerError
+from ..process_exit import exit_words
+from ..torch_support import TRAINING_IMPORTS
 
-PRELOADED = ("torch", "torch.distributed", "torch._dynamo", "equivcheck.distributed.worker")
+PRELOADED = ("torch", "torch.distributed", *TRAINING_IMPORTS, "equivcheck.distributed.worker")
 # One thread in the forker: numpy's BLAS (which follows OpenMP's setting) would start one per core, and a thread
 # at work when the forker forks is lost mid-work in the rank. A rank sets its own count (worker_main).
 FORKER_ENVIRONMENT = {"OMP_NUM_THREADS": "1"}
 STANDARD_STREAMS = (0, 1, 2)
-ORPHANED_EXIT = 1  # how a rank whose forker died leaves (worker._exit_with_parent); nobody is left to reap it
+ORPHANED_EXIT = 1  # how a rank whose forker died leaves (process_exit.leave_with_parent); nobody is left to reap it
 POLL_SECONDS = 0.05  # how often the forker reaps its ranks and looks whether its parent lives
 
 
@@ -217,11 +219,6 @@ def _is_open(fd: int) -> bool:
     except OSError:
         return False
     return True
-
-
-def exit_words(code: int) -> str:
-    """How a process exited, from its return code as ``subprocess.Popen`` gives it (negative: the signal)."""
-    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
 _forker: Forker | None = None

@@ -28,7 +28,8 @@ from typing import NamedTuple
 
 from ..errors import InvalidArgument, WorkerError
 from .capacity import ensure_room
-from .forker import ForkedRank, exit_words, forker, search_path
+from ..process_exit import exit_words
+from .forker import ForkedRank, forker, search_path
 from .worker import INSIDE_RANK_VARIABLE, stack_file
 
 DEFAULT_TIMEOUT = 60.0  # seconds a job may take on its ranks

@@ -12,8 +12,6 @@ import importlib
 import os
 import shutil
 import signal
-import threading
-import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -23,6 +21,7 @@ import torch.distributed as dist
 
 from ..errors import InvalidArgument
 from ..evaluating import evaluation_job
+from ..process_exit import leave_with_parent
 from ..regimes import parse_regime
 from ..registry import get_case, load_cases_from
 from ..training import train
@@ -49,7 +48,8 @@ INSIDE_RANK_VARIABLE = "EQUIVCHECK_INSIDE_RANK"  # set in every rank: ranks neve
 def worker_main(rank: int, world_size: int, backend: str, store: str, conn: Connection, parent: int,
                 threads: int, start_timeout: float) -> None:
     os.environ[INSIDE_RANK_VARIABLE] = str(rank)
-    _exit_with_parent(parent, os.path.dirname(store))
+    # A parent killed without its cleanup leaves its pool's folder to the ranks to remove.
+    leave_with_parent(parent, lambda: shutil.rmtree(os.path.dirname(store), ignore_errors=True))
     # On SIGUSR1 (sent by the pool when a job times out) dump this rank's stack where the pool can read it.
     stacks = open(stack_file(os.path.dirname(store), rank), "w")  # noqa: SIM115 (lives as long as the rank)
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
@@ -97,17 +97,3 @@ def reply(conn: Connection, number: int, work: Callable[[], dict]) -> bool:
 
 def stack_file(folder: str, rank: int) -> str:
     return os.path.join(folder, f"rank{rank}.stack")
-
-
-def _exit_with_parent(parent: int, folder: str) -> None:
-    """A worker never outlives its parent (the forker, which never outlives the pool's process), even while
-    stuck in a collective; a parent killed without its cleanup leaves its pool's folder to the ranks to remove."""
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        shutil.rmtree(folder, ignore_errors=True)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="equivcheck-parent-watch", daemon=True).start()
-

@@ -1,0 +1,266 @@
+"""A run that kills its process is a verdict: SIGSEGV, SIGILL or os._exit inside a forward becomes an ``error``
+naming how the run ended, in process, on ranks, from the CLI, the catalogue and the plugin, and every other
+verdict is kept. And a CPU autocast precision whose kernels kill their process runs on a path that survives.
+
+``crash_*`` (tests/fault_cases.py) kill their process in a forward over fewer samples than the global batch: the
+full-batch reference trains, every split run dies. Each test here would take its pytest worker down with it if
+the isolation were removed.
+"""
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import equivcheck as ec
+from equivcheck import Verdict, isolation, kernels
+from equivcheck.check import Status
+from equivcheck.catalogue import Entry, run_catalogue
+from equivcheck.errors import RunDied
+from equivcheck.precision import registered_name, resolve_precision
+
+import fault_cases
+from processes import alive
+
+FAULT_CASES = str(Path(fault_cases.__file__))
+CRASHES = [("crash_sigsegv", "killed by SIGSEGV"), ("crash_sigill", "killed by SIGILL"), ("crash_exit", "exit code 3")]
+
+
+def children_of(parent: int) -> set[int]:
+    """The live processes whose parent is ``parent``."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == parent and alive(int(stat.parent.name)):
+            found.add(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.parametrize("case, death", CRASHES)
+def test_a_run_that_kills_its_process_is_an_error_naming_how_and_the_check_goes_on(case, death):
+    report = ec.check(case, ["accumulate:chunks=3", "retained_graph:chunks=3", "sample_by_sample"])
+    crashed, survived, crashed_again = report.outcomes
+    assert crashed.verdict is Verdict.ERROR and death in crashed.reason
+    if death.startswith("killed"):  # faulthandler's frames, innermost first: the forward that died
+        assert "in forward (fault_cases.py:" in crashed.reason
+        assert "Fatal Python error" in crashed.details and "fault_cases.py" in crashed.details
+    assert survived.verdict is Verdict.EQUIVALENT  # one forward on the global batch: a fresh child trains it
+    assert crashed_again.verdict is Verdict.ERROR and death in crashed_again.reason
+    assert report.status is Status.ERROR
+
+
+def test_a_reference_that_kills_its_process_makes_every_outcome_an_error():
+    report = ec.check("crash_sigsegv", ["full_batch", "accumulate:chunks=2"], reference="sample_by_sample")
+    assert [o.verdict for o in report.outcomes] == [Verdict.ERROR, Verdict.ERROR]
+    assert all("the reference sample_by_sample failed" in o.reason and "SIGSEGV" in o.reason for o in report.outcomes)
+
+
+def test_a_lone_isolated_run_raises_run_died():
+    with pytest.raises(RunDied, match="killed by SIGILL") as died:
+        ec.run("crash_sigill", "accumulate:chunks=2", isolate=True)
+    assert died.value.exit_code == -signal.SIGILL
+
+
+def test_without_isolation_the_same_crash_kills_the_process():
+    """The twin: what every test above would do to its pytest worker without the isolation."""
+    script = f"import sys; sys.path.insert(0, {str(Path(FAULT_CASES).parent)!r}); import fault_cases, equivcheck as ec; " \
+             "ec.check('crash_sigsegv', ['accumulate:chunks=3'], isolate=False); print('survived')"
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == -signal.SIGSEGV and "survived" not in run.stdout
+
+
+def test_a_run_that_raises_keeps_its_type_and_traceback():
+    """Through the child, a usage error is still a usage error and a skip a skip: only deaths become RunDied."""
+    case = ec.Case(name="raises_inside", model=lambda: torch.nn.Linear(3, 2), loss=_raising_loss,
+                   data=lambda: (torch.randn(8, 3), torch.randn(8, 2)), batch_size=4, steps=2)
+    (outcome,) = ec.check(case, ["accumulate:chunks=2"], reference="accumulate:chunks=2").outcomes
+    assert outcome.verdict is Verdict.ERROR
+    assert outcome.reason.startswith("the reference accumulate:chunks=2 failed: ZeroDivisionError: planted")
+    assert "_raising_loss" in outcome.details
+
+
+def _raising_loss(output, target):
+    raise ZeroDivisionError("planted")
+
+
+def test_the_child_sees_this_process_as_it_is_now_and_leaves_nothing_behind():
+    """A case defined here, a closure over a local: nothing is pickled. Afterwards no child is left."""
+    scale = 3.0
+    case = ec.Case(name="closure_case", model=lambda: torch.nn.Linear(3, 2),
+                   data=lambda: (scale * torch.randn(12, 3), torch.randn(12, 2)),
+                   loss=lambda out, target: ((out - target) ** 2).sum(dim=1), batch_size=6, steps=2)
+    ec.check(case, ["accumulate:chunks=3"]).assert_equivalent()
+    isolation.wait_for_exited()
+    assert not children_of(os.getpid()) - _forkers()
+
+
+def _forkers() -> set[int]:
+    """This process's forker, started by earlier distributed tests in the same worker: not a run's child."""
+    from equivcheck.distributed import forker
+
+    return {forker._forker._process.pid} if forker._forker is not None and forker._forker.alive else set()
+
+
+def test_an_interrupt_during_an_isolated_run_kills_its_child(monkeypatch):
+    runner = isolation.IsolatedRunner([(ec.get_case("fault_slow"), [ec.parse_regime("full_batch")])])
+    threading_timer = __import__("threading").Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    threading_timer.start()
+    slow = ec.get_case("fault_slow")
+    # fault_slow sleeps only inside a process group; this one sleeps everywhere, long enough to be interrupted
+    monkeypatch.setattr(fault_cases.Faulty, "forward", lambda self, x: (__import__("time").sleep(1.0), self.linear(x))[1])
+    with pytest.raises(KeyboardInterrupt):
+        runner.train(slow, ec.parse_regime("full_batch"))
+    assert runner._child is None and not children_of(os.getpid()) - _forkers()
+
+
+def test_a_crash_on_a_rank_is_an_error_and_the_pool_recovers():
+    report = ec.check("crash_sigsegv", ["ddp:world_size=2", "accumulate:chunks=2"])
+    ranked, local = report.outcomes
+    assert ranked.verdict is Verdict.ERROR and "died (killed by SIGSEGV)" in ranked.reason
+    assert local.verdict is Verdict.ERROR and "killed by SIGSEGV" in local.reason
+    ec.check("mlp", ["ddp:world_size=2"]).assert_equivalent()
+
+
+def test_the_cli_keeps_every_verdict_and_writes_every_report(tmp_path):
+    out = {kind: tmp_path / f"report.{kind}" for kind in ("json", "html", "md")}
+    run = subprocess.run(
+        [sys.executable, "-m", "equivcheck", "run", "--cases-from", FAULT_CASES, "--case", "crash_sigsegv",
+         "--case", "mlp", "--regime", "full_batch", "--regime", "accumulate:chunks=3",
+         "--json", str(out["json"]), "--html", str(out["html"]), "--markdown", str(out["md"])],
+        capture_output=True, text=True, timeout=300)
+    assert run.returncode == 3, run.stderr
+    rows = {(r["case"], r["regime"]): r for r in json.loads(out["json"].read_text())["rows"]}
+    assert {k: r["verdict"] for k, r in rows.items()} == {
+        ("crash_sigsegv", "full_batch"): "equivalent", ("crash_sigsegv", "accumulate:chunks=3"): "error",
+        ("mlp", "full_batch"): "equivalent", ("mlp", "accumulate:chunks=3"): "equivalent"}
+    assert "killed by SIGSEGV" in rows["crash_sigsegv", "accumulate:chunks=3"]["reason"]
+    assert "killed by SIGSEGV" in out["html"].read_text() and "crash_sigsegv" in out["md"].read_text()
+
+
+def test_the_catalogue_gives_error_rows_for_an_entry_that_kills_its_process(isolated_registry):
+    ec.register_case(dataclasses.replace(ec.get_case("crash_sigsegv"), name="crash_declared",
+                                         expect_mismatch={"naive_accumulate": "a planted pitfall"}))
+    entry = Entry("planted crash", "crash_declared", "naive_accumulate:chunks=3", "accumulate:chunks=3")
+    (row,) = run_catalogue(["float64"], [entry])
+    assert row.pitfall.verdict is Verdict.ERROR and row.twin.verdict is Verdict.ERROR
+    assert "killed by SIGSEGV" in row.pitfall.reason and "killed by SIGSEGV" in row.twin.reason
+
+
+PLUGIN_TEST = """
+def test_alongside(equivcheck):
+    equivcheck.check("mlp", ["accumulate:chunks=2"])
+"""
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]])
+def test_the_plugin_reports_the_crash_and_runs_every_other_test(pytester, workers):
+    pytester.makepyfile(test_alongside=PLUGIN_TEST)
+    result = pytester.runpytest_subprocess(
+        *workers, "-p", "no:cacheprovider", "--equivcheck-cases-from", FAULT_CASES, "--equivcheck-cases",
+        "crash_sigill", "--equivcheck-regimes", "accumulate:chunks=3", "--equivcheck-regimes", "retained_graph:chunks=3",
+        "test_alongside.py", timeout=300)
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(["*crash_sigill under accumulate:chunks=3: error*killed by SIGILL*"])
+    assert "node down" not in result.stdout.str()
+
+
+# --- the precision preflight ---------------------------------------------------------------------------------
+
+def _dies_unless(allowed) -> None:
+    """A probe on a machine whose default bf16 kernels fault: the child dies of SIGILL unless ``allowed()``."""
+    def probe(precision):
+        if not allowed():
+            os.kill(os.getpid(), signal.SIGILL)
+    return probe
+
+
+@pytest.fixture
+def fresh_decisions(monkeypatch):
+    """No precision probed yet in this process; oneDNN's variable as it was, afterwards."""
+    monkeypatch.setattr(kernels, "_decisions", {})
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+
+
+def test_the_isa_cap_is_chosen_where_it_survives(monkeypatch, fresh_decisions):
+    monkeypatch.setattr(kernels, "probe_kernels", _dies_unless(lambda: "ONEDNN_MAX_CPU_ISA" in os.environ))
+    (outcome,) = ec.check("mlp", ["accumulate:chunks=2"], dtype="bf16-autocast").outcomes
+    assert outcome.verdict is Verdict.EQUIVALENT
+    assert "bf16-autocast ran on kernel path onednn-avx512" in outcome.reason
+    assert "default died (killed by SIGILL)" in outcome.reason
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_BF16"  # for this process's and its ranks' first kernel
+
+
+def test_mkldnn_off_is_applied_to_the_runs_in_process_and_on_ranks(monkeypatch, fresh_decisions):
+    monkeypatch.setattr(kernels, "probe_kernels", _dies_unless(lambda: not torch._C._get_mkldnn_enabled()))
+    specs = ["accumulate:chunks=3", "ddp:world_size=2"]
+    report = ec.check("mkldnn_faults", specs, dtype="bf16-autocast")
+    for outcome in report.outcomes:
+        assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
+        assert "kernel path mkldnn-off" in outcome.reason and "onednn-avx512 died (killed by SIGILL)" in outcome.reason
+    # the same runs on the default path die, in process and on the ranks: the preflight is what saves them
+    monkeypatch.setattr(kernels, "_decisions", {"bf16-autocast": kernels.Decision("bf16-autocast", kernels.DEFAULT, ())})
+    unprobed = ec.check("mkldnn_faults", specs, dtype="bf16-autocast").outcomes
+    assert [o.verdict for o in unprobed] == [Verdict.ERROR, Verdict.ERROR]
+    assert all("killed by SIGILL" in o.reason for o in unprobed)
+
+
+def test_the_path_crosses_to_the_ranks_by_name():
+    precision = resolve_precision("bf16-autocast@mkldnn-off")
+    assert precision.kernel_path is kernels.MKLDNN_OFF
+    assert registered_name(precision) == "bf16-autocast@mkldnn-off"
+    with pytest.raises(ec.InvalidArgument, match="unknown kernel path 'amx'"):
+        resolve_precision("bf16-autocast@amx")
+
+
+def test_a_precision_no_path_survives_is_skipped_with_the_signal_and_the_way_out(monkeypatch, fresh_decisions):
+    monkeypatch.setattr(kernels, "probe_kernels", _dies_unless(lambda: False))
+    (outcome,) = ec.check("mlp", ["accumulate:chunks=2"], dtype="bf16-autocast").outcomes
+    assert outcome.verdict is Verdict.SKIPPED
+    assert "no kernel path survives here" in outcome.reason and "killed by SIGILL" in outcome.reason
+    assert "check in float32" in outcome.reason
+    assert ec.check("mlp", ["accumulate:chunks=2"]).ok  # float64 is not probed: it runs as ever
+
+
+def test_a_hung_probe_is_a_path_that_does_not_work(monkeypatch, fresh_decisions):
+    monkeypatch.setattr(kernels, "PROBE_SECONDS", 0.5)
+    monkeypatch.setattr(kernels, "probe_kernels", lambda precision: __import__("time").sleep(30))
+    assert kernels.probe(resolve_precision("bf16-autocast"), kernels.DEFAULT) == "hung past 0.5 s"
+    assert not children_of(os.getpid()) - _forkers()
+
+
+CATALOGUE_WITH_FAULTY_KERNELS = textwrap.dedent("""
+    import os, signal, sys, torch
+    from equivcheck import kernels
+    def probe(precision):
+        if torch._C._get_mkldnn_enabled():
+            os.kill(os.getpid(), signal.SIGILL)
+    kernels.probe_kernels = probe
+    from equivcheck.cli import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def test_the_catalogue_header_and_the_json_name_the_kernel_path(tmp_path):
+    script = tmp_path / "faulty_kernels.py"
+    script.write_text(CATALOGUE_WITH_FAULTY_KERNELS)
+    run = subprocess.run([sys.executable, str(script), "catalogue", "--dtype", "bf16-autocast"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "kernels: bf16-autocast ran on kernel path mkldnn-off" in run.stdout
+    rows = tmp_path / "rows.json"
+    run = subprocess.run([sys.executable, str(script), "run", "--case", "mlp", "--regime", "accumulate:chunks=2",
+                          "--dtype", "bf16-autocast", "--json", str(rows)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    document = json.loads(rows.read_text())
+    assert "kernel path mkldnn-off" in document["kernels"]["bf16-autocast"]
+    assert "kernel path mkldnn-off" in document["rows"][0]["reason"]
