@@ -11,7 +11,7 @@ export OMP_NUM_THREADS ?= 1
 # (commands, ranks, pytest sessions), which two workers overlap (bench/README.md#the-suite).
 WORKERS ?= 2
 
-.PHONY: install demo test test-dev test-frameworks bench bench-speed bench-threads bench-memory bench-false-alarms bench-suite mutation clean
+.PHONY: install demo test test-dev test-frameworks bench bench-speed bench-threads bench-isolation bench-memory bench-false-alarms bench-suite mutation clean
 
 # The developer's venv: an editable install, for make demo, make test-dev and the benchmarks.
 install: $(STAMP)
@@ -69,8 +69,12 @@ test-frameworks: install
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check "$(TORCH)" $(FRAMEWORKS)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q $(FRAMEWORK_TESTS)
 
-bench: install bench-speed bench-threads
+bench: install bench-speed bench-threads bench-isolation
 	$(BIN)/python bench/bench_pool.py
+
+# What crash isolation and the precision preflight cost: isolated against in-process, quiet and busy.
+bench-isolation: install
+	env -u OMP_NUM_THREADS $(BIN)/python bench/bench_isolation.py
 
 # The suite itself, serial against two workers, side by side (about 5 minutes here).
 bench-suite: install

@@ -114,7 +114,7 @@ def _uniform_items_reason(shape: Shape) -> str | None:
     return None
 
 
-def warn_blind_spots(case: Case | str, *, seed: int = DEFAULT_SEED, isolate: bool = True) -> None:
+def warn_blind_spots(case: Case | str, *, seed: int = DEFAULT_SEED, isolate: bool = False) -> None:
     """Warn where the case cannot show a bug a team's step could plausibly have: a normalisation bug
     when every sample holds the same number of items; a clipping bug when the declared ``max_norm``
     never engages in the reference (one full-batch run, only where clipping is declared, isolated as the
@@ -201,7 +201,7 @@ def _probes(shape: Shape, model: nn.Module) -> list[Probe]:
     ]
 
 
-def audit(case: Case | str, *, seed: int = DEFAULT_SEED, timeout: float | None = None, isolate: bool = True) -> Audit:
+def audit(case: Case | str, *, seed: int = DEFAULT_SEED, timeout: float | None = None, isolate: bool = False) -> Audit:
     """Run every applicable built-in pitfall regime on ``case`` and say, per class of bug, whether the
     case catches it (with the greatest margin) or is blind to it (with the reason measured from it).
     ``isolate``: as for :func:`check`, the runs train in a forked child."""

@@ -150,7 +150,7 @@ class Row:
 
 def run_catalogue(
     dtypes: Iterable[str] = DEFAULT_DTYPES, entries: Sequence[Entry] | None = None, *, seed: int = DEFAULT_SEED,
-    isolate: bool = True,
+    isolate: bool = False,
 ) -> list[Row]:
     """Measure every entry in every precision mode; the rows come grouped by mode. ``isolate``: the runs train in
     one forked child (check's ``isolate``), so a precision whose kernels kill their process gives error rows."""

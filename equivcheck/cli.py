@@ -43,7 +43,8 @@ EXIT_HELP = """exit status:
   1    a verdict not as expected (a mismatch, an unexpected match, a reference that disagrees with itself,
        a synchronisation count alone unless --allow-communication)
   2    usage error (a bad option, regime spec or --cases-from file); nothing ran
-  3    a run errored (the code checked raised, a worker rank died or timed out) and nothing was found wrong
+  3    a run errored (the code checked raised, a worker rank died or timed out, a run's process died of a
+       signal) and nothing was found wrong
   5    nothing was checked (every check skipped, for example nccl with no GPU)
   130  interrupted by Ctrl-C (SIGINT); 143 stopped by SIGTERM: the verdicts finished so far are printed
 """

@@ -70,7 +70,7 @@ def check_step(
     ranks_only = {"wrap": wrap, "ddp_options": ddp_options, "optimizer_wrap": optimizer_wrap, "pipeline": pipeline}
     candidate = (UserStep(step, per_run) if _in_process(world_size, **ranks_only)
                  else _on_ranks((DdpStep, PipelineStep), "step", step, world_size, **ranks_only, per_run=per_run))
-    warn_blind_spots(case, seed=options.get("seed", DEFAULT_SEED), isolate=options.get("isolate", True))
+    warn_blind_spots(case, seed=options.get("seed", DEFAULT_SEED), isolate=options.get("isolate", False))
     return check(case, [candidate], reference=reference, **options)
 
 
@@ -94,7 +94,7 @@ def check_loop(
     ranks_only = {"wrap": wrap, "ddp_options": ddp_options, "optimizer_wrap": optimizer_wrap, "pipeline": pipeline}
     candidate = (UserLoop(loop) if _in_process(world_size, **ranks_only)
                  else _on_ranks((DdpLoop, PipelineLoop), "loop", loop, world_size, **ranks_only))
-    warn_blind_spots(case, seed=options.get("seed", DEFAULT_SEED), isolate=options.get("isolate", True))
+    warn_blind_spots(case, seed=options.get("seed", DEFAULT_SEED), isolate=options.get("isolate", False))
     return check(case, [candidate], reference=reference, **options)
 
 

@@ -50,7 +50,8 @@ class Checker:
     def audit(self, case: ec.Case | str, *, require: Iterable[str] = ()) -> ec.Audit:
         """Audit ``case`` (``ec.audit``); fail the test unless it catches every class of bug named in ``require``
         (a part of the class's name: ``"token normalisation"``)."""
-        found = ec.audit(case, seed=self._defaults.get("seed", ec.DEFAULT_SEED), timeout=self._defaults.get("timeout"))
+        found = ec.audit(case, seed=self._defaults.get("seed", ec.DEFAULT_SEED), timeout=self._defaults.get("timeout"),
+                         isolate=self._defaults.get("isolate", True))
         missing = []
         for wanted in [require] if isinstance(require, str) else require:
             matching = [f for f in found.findings if wanted in f.pitfall]

@@ -18,9 +18,9 @@ DTYPES = ("float64", "float32", "bf16-autocast", "fp16-autocast", "float64-shado
 MAX_TIMEOUT = 86_400.0
 MAX_SEED = 2**32 - 1
 # The keywords @pytest.mark.equivcheck(...) accepts: per-test defaults for the fixture's checks.
-MARKER_KEYWORDS = ("reference", "rtol", "atol", "seed", "dtype", "timeout", "threads")
+MARKER_KEYWORDS = ("reference", "rtol", "atol", "seed", "dtype", "timeout", "threads", "isolate")
 MARKER_HELP = (
-    "equivcheck(reference=SPEC, rtol=R, atol=A, seed=N, dtype='float64'|'float32'|'bf16-autocast'|'fp16-autocast', timeout=SECONDS, threads=N): "
+    "equivcheck(reference=SPEC, rtol=R, atol=A, seed=N, dtype='float64'|'float32'|'bf16-autocast'|'fp16-autocast', timeout=SECONDS, threads=N, isolate=True|False): "
     "defaults for the equivcheck fixture's checks in this test"
 )
 
@@ -47,6 +47,9 @@ def add_options(parser: pytest.Parser) -> None:
                          "than this")
     group.addoption("--equivcheck-threads", type=int, default=None, metavar="N",
                     help="torch intra-op threads per run (default: 1, unless OMP_NUM_THREADS is set)")
+    group.addoption("--equivcheck-no-isolate", action="store_true", default=False,
+                    help="train in the test's process, not in a forked child: a debugger's breakpoints stop, but a "
+                         "run that kills its process (SIGILL, SIGSEGV) ends the session instead of failing its test")
     group.addoption("--equivcheck-json", default=None, metavar="PATH",
                     help="write the outcomes of every check as JSON rows (the CLI's format) to PATH")
     group.addoption("--equivcheck-html", default=None, metavar="PATH",
@@ -69,6 +72,7 @@ class Settings:
     timeout: float | None
     threads: int | None
     json: str | None
+    isolate: bool = True
     html: str | None = None
     markdown: str | None = None
 
@@ -79,7 +83,7 @@ class Settings:
             cases=tuple(option("cases")), regimes=tuple(option("regimes")), cases_from=tuple(option("cases-from")),
             dtype=option("dtype"), seed=option("seed"), rtol=option("rtol"), atol=option("atol"),
             timeout=option("timeout"), threads=option("threads"), json=option("json"), html=option("html"),
-            markdown=option("markdown"),
+            markdown=option("markdown"), isolate=not option("no-isolate"),
         )
         settings.validate("--equivcheck-")
         return settings
@@ -92,7 +96,7 @@ class Settings:
     def defaults(self) -> dict[str, object]:
         """The keyword defaults a check takes from the command line (None: not given)."""
         return {"seed": self.seed, "rtol": self.rtol, "atol": self.atol, "dtype": self.dtype, "timeout": self.timeout,
-                "threads": self.threads}
+                "threads": self.threads, "isolate": self.isolate}
 
     def validate(self, prefix: str) -> None:
         validate_values(self.defaults(), prefix)
@@ -121,6 +125,8 @@ def validate_values(values: Mapping[str, object], prefix: str) -> None:
     threads = values.get("threads")
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         fail("threads", "an integer >= 1")
+    if not isinstance(values.get("isolate", True), bool):
+        fail("isolate", "True or False")
     dtype = values.get("dtype")
     if dtype is not None and dtype not in DTYPES:
         fail("dtype", " or ".join(repr(d) for d in DTYPES))

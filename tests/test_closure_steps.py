@@ -73,8 +73,7 @@ def test_a_closure_step_is_equivalent_to_full_batch():
 
 def test_the_closure_runs_once_per_step():
     calls = []
-    # isolate=False: the calls are counted in this process, not in the forked child that trains by default
-    ec.check_step("mlp", functools.partial(closure_step, calls=calls), isolate=False).assert_equivalent()
+    ec.check_step("mlp", functools.partial(closure_step, calls=calls)).assert_equivalent()
     assert len(calls) == 3  # one per optimizer step: never re-run to record, never a doubled gradient
 
 

@@ -48,7 +48,7 @@ def children_of(parent: int) -> set[int]:
 
 @pytest.mark.parametrize("case, death", CRASHES)
 def test_a_run_that_kills_its_process_is_an_error_naming_how_and_the_check_goes_on(case, death):
-    report = ec.check(case, ["accumulate:chunks=3", "retained_graph:chunks=3", "sample_by_sample"])
+    report = ec.check(case, ["accumulate:chunks=3", "retained_graph:chunks=3", "sample_by_sample"], isolate=True)
     crashed, survived, crashed_again = report.outcomes
     assert crashed.verdict is Verdict.ERROR and death in crashed.reason
     if death.startswith("killed"):  # faulthandler's frames, innermost first: the forward that died
@@ -60,7 +60,8 @@ def test_a_run_that_kills_its_process_is_an_error_naming_how_and_the_check_goes_
 
 
 def test_a_reference_that_kills_its_process_makes_every_outcome_an_error():
-    report = ec.check("crash_sigsegv", ["full_batch", "accumulate:chunks=2"], reference="sample_by_sample")
+    report = ec.check("crash_sigsegv", ["full_batch", "accumulate:chunks=2"], reference="sample_by_sample",
+                      isolate=True)
     assert [o.verdict for o in report.outcomes] == [Verdict.ERROR, Verdict.ERROR]
     assert all("the reference sample_by_sample failed" in o.reason and "SIGSEGV" in o.reason for o in report.outcomes)
 
@@ -72,9 +73,10 @@ def test_a_lone_isolated_run_raises_run_died():
 
 
 def test_without_isolation_the_same_crash_kills_the_process():
-    """The twin: what every test above would do to its pytest worker without the isolation."""
+    """The twin: what every test above would do to its pytest worker without the isolation (the library's default,
+    where a check trains in the caller's process)."""
     script = f"import sys; sys.path.insert(0, {str(Path(FAULT_CASES).parent)!r}); import fault_cases, equivcheck as ec; " \
-             "ec.check('crash_sigsegv', ['accumulate:chunks=3'], isolate=False); print('survived')"
+             "ec.check('crash_sigsegv', ['accumulate:chunks=3']); print('survived')"
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert run.returncode == -signal.SIGSEGV and "survived" not in run.stdout
 
@@ -83,7 +85,7 @@ def test_a_run_that_raises_keeps_its_type_and_traceback():
     """Through the child, a usage error is still a usage error and a skip a skip: only deaths become RunDied."""
     case = ec.Case(name="raises_inside", model=lambda: torch.nn.Linear(3, 2), loss=_raising_loss,
                    data=lambda: (torch.randn(8, 3), torch.randn(8, 2)), batch_size=4, steps=2)
-    (outcome,) = ec.check(case, ["accumulate:chunks=2"], reference="accumulate:chunks=2").outcomes
+    (outcome,) = ec.check(case, ["accumulate:chunks=2"], reference="accumulate:chunks=2", isolate=True).outcomes
     assert outcome.verdict is Verdict.ERROR
     assert outcome.reason.startswith("the reference accumulate:chunks=2 failed: ZeroDivisionError: planted")
     assert "_raising_loss" in outcome.details
@@ -99,7 +101,7 @@ def test_the_child_sees_this_process_as_it_is_now_and_leaves_nothing_behind():
     case = ec.Case(name="closure_case", model=lambda: torch.nn.Linear(3, 2),
                    data=lambda: (scale * torch.randn(12, 3), torch.randn(12, 2)),
                    loss=lambda out, target: ((out - target) ** 2).sum(dim=1), batch_size=6, steps=2)
-    ec.check(case, ["accumulate:chunks=3"]).assert_equivalent()
+    ec.check(case, ["accumulate:chunks=3"], isolate=True).assert_equivalent()
     isolation.wait_for_exited()
     assert not children_of(os.getpid()) - _forkers()
 
@@ -124,7 +126,7 @@ def test_an_interrupt_during_an_isolated_run_kills_its_child(monkeypatch):
 
 
 def test_a_crash_on_a_rank_is_an_error_and_the_pool_recovers():
-    report = ec.check("crash_sigsegv", ["ddp:world_size=2", "accumulate:chunks=2"])
+    report = ec.check("crash_sigsegv", ["ddp:world_size=2", "accumulate:chunks=2"], isolate=True)
     ranked, local = report.outcomes
     assert ranked.verdict is Verdict.ERROR and "died (killed by SIGSEGV)" in ranked.reason
     assert local.verdict is Verdict.ERROR and "killed by SIGSEGV" in local.reason
@@ -151,7 +153,7 @@ def test_the_catalogue_gives_error_rows_for_an_entry_that_kills_its_process(isol
     ec.register_case(dataclasses.replace(ec.get_case("crash_sigsegv"), name="crash_declared",
                                          expect_mismatch={"naive_accumulate": "a planted pitfall"}))
     entry = Entry("planted crash", "crash_declared", "naive_accumulate:chunks=3", "accumulate:chunks=3")
-    (row,) = run_catalogue(["float64"], [entry])
+    (row,) = run_catalogue(["float64"], [entry], isolate=True)
     assert row.pitfall.verdict is Verdict.ERROR and row.twin.verdict is Verdict.ERROR
     assert "killed by SIGSEGV" in row.pitfall.reason and "killed by SIGSEGV" in row.twin.reason
 
@@ -172,6 +174,28 @@ def test_the_plugin_reports_the_crash_and_runs_every_other_test(pytester, worker
     result.assert_outcomes(passed=2, failed=1)
     result.stdout.fnmatch_lines(["*crash_sigill under accumulate:chunks=3: error*killed by SIGILL*"])
     assert "node down" not in result.stdout.str()
+
+
+def test_the_plugin_without_isolation_dies_with_the_run(pytester):
+    """The twin: --equivcheck-no-isolate trains in the test's process, and the crash ends the session."""
+    pytester.makepyfile(test_alongside=PLUGIN_TEST)
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-p", "no:faulthandler", "--equivcheck-no-isolate", "--equivcheck-cases-from",
+        FAULT_CASES, "--equivcheck-cases", "crash_sigill", "--equivcheck-regimes", "accumulate:chunks=3",
+        "test_alongside.py", timeout=300)
+    assert result.ret == -signal.SIGILL
+
+
+def test_the_marker_takes_isolate_as_a_bool(pytester):
+    pytester.makepyfile(test_marked="""
+import pytest
+
+@pytest.mark.equivcheck(isolate="yes")
+def test_marked(equivcheck):
+    equivcheck.check("mlp", ["accumulate:chunks=2"])
+""")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "test_marked.py", timeout=300)
+    result.stderr.fnmatch_lines(["*@pytest.mark.equivcheck isolate='yes' is not allowed: expected True or False*"])
 
 
 # --- the precision preflight ---------------------------------------------------------------------------------
@@ -203,13 +227,13 @@ def test_the_isa_cap_is_chosen_where_it_survives(monkeypatch, fresh_decisions):
 def test_mkldnn_off_is_applied_to_the_runs_in_process_and_on_ranks(monkeypatch, fresh_decisions):
     monkeypatch.setattr(kernels, "probe_kernels", _dies_unless(lambda: not torch._C._get_mkldnn_enabled()))
     specs = ["accumulate:chunks=3", "ddp:world_size=2"]
-    report = ec.check("mkldnn_faults", specs, dtype="bf16-autocast")
+    report = ec.check("mkldnn_faults", specs, dtype="bf16-autocast", isolate=True)
     for outcome in report.outcomes:
         assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
         assert "kernel path mkldnn-off" in outcome.reason and "onednn-avx512 died (killed by SIGILL)" in outcome.reason
     # the same runs on the default path die, in process and on the ranks: the preflight is what saves them
     monkeypatch.setattr(kernels, "_decisions", {"bf16-autocast": kernels.Decision("bf16-autocast", kernels.DEFAULT, ())})
-    unprobed = ec.check("mkldnn_faults", specs, dtype="bf16-autocast").outcomes
+    unprobed = ec.check("mkldnn_faults", specs, dtype="bf16-autocast", isolate=True).outcomes
     assert [o.verdict for o in unprobed] == [Verdict.ERROR, Verdict.ERROR]
     assert all("killed by SIGILL" in o.reason for o in unprobed)
 
@@ -264,3 +288,13 @@ def test_the_catalogue_header_and_the_json_name_the_kernel_path(tmp_path):
     document = json.loads(rows.read_text())
     assert "kernel path mkldnn-off" in document["kernels"]["bf16-autocast"]
     assert "kernel path mkldnn-off" in document["rows"][0]["reason"]
+
+
+def test_the_audit_command_reports_the_crash_as_not_run_and_exits_0(tmp_path):
+    rows = tmp_path / "audit.json"
+    run = subprocess.run([sys.executable, "-m", "equivcheck", "audit", "--cases-from", FAULT_CASES, "--case",
+                          "crash_sigsegv", "--json", str(rows)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    findings = {row["pitfall"]: row for row in json.loads(rows.read_text())}
+    dead = findings["zero_grad inside the accumulation loop"]
+    assert dead["sensitivity"] == "not run" and "killed by SIGSEGV" in dead["evidence"]

@@ -225,7 +225,6 @@ def test_a_stateful_step_made_per_run_matches_a_reference_with_the_same_schedule
 
 def test_state_kept_outside_a_run_leaks_into_the_next_one_which_is_why_per_run_exists():
     shared = make_scheduled_step()  # one step object for every run: its schedule stays bound to the first optimizer
-    # In this process (isolate=False): by default each check trains in a forked child, whose state dies with it.
-    ec.check_step("mlp", shared, reference=SCHEDULED_REFERENCE, isolate=False).assert_equivalent()
-    (second,) = ec.check_step("mlp", shared, reference=SCHEDULED_REFERENCE, isolate=False).outcomes
+    ec.check_step("mlp", shared, reference=SCHEDULED_REFERENCE).assert_equivalent()
+    (second,) = ec.check_step("mlp", shared, reference=SCHEDULED_REFERENCE).outcomes
     assert second.verdict is ec.Verdict.MISMATCH

@@ -42,7 +42,7 @@ def torch_default(monkeypatch):
 
 def test_by_default_a_run_uses_one_thread_and_gives_the_callers_back(torch_default):
     ec.check_step("mlp", insisting_on(1)).assert_equivalent()
-    ec.check_step("mlp", insisting_on(1), isolate=False).assert_equivalent()
+    ec.check_step("mlp", insisting_on(1), isolate=True).assert_equivalent()  # in a forked child too
     assert torch.get_num_threads() == torch_default
     (other,) = ec.check_step("mlp", insisting_on(2)).outcomes  # the twin: a count the run does not use is seen
     assert other.verdict is ec.Verdict.ERROR and "trains with 1 threads, not 2" in other.reason
