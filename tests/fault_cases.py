@@ -123,5 +123,46 @@ class MkldnnFaults(nn.Module):
         return self.linear(x)
 
 
-ec.register_case(dataclasses.replace(ec.get_case("mlp"), name="mkldnn_faults", model=MkldnnFaults, split=None,
-                                     regimes=None))
+class IsaFaults(nn.Module):
+    """The same machine, where only capping oneDNN's ISA saves a run: an autocast forward in a process whose
+    environment lacks ONEDNN_MAX_CPU_ISA dies of SIGILL."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 3)
+
+    def forward(self, x):
+        if torch.is_autocast_enabled("cpu") and "ONEDNN_MAX_CPU_ISA" not in os.environ:
+            os.kill(os.getpid(), signal.SIGILL)
+        return self.linear(x)
+
+
+for name, model in (("mkldnn_faults", MkldnnFaults), ("isa_faults", IsaFaults)):
+    ec.register_case(dataclasses.replace(ec.get_case("mlp"), name=name, model=model, split=None, regimes=None))
+
+
+class Interrupting(nn.Module):
+    """Stops the command from inside an isolated run over fewer samples than the global batch: Ctrl-C at a
+    terminal (SIGINT to the whole process group, the run's child included) or a scheduler's SIGTERM to the
+    command; then keeps training, as a run the signal lands in does."""
+
+    def __init__(self, signum: int, batch_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 3)
+        self.signum, self.batch_size = signum, batch_size
+
+    def forward(self, x):
+        if x.shape[0] < self.batch_size and not dist.is_initialized():
+            if self.signum == signal.SIGINT:
+                os.killpg(os.getpgid(0), signal.SIGINT)
+            else:
+                os.kill(os.getppid(), signal.SIGTERM)  # the command that forked this run's child
+            time.sleep(5.0)
+        return self.linear(x)
+
+
+for name, signum in (("sigint", signal.SIGINT), ("sigterm", signal.SIGTERM)):
+    ec.register_case(dataclasses.replace(
+        ec.get_case("mlp"), name=f"interrupt_{name}", split=None, regimes=None,
+        model=lambda signum=signum: Interrupting(signum, ec.get_case("mlp").batch_size),
+    ))

@@ -21,7 +21,7 @@ import torch
 
 import equivcheck as ec
 from equivcheck import Verdict, isolation, kernels
-from equivcheck.check import Status
+from equivcheck.check import Status, isolated, iter_outcomes, plan
 from equivcheck.catalogue import Entry, run_catalogue
 from equivcheck.errors import RunDied
 from equivcheck.precision import registered_name, resolve_precision
@@ -238,6 +238,21 @@ def test_mkldnn_off_is_applied_to_the_runs_in_process_and_on_ranks(monkeypatch, 
     assert all("killed by SIGILL" in o.reason for o in unprobed)
 
 
+def test_a_capped_isa_reaches_the_runs_child_and_ranks_started_before_it_was_chosen(monkeypatch, fresh_decisions):
+    """One runner for a command's float64 and bf16 plans: its child, forked for the float64 runs, lacks the
+    variable the bf16 probe chose, as do warm ranks; both are started afresh, so the bf16 runs are capped."""
+    monkeypatch.setattr(kernels, "probe_kernels", _dies_unless(lambda: "ONEDNN_MAX_CPU_ISA" in os.environ))
+    specs = ["accumulate:chunks=3", "ddp:world_size=2"]
+    plans = [plan("isa_faults", specs, dtype=dtype, isolate=True) for dtype in ("float64", "bf16-autocast")]
+    runner = isolated(plans)
+    try:
+        outcomes = [o for p in plans for o in iter_outcomes(p, runner=runner)]
+    finally:
+        runner.close()
+    assert [o.verdict for o in outcomes] == [Verdict.EQUIVALENT] * 4, [o.describe() for o in outcomes]
+    assert all("kernel path onednn-avx512" in o.reason for o in outcomes[2:])
+
+
 def test_the_path_crosses_to_the_ranks_by_name():
     precision = resolve_precision("bf16-autocast@mkldnn-off")
     assert precision.kernel_path is kernels.MKLDNN_OFF
@@ -298,3 +313,25 @@ def test_the_audit_command_reports_the_crash_as_not_run_and_exits_0(tmp_path):
     findings = {row["pitfall"]: row for row in json.loads(rows.read_text())}
     dead = findings["zero_grad inside the accumulation loop"]
     assert dead["sensitivity"] == "not run" and "killed by SIGSEGV" in dead["evidence"]
+
+
+@pytest.mark.parametrize(("fault", "code", "name"), [("sigint", 130, "SIGINT"), ("sigterm", 143, "SIGTERM")])
+def test_a_command_interrupted_inside_an_isolated_run_stops_cleanly(tmp_path, fault, code, name):
+    """Ctrl-C reaches the run's child too (one process group): it ignores it, and the command kills it; no
+    traceback from either, every finished verdict kept, nothing left running."""
+    out = tmp_path / "rows.json"
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "equivcheck", "run", "--cases-from", FAULT_CASES, "--case", "mlp", "--case",
+         f"interrupt_{fault}", "--regime", "full_batch", "--regime", "accumulate:chunks=2", "--json", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        start_new_session=True)  # its own process group, as a command typed at a terminal has
+    stdout, stderr = cli.communicate(timeout=240)
+    assert cli.returncode == code, stdout + stderr
+    assert "Traceback" not in stderr + stdout
+    document = json.loads(out.read_text())
+    assert document["interrupted"] is True
+    assert [(r["case"], r["regime"], r["verdict"]) for r in document["rows"]] == [
+        ("mlp", "full_batch", "equivalent"), ("mlp", "accumulate:chunks=2", "equivalent"),
+        (f"interrupt_{fault}", "full_batch", "equivalent")]
+    with pytest.raises(ProcessLookupError):  # no process of the command's session is left: its child was killed
+        os.killpg(cli.pid, 0)
