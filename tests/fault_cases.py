@@ -166,3 +166,22 @@ for name, signum in (("sigint", signal.SIGINT), ("sigterm", signal.SIGTERM)):
         ec.get_case("mlp"), name=f"interrupt_{name}", split=None, regimes=None,
         model=lambda signum=signum: Interrupting(signum, ec.get_case("mlp").batch_size),
     ))
+
+
+class InterruptsItself(nn.Module):
+    """A Ctrl-C that reaches an isolated run's child (a terminal signals the whole process group): the child must
+    leave it to the command and train on, not raise KeyboardInterrupt inside the run."""
+
+    def __init__(self, batch_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 3)
+        self.batch_size = batch_size
+
+    def forward(self, x):
+        if x.shape[0] < self.batch_size:
+            os.kill(os.getpid(), signal.SIGINT)
+        return self.linear(x)
+
+
+ec.register_case(dataclasses.replace(ec.get_case("mlp"), name="interrupts_itself", split=None, regimes=None,
+                                     model=lambda: InterruptsItself(ec.get_case("mlp").batch_size)))

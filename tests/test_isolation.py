@@ -14,6 +14,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -114,15 +116,28 @@ def _forkers() -> set[int]:
 
 
 def test_an_interrupt_during_an_isolated_run_kills_its_child(monkeypatch):
-    runner = isolation.IsolatedRunner([(ec.get_case("fault_slow"), [ec.parse_regime("full_batch")])])
-    threading_timer = __import__("threading").Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
-    threading_timer.start()
-    slow = ec.get_case("fault_slow")
-    # fault_slow sleeps only inside a process group; this one sleeps everywhere, long enough to be interrupted
-    monkeypatch.setattr(fault_cases.Faulty, "forward", lambda self, x: (__import__("time").sleep(1.0), self.linear(x))[1])
+    slow, full_batch = ec.get_case("fault_slow"), ec.parse_regime("full_batch")
+    monkeypatch.setattr(fault_cases.Faulty, "forward", lambda self, x: (time.sleep(1.0), self.linear(x))[1])
+    runner = isolation.IsolatedRunner([(slow, [full_batch])])
+    children = []
+
+    def interrupt_inside_the_run() -> None:
+        deadline = time.monotonic() + 60
+        while not (runner._child and runner._child.alive) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        children.append(runner._child.pid)
+        time.sleep(0.3)  # inside the run's first forward
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_inside_the_run, daemon=True).start()
     with pytest.raises(KeyboardInterrupt):
-        runner.train(slow, ec.parse_regime("full_batch"))
-    assert runner._child is None and not children_of(os.getpid()) - _forkers()
+        runner.train(slow, full_batch)
+    assert runner._child is None and children and not alive(children[0])
+
+
+def test_a_ctrl_c_that_reaches_the_child_is_left_to_the_command():
+    (outcome,) = ec.check("interrupts_itself", ["accumulate:chunks=2"], isolate=True).outcomes
+    assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
 
 
 def test_a_crash_on_a_rank_is_an_error_and_the_pool_recovers():
