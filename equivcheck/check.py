@@ -23,7 +23,7 @@ from .isolation import IsolatedRunner
 from .kernels import decisions
 from .dispatch import DEFAULT_TIMEOUT, Started, run, start
 from . import rounding
-from .precision import Precision, resolve_precision
+from .precision import PRECISIONS, Precision, resolve_precision
 from .regimes import DEFAULT_REGIMES, REGIMES, Regime, parse_regime
 from .registry import all_cases, resolve_case
 from .result import RunResult
@@ -210,10 +210,11 @@ class Plan:
     isolate: bool = False  # in-process runs train in a forked child (isolation.py)
     runner: IsolatedRunner | None = dataclasses.field(default=None, compare=False, repr=False)  # while it runs
 
-    def tolerance(self, spec: Regime) -> Tolerance:
+    def tolerance(self, spec: Regime, loss_precision: Precision | None = None) -> Tolerance:
         """What ``spec`` is compared at: the call's tolerance, else the regime's own bound where it is lossy
-        (widening the case's or the precision's), else the case's or the precision's."""
-        base = Tolerance.resolve(self.precision, self.rtol, self.atol)
+        (widening the case's or the precision's), else the case's or the precision's: the precision the loss was
+        computed in, where that is lower than the case's (``loss_precision``) and the case sets no tolerance."""
+        base = Tolerance.resolve(loss_precision or self.precision, self.rtol, self.atol)
         if self.tolerance_given:
             return base
         return spec.tolerance_for(self.case, self.precision, base) or base
@@ -356,6 +357,11 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
         return
 
     _warn_lower_precision(case, precision, ref)
+    loss_precision = None if plan.rtol is not None else _loss_precision(precision, ref)
+    loss_note = "" if loss_precision is None else (
+        f"the loss is computed in {loss_precision.dtype if loss_precision.autocast is None else loss_precision.autocast}"
+        f" under a {precision.name} case: judged at {loss_precision.name}'s tolerance "
+        f"({Tolerance.resolve(loss_precision)})")
     shadow = rounding.shadow_of(precision)
     shadow_reference = functools.cache(lambda: plan.run(reference, shadow, False))
     for index, spec in enumerate(plan.specs):
@@ -383,7 +389,7 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
                 yield Outcome(case.name, str(spec), Verdict.EXPECTED_MISMATCH, None,
                               f"{declared}; it crashed: {crash}", seconds, details=details)
             continue
-        comparison = compare(ref, result, tolerance=plan.tolerance(spec))
+        comparison = compare(ref, result, tolerance=plan.tolerance(spec, loss_precision))
         # Float64 shadows: the maths, or this case's rounding? Not for a lossy regime judged at its own bound:
         # its shadows would compare the compression at float64's tolerance.
         if rounding.applies(precision, comparison) and not comparison.tolerance.source:
@@ -391,7 +397,20 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
                 case, comparison, ref, result, seed=seed,
                 shadow_reference=shadow_reference,
                 shadow_candidate=lambda: plan.run(spec, shadow, False))
-        yield _judge(case, spec, comparison, time.perf_counter() - started, result, ref, reference)
+        outcome = _judge(case, spec, comparison, time.perf_counter() - started, result, ref, reference)
+        yield dataclasses.replace(outcome, reason="; ".join(filter(None, (outcome.reason, loss_note))))
+
+
+# The precision mode whose rounding a loss computed in this dtype carries (Tensor.dtype, as RunResult names it).
+LOSS_DTYPE_MODES = {"torch.float32": "float32", "torch.bfloat16": "bf16-autocast", "torch.float16": "fp16-autocast"}
+
+
+def _loss_precision(precision: Precision, reference: RunResult) -> Precision | None:
+    """The mode whose tolerance the reference's loss needs, where its dtype rounds coarser than ``precision``
+    allows for (a float64 case whose model upcasts logits to float32 for its loss, as Hugging Face causal-LM
+    losses do); None where the case's own mode covers it."""
+    modes = [PRECISIONS[LOSS_DTYPE_MODES[d]] for d in reference.loss_dtypes if d in LOSS_DTYPE_MODES]
+    return max((m for m in modes if m.rtol > precision.rtol), key=lambda m: m.rtol, default=None)
 
 
 def _warn_lower_precision(case: Case, precision: Precision, reference: RunResult) -> None:
@@ -401,8 +420,8 @@ def _warn_lower_precision(case: Case, precision: Precision, reference: RunResult
     if precision.dtype == torch.float64 and lower:
         warn(PrecisionWarning(
             f"case {case.name!r} trains in float64 but its loss is computed in {', '.join(lower)}: the runs carry "
-            f"{lower[0]} rounding, and float64's tolerance leaves little headroom (a false alarm waits for the "
-            "next seed); check it as dtype=torch.float32, or keep the loss in float64"))
+            f"{lower[0]} rounding, so it is judged at that precision's tolerance (each outcome's note says so), not "
+            "float64's: keep the loss in float64 for a float64 verdict"))
 
 
 def _crash(error: Exception) -> tuple[str, str]:

@@ -74,6 +74,30 @@ def test_a_float64_case_whose_loss_runs_in_float32_is_warned_about_and_its_twin_
         ec.check(MLP, ["accumulate:chunks=4"])
 
 
+# A float64 case with a float32 loss where float64's tolerance gives a false alarm (seed 4: margin 1.9).
+WIDE_UPCAST = ec.Case(name="wide_float32_loss", model=lambda: torch.nn.Sequential(
+    torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 50)),
+    data=lambda: (torch.randn(48, 16), torch.randint(0, 50, (48,))), loss=UpcastingLoss(), batch_size=16, steps=3,
+    optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+
+
+@pytest.mark.filterwarnings("ignore::equivcheck.PrecisionWarning")
+def test_a_loss_computed_below_the_cases_dtype_is_judged_at_its_own_precisions_tolerance():
+    reference, regime = ec.run(WIDE_UPCAST, "full_batch", seed=4), ec.run(WIDE_UPCAST, "accumulate:chunks=3", seed=4)
+    assert ec.compare(reference, regime).margin > 1  # float64's tolerance: a false alarm on float32 rounding
+    (outcome,) = ec.check(WIDE_UPCAST, ["accumulate:chunks=3"], seed=4).outcomes
+    assert outcome.verdict is ec.Verdict.EQUIVALENT
+    assert outcome.comparison.tolerance == ec.Tolerance.resolve(torch.float32)
+    assert ("the loss is computed in torch.float32 under a float64 case: judged at float32's tolerance "
+            "(rtol=1.3e-06, atol=1e-05)") in outcome.reason
+    # the twin: a real pitfall on the same case is caught at that tolerance by orders of magnitude
+    (naive,) = ec.check(WIDE_UPCAST, ["naive_accumulate:chunks=5"], seed=4).outcomes
+    assert naive.verdict is ec.Verdict.MISMATCH and naive.comparison.margin > 100
+    # a tolerance the call gives is kept: the user's word, not the loss's dtype
+    (given,) = ec.check(WIDE_UPCAST, ["accumulate:chunks=3"], seed=4, rtol=1e-7, atol=1e-7).outcomes
+    assert given.verdict is ec.Verdict.MISMATCH and "the loss is computed" not in given.reason
+
+
 # --- hints that match the evidence --------------------------------------------------------------------
 
 def step(model, optimizer, batch, *, micro_batches=4, divide=True, clip=None, mean_of_means=False):

@@ -4,6 +4,7 @@ progress on a terminal. Each parsed for its content, not only checked to exist."
 import html.parser
 import io
 import json
+import re
 import sys
 
 import pytest
@@ -114,7 +115,8 @@ def test_the_html_report_holds_the_matrix_the_failures_and_their_plots(tmp_path,
     page = Parsed(path.read_text())
     assert "not as expected" in page.headings
     assert ["bad", "MISMATCH 4e+05"] in page.cells and ["caught", "caught 4e+05"] in page.cells
-    assert ["ok", "ok 5e-10"] in page.cells
+    # a faithful row's margin is rounding, which the CPU's kernels set (5e-10 on one machine, 1e-09 on another)
+    assert any(cls == "ok" and re.fullmatch(r"ok \d(\.\d+)?e-(09|10)", text) for cls, text in page.cells)
     assert "mlp under naive_accumulate:chunks=5: mismatch" in "".join(page.headings)
     assert page.svgs == 1  # one failing check, one divergence plot
     assert PLOTS_MISSING not in page.paragraphs
