@@ -1,10 +1,12 @@
 """False alarms of the broadened strategies: faithful regimes on drawn cases must all be equivalent,
 and pitfalls with a real effect must all be caught.
 
-    python bench/bench_false_alarms.py [--in-process N] [--ddp N] [--pitfalls N] [--seed S] [--dtype MODE]
+    python bench/bench_false_alarms.py [--in-process N] [--ddp N] [--attention N] [--attention-ddp N] [--pitfalls N]
+                                       [--seed S] [--dtype MODE]
 
 Draws N in-process configurations (a case from ``equivcheck.hypothesis.cases()`` and a faithful
-in-process regime) and N DDP ones (world size 2 or 3, every faithful distributed regime), checks each
+in-process regime), N more on attention LMs (``attention_cases()``: causal masks, padding, tied heads, key
+biases, Adam without epsilon) in process and on DDP, and N DDP ones (world size 2 or 3, every faithful distributed regime), checks each
 and prints every verdict that is not ``equivalent``: a false alarm, since nothing drawn is a pitfall.
 Then N pitfall regimes on drawn cases: a pitfall is missed where its float64 shadows differ from the
 reference's (it has a real effect) and the verdict in the case's dtype is still ``equivalent``.
@@ -30,7 +32,7 @@ from hypothesis import strategies as st
 
 import equivcheck as ec
 from equivcheck import Verdict
-from equivcheck.hypothesis import CaseSpec, case_specs, regime_specs
+from equivcheck.hypothesis import CaseSpec, attention_specs, case_specs, regime_specs
 from equivcheck.precision import PRECISIONS, SHADOW
 from equivcheck.regimes import REGIMES
 
@@ -76,8 +78,10 @@ def draws(strategy: st.SearchStrategy, count: int, draw_seed: int) -> list:
 
 
 @st.composite
-def configurations(draw, names: list[str], min_world_size: int = 1, max_world_size: int = 4):
-    spec = draw(case_specs())
+def configurations(draw, names: list[str], min_world_size: int = 1, max_world_size: int = 4, attention: bool = False):
+    """A drawn case (an MLP, or with ``attention`` a causal attention LM) and a regime of ``names`` it can take."""
+    spec = draw(attention_specs() if attention else case_specs())
+    names = [n for n in names if not (spec.tied and n == "detached_partial")]  # a tied head has no trunk of its own
     regime = draw(regime_specs(spec.batch_size, names=names, min_world_size=min(min_world_size, spec.batch_size),
                                max_world_size=max_world_size))
     return spec, regime
@@ -140,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--in-process", type=int, default=10_000)
     parser.add_argument("--ddp", type=int, default=300)
     parser.add_argument("--pitfalls", type=int, default=1000)
+    parser.add_argument("--attention", type=int, default=2000, help="in-process configurations of attention LMs")
+    parser.add_argument("--attention-ddp", type=int, default=200, help="DDP configurations of attention LMs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=sorted(PRECISIONS), help="one precision mode for every check "
                         "(default: each drawn case's dtype)")
@@ -148,20 +154,27 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {__import__('torch').__version__}; seed {args.seed}; in-process regimes {IN_PROCESS}; "
           f"DDP regimes {DISTRIBUTED}; dtype {args.dtype or 'per drawn case'}", flush=True)
     results = {}
-    if args.ddp:
-        ddp = draws(configurations(DISTRIBUTED, min_world_size=2, max_world_size=3), args.ddp, args.seed)
+    distributed = {label: draws(configurations(DISTRIBUTED, min_world_size=2, max_world_size=3,
+                                               attention=label == "attention DDP"), count, args.seed)
+                   for label, count in (("DDP", args.ddp), ("attention DDP", args.attention_ddp)) if count}
+    if distributed:
         listing = tempfile.NamedTemporaryFile("w", suffix=".json", prefix="equivcheck-drawn-", delete=False)
         with listing:
-            json.dump([dataclasses.asdict(spec) for spec in dict.fromkeys(spec for spec, _ in ddp)], listing)
+            specs = dict.fromkeys(spec for configs in distributed.values() for spec, _ in configs)
+            json.dump([dataclasses.asdict(spec) for spec in specs], listing)
         os.environ[DRAWN_CASES] = listing.name  # before the pool starts: its ranks inherit it
         try:
             register_drawn(listing.name)
-            results["ddp"] = run(ddp, "DDP", args.dtype)
+            for label, configs in distributed.items():
+                results[label.replace(" ", "_").lower()] = run(configs, label, args.dtype)
         finally:
             os.unlink(listing.name)
     if args.in_process:
         results["in_process"] = run(draws(configurations(IN_PROCESS), args.in_process, args.seed), "in-process",
                                     args.dtype)
+    if args.attention:
+        results["attention"] = run(draws(configurations(IN_PROCESS, attention=True), args.attention, args.seed),
+                                   "attention in-process", args.dtype)
     if args.pitfalls:
         results["pitfalls"] = missed_pitfalls(draws(configurations(PITFALLS), args.pitfalls, args.seed), args.dtype)
     print(json.dumps(results))

@@ -22,12 +22,13 @@ from .hints import diagnose
 from .isolation import IsolatedRunner
 from .kernels import decisions
 from .dispatch import DEFAULT_TIMEOUT, Started, run, start
-from . import rounding
+from . import rounding, witness
 from .precision import PRECISIONS, Precision, resolve_precision
 from .regimes import DEFAULT_REGIMES, REGIMES, Regime, parse_regime
 from .registry import all_cases, resolve_case
 from .result import RunResult
 from .savings import MemoryUse
+from .training import initial_weights
 from .seeding import DEFAULT_SEED
 
 
@@ -219,15 +220,17 @@ class Plan:
             return base
         return spec.tolerance_for(self.case, self.precision, base) or base
 
-    def run(self, spec: Regime, dtype: Precision, measure_memory: bool) -> RunResult:
-        """One run of this plan's case under ``spec``, with the plan's seed, timeout and threads."""
-        return self.start(spec, dtype, measure_memory).result()
+    def run(self, spec: Regime, dtype: Precision, measure_memory: bool, order: str = "given") -> RunResult:
+        """One run of this plan's case under ``spec``, with the plan's seed, timeout and threads; its samples in
+        ``order`` (a witness: witness.py)."""
+        return self.start(spec, dtype, measure_memory, order).result()
 
-    def start(self, spec: Regime, dtype: Precision, measure_memory: bool) -> Started:
+    def start(self, spec: Regime, dtype: Precision, measure_memory: bool, order: str = "given") -> Started:
         """That run begun (on its ranks, for a distributed regime); an error starting it is read with its result."""
         try:
             started = start(self.case, spec, seed=self.seed, timeout=self.timeout, threads=self.threads, dtype=dtype,
-                            measure_memory=measure_memory, runner=self.runner)
+                            measure_memory=measure_memory, runner=self.runner,
+                            **({} if order == "given" else {"order": order}))
         except Exception as error:
             return Started.failed(error)
         if self.compare_losses:
@@ -364,6 +367,8 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
         f"({Tolerance.resolve(loss_precision)})")
     shadow = rounding.shadow_of(precision)
     shadow_reference = functools.cache(lambda: plan.run(reference, shadow, False))
+    witnesses = functools.cache(lambda: [plan.run(reference, precision, False, order) for order in witness.ORDERS])
+    initial = functools.cache(lambda: initial_weights(case, precision, seed))
     for index, spec in enumerate(plan.specs):
         if spec == reference:
             yield _judge(case, spec, self_check, ref_seconds / 2, rerun, ref, reference)
@@ -397,6 +402,9 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
                 case, comparison, ref, result, seed=seed,
                 shadow_reference=shadow_reference,
                 shadow_candidate=lambda: plan.run(spec, shadow, False))
+        if witness.applies(comparison, ref, result):  # what is left may be noise where a true gradient is zero
+            comparison = witness.judge(comparison, ref, result, witnesses, initial,
+                                       cause=lambda: rounding.conditioning(case, seed))
         outcome = _judge(case, spec, comparison, time.perf_counter() - started, result, ref, reference)
         yield dataclasses.replace(outcome, reason="; ".join(filter(None, (outcome.reason, loss_note))))
 

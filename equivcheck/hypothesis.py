@@ -26,7 +26,8 @@ from .precision import NAMES_OF_DTYPES, PRECISIONS
 from .errors import InvalidArgument, expect_int
 from .regimes import REGIMES, parse_regime
 
-__all__ = ["ACTIVATIONS", "CaseSpec", "batch_sizes", "case_specs", "cases", "chunkings", "regime_specs", "world_sizes"]
+__all__ = ["ACTIVATIONS", "AttentionLM", "CaseSpec", "attention_cases", "attention_specs", "batch_sizes", "case_specs",
+           "cases", "chunkings", "regime_specs", "world_sizes"]
 
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU, "sigmoid": nn.Sigmoid, "silu": nn.SiLU}
 
@@ -124,6 +125,10 @@ class _Classifier(nn.Sequential):
 
 
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "weight_decay", "adam", "adamw")
+# Adam with an epsilon far below any gradient's rounding: a true gradient of zero, computed as noise, then
+# makes whole-size updates in float64 too (the attention key bias's false alarm; equivcheck.witness).
+NO_EPS_OPTIMIZERS = ("adam_no_eps", "adamw_no_eps")
+TINY_EPS = 1e-30
 NORMS = ("none", "layernorm", "groupnorm")
 # Learning rates per optimizer family: SGD's up to 0.5 (with momentum, the issue's float32 false alarm),
 # Adam's up to 0.1 (every update is about lr, whatever the gradient's size).
@@ -147,6 +152,10 @@ class CaseSpec:
     optimizer: str = "sgd"
     lr: float = 0.1
     batchnorm: bool = False
+    heads: int = 0  # > 0: a causal attention LM over token sequences (AttentionLM): widths are (dim, vocab)
+    block: int = 0  # the attention LM's sequence length (padded)
+    attention_bias: bool = True  # the attention's in-projection bias, whose key part has a true gradient of zero
+    tied: bool = False  # the LM's head shares the token embedding's weight
 
     @property
     def name(self) -> str:
@@ -154,9 +163,19 @@ class CaseSpec:
                  f"s{self.steps}", self.loss, self.optimizer, f"lr{self.lr:g}"]
         parts += [self.norm + "".join(f"g{g}" for g in self.groups)] if self.norm != "none" else []
         parts += [f"vocab{self.vocab}"] if self.vocab else []
+        parts += [f"attn{self.heads}h_block{self.block}" + ("_bias" if self.attention_bias else "")
+                  + ("_tied" if self.tied else "")] if self.heads else []
         return "_".join(parts + (["batchnorm"] if self.batchnorm else []))
 
     def build(self) -> Case:
+        if self.heads:
+            return Case(
+                name=self.name, model=partial(AttentionLM.of, self), data=partial(_token_data, self),
+                loss=partial(_token_losses, self.widths[-1]), items=_real_tokens, batch_size=self.batch_size,
+                steps=self.steps, optimizer=partial(_optimizer, self.optimizer, self.lr),
+                split=None if self.tied else AttentionLM.split, dtype=PRECISIONS[self.dtype].dtype,
+                description=f"drawn by equivcheck.hypothesis.attention_cases: {self}",
+            )
         declared = {}
         if self.batchnorm:
             declared = {r: "BatchNorm normalises each micro-batch by its own statistics"
@@ -200,13 +219,76 @@ def _data(spec: CaseSpec):
 
 
 def _optimizer(name: str, lr: float, params) -> torch.optim.Optimizer:
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=1e-2)
+    eps = TINY_EPS if name in NO_EPS_OPTIMIZERS else 1e-8
+    if name.startswith("adamw"):
+        return torch.optim.AdamW(params, lr=lr, weight_decay=1e-2, eps=eps)
+    if name.startswith("adam"):
+        return torch.optim.Adam(params, lr=lr, eps=eps)
     momentum = {"sgd": 0.0}.get(name, 0.9)
     return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=name == "nesterov",
                            weight_decay=1e-2 if name == "weight_decay" else 0.0)
+
+
+PAD, IGNORE = 0, -100  # the attention LM's padding token, and the target of a padded position
+
+
+class AttentionLM(nn.Module):
+    """A tiny pre-norm causal transformer: token and learned position embeddings, one block of multi-head
+    attention under a causal mask (right padding: a real token never attends to a pad) and an MLP, a final
+    LayerNorm and a head, tied to the token embedding or not. Split for detached_partial: (trunk, head)."""
+
+    def __init__(self, vocab: int, dim: int, heads: int, block: int, bias: bool, tied: bool) -> None:
+        super().__init__()
+        self.trunk = _AttentionTrunk(vocab, dim, heads, block, bias)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        if tied:
+            self.head.weight = self.trunk.tokens.weight
+
+    @classmethod
+    def of(cls, spec: CaseSpec) -> AttentionLM:
+        return cls(spec.widths[-1], spec.widths[0], spec.heads, spec.block, spec.attention_bias, spec.tied)
+
+    def forward(self, tokens):
+        return self.head(self.trunk(tokens))
+
+    def split(self):
+        return self.trunk, self.head
+
+
+class _AttentionTrunk(nn.Module):
+    def __init__(self, vocab: int, dim: int, heads: int, block: int, bias: bool) -> None:
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(vocab, dim), nn.Embedding(block, dim)
+        self.norm1, self.norm2, self.norm_final = nn.LayerNorm(dim), nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, bias=bias, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, tokens):
+        length = tokens.shape[1]
+        x = self.tokens(tokens) + self.positions(torch.arange(length, device=tokens.device))
+        causal = torch.ones(length, length, dtype=torch.bool, device=tokens.device).triu(1)
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, attn_mask=causal, need_weights=False)[0]
+        return self.norm_final(x + self.mlp(self.norm2(x)))
+
+
+def _token_data(spec: CaseSpec):
+    samples, vocab = spec.steps * spec.batch_size, spec.widths[-1]
+    lengths = torch.randint(1, spec.block + 1, (samples,))
+    real = torch.arange(spec.block) < lengths[:, None]
+    tokens = torch.where(real, torch.randint(1, vocab, (samples, spec.block)), PAD)
+    targets = torch.where(real, torch.randint(0, vocab, (samples, spec.block)), IGNORE)
+    return tokens, targets
+
+
+def _token_losses(vocab: int, logits, targets):
+    flat = targets.reshape(-1)
+    losses = F.cross_entropy(logits.reshape(-1, vocab), flat, reduction="none", ignore_index=IGNORE)
+    return losses[flat != IGNORE]  # one loss per real token
+
+
+def _real_tokens(targets) -> int:
+    return int((targets != IGNORE).sum())
 
 
 def _squared_error(output, target):
@@ -256,3 +338,38 @@ def cases(**options) -> st.SearchStrategy[Case]:
     decay; Adam; AdamW). ``batchnorm`` puts a BatchNorm1d after the first hidden layer (depth >= 1): the
     accumulation pitfall, which such a case declares. Options are :func:`case_specs`'s strategies."""
     return case_specs(**options).map(CaseSpec.build)
+
+
+@st.composite
+def attention_specs(
+    draw,
+    *,
+    dims: st.SearchStrategy[int] = st.sampled_from([4, 8, 12, 16]),
+    heads: st.SearchStrategy[int] = st.sampled_from([1, 2, 4]),
+    blocks: st.SearchStrategy[int] = st.integers(2, 8),
+    vocabs: st.SearchStrategy[int] = st.integers(3, 16),
+    dtypes: st.SearchStrategy[str] = st.sampled_from(sorted(NAMES_OF_DTYPES.values())),
+    batch_sizes: st.SearchStrategy[int] = batch_sizes(1, 32),
+    steps: st.SearchStrategy[int] = st.integers(1, 4),
+    optimizers: st.SearchStrategy[str] = st.sampled_from(("sgd", "momentum", "adam", "adamw", *NO_EPS_OPTIMIZERS)),
+) -> CaseSpec:
+    """The plain values of a drawn attention LM case (see :func:`attention_cases`)."""
+    dim = draw(dims)
+    optimizer = draw(optimizers)
+    return CaseSpec(
+        widths=(dim, draw(vocabs)), activation="gelu", dtype=draw(dtypes), batch_size=draw(batch_sizes),
+        steps=draw(steps), loss="cross_entropy", optimizer=optimizer,
+        lr=draw(st.sampled_from(LEARNING_RATES["adam" if optimizer.startswith("adam") else "sgd"])),
+        heads=draw(heads.filter(lambda h: dim % h == 0)), block=draw(blocks), attention_bias=draw(st.booleans()),
+        tied=draw(st.booleans()),
+    )
+
+
+def attention_cases(**options) -> st.SearchStrategy[Case]:
+    """Tiny causal attention LMs (:class:`AttentionLM`) on right-padded token sequences whose padded targets are
+    ignored (the mean is over real tokens): a width, heads, a sequence length, a vocabulary, the in-projection
+    bias on or off (its key part has a true gradient of zero: softmax ignores a constant added to a row), a head
+    tied to the embedding or not, a dtype, a batch, steps and an optimizer (SGD, with momentum, Adam, AdamW, and
+    Adam without epsilon, where the key bias's rounding noise makes whole-size updates). Options are
+    :func:`attention_specs`'s strategies."""
+    return attention_specs(**options).map(CaseSpec.build)

@@ -78,7 +78,7 @@ def judge(case: Case, comparison: Comparison, reference: RunResult, candidate: R
                 f"{run.precision} run did (step-0 loss {gap}: data or weights drawn differently per dtype), "
                 "so the difference could not be attributed to rounding"))
     margin, ref_noise, cand_noise = _noise_margin(reference, candidate, ref64, cand64, comparison.tolerance)
-    note = (f"ill-conditioned: {_conditioning(case, seed)}; {evidence}, and the {reference.precision} difference "
+    note = (f"ill-conditioned: {conditioning(case, seed)}; {evidence}, and the {reference.precision} difference "
             f"(margin {comparison.margin:.3g} against {comparison.tolerance}) is the runs' own rounding: they stray "
             f"from their float64 shadows by up to {ref_noise:.3g} (reference) and {cand_noise:.3g} (regime)")
     return Comparison(comparison.tolerance, (), (), comparison.max_abs, comparison.max_rel, margin, note=note)
@@ -130,7 +130,7 @@ def _quantities(reference: RunResult, candidate: RunResult,
         yield cand, ref, exact
 
 
-def _conditioning(case: Case, seed: int) -> str:
+def conditioning(case: Case, seed: int) -> str:
     """Why this case turns rounding into visible differences, as far as its model and optimizer show."""
     with seeded(seed):
         model = case.model()

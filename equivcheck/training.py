@@ -37,10 +37,12 @@ def train(
     dtype: str | torch.dtype | Precision | None = None,
     measure_memory: bool = True,
     threads: int | None = None,
+    order: str = "given",
 ) -> RunResult:
     """Train ``case`` for its steps under ``regime`` in precision ``dtype`` (default: the case's dtype)
     and return what it produced, with its peak activation memory unless ``measure_memory`` is off;
-    with ``threads`` intra-op threads (default: one, unless the user chose: see ``threads.py``)."""
+    with ``threads`` intra-op threads (default: one, unless the user chose: see ``threads.py``); with each
+    global batch's samples in ``order`` (``'given'``; ``'reversed'`` or ``'rolled'``: a witness, witness.py)."""
     case = resolve_case(case)
     regime = parse_regime(regime)
     precision = resolve_precision(dtype, default=case.dtype)
@@ -55,7 +57,7 @@ def train(
             precision.kernel_path.applied():
         with default_dtype(precision.draw_dtype or precision.dtype):
             model = build_model(case, precision, device)
-            batches = load_batches(case, precision, device)
+            batches = [reordered(batch, order) for batch in load_batches(case, precision, device)]
         objective = Objective(case, precision)
         counted = objective.counted_by_its_loss(model, batches[0])
         if counted is not case:  # a per-token loss without items=: every batch counts its tokens
@@ -122,6 +124,28 @@ def build_model(case: Case, precision: Precision | None = None, device: torch.de
     if not any(p.requires_grad for p in model.parameters()):
         raise InvalidArgument(f"model of case {case.name!r} has no trainable parameters: expected at least one")
     return precision.prepare(model, device).train()
+
+
+def initial_weights(case: Case, precision: Precision, seed: int) -> dict[str, Tensor]:
+    """The weights every run of ``case`` starts from, built as :func:`train` builds them: where a run moved an
+    element whose true gradient is zero, it moved by rounding alone (witness.py)."""
+    with seeded(seed), default_dtype(precision.draw_dtype or precision.dtype):
+        model = build_model(case, precision, torch.device(precision.device))
+    return {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
+
+
+SAMPLE_ORDERS = ("given", "reversed", "rolled")
+
+
+def reordered(batch: Batch, order: str) -> Batch:
+    """``batch`` with its samples in ``order``: as given, reversed, or rolled by half. The mean over a global batch's
+    items does not depend on the order of its samples, so only the summation order (rounding) changes."""
+    if order not in SAMPLE_ORDERS:
+        raise InvalidArgument.value("order", order, " or ".join(map(repr, SAMPLE_ORDERS)))
+    if order == "given":
+        return batch
+    index = torch.arange(len(batch) - 1, -1, -1) if order == "reversed" else torch.arange(len(batch)).roll(len(batch) // 2)
+    return dataclasses.replace(batch, inputs=batch.inputs[index], targets=batch.targets[index])
 
 
 def load_batches(case: Case, precision: Precision | None = None, device: torch.device | None = None) -> list[Batch]:

@@ -14,7 +14,8 @@ import equivcheck as ec
 from equivcheck import Verdict
 from equivcheck.compare import Comparison, Tolerance
 from equivcheck.precision import PRECISIONS, SCALED_SHADOW, SHADOW
-from equivcheck.rounding import _conditioning, _noise_margin, _start_gap, applies, judge, shadow_of
+from equivcheck import rounding
+from equivcheck.rounding import _noise_margin, _start_gap, applies, judge, shadow_of
 
 
 def layernorm_over_two():
@@ -177,7 +178,7 @@ def test_equal_numbers_match_even_where_nothing_is_allowed():
 def conditioning(*modules, optimizer=torch.optim.SGD):
     case = ec.Case(name="conditioning", model=lambda: nn.Sequential(*modules), data=data, loss=F.cross_entropy,
                    batch_size=12, steps=1, optimizer=lambda params: optimizer(params, lr=0.1))
-    return _conditioning(case, seed=0)
+    return rounding.conditioning(case, seed=0)
 
 
 def test_the_note_names_each_normalisation_over_few_features_once_and_an_adaptive_optimizer():

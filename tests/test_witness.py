@@ -1,0 +1,122 @@
+"""Rounding witnessed without a higher precision (equivcheck/witness.py): an attention key bias's true gradient is
+zero, Adam without epsilon turns its rounding noise into whole-size updates, and only a witness tells that from a
+bug. Each guard has its test: the witness removed, the witness too loose, a bug on the key bias's own parameter.
+"""
+
+import pytest
+import torch
+
+import equivcheck as ec
+from equivcheck import Verdict, witness
+from equivcheck.hypothesis import CaseSpec
+
+# A causal attention LM (dim 16, 2 heads, in-projection bias on), float64, Adam without epsilon: the issue's
+# configuration, accumulate:chunks=19 over a batch of 31 for 4 steps.
+SPEC = CaseSpec(widths=(16, 13), activation="gelu", dtype="float64", batch_size=31, steps=4, loss="cross_entropy",
+                optimizer="adam_no_eps", lr=0.01, heads=2, block=8, attention_bias=True)
+CASE = ec.register_case(SPEC.build())
+KEY_BIAS = slice(16, 32)  # in_proj_bias holds the query's, the key's and the value's biases, 16 each
+SPECS = ["accumulate:chunks=19", "sample_by_sample"]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_the_key_bias_false_alarm_is_rounding_and_named(spec):
+    reference, candidate = ec.run(CASE, "full_batch"), ec.run(CASE, spec)
+    table = ec.compare(reference, candidate)
+    assert table.margin > 100 and {(m.kind, m.name) for m in table.mismatches} == {("weight", "trunk.attn.in_proj_bias")}
+    (outcome,) = ec.check(CASE, [spec]).outcomes
+    assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
+    assert outcome.comparison.margin <= 1 and outcome.comparison.note == outcome.reason
+    assert "weight of 'trunk.attn.in_proj_bias'[16:32]: true gradient zero" in outcome.reason
+    assert "amplified by Adam" in outcome.reason
+
+
+def test_without_the_witness_the_false_alarm_is_back(monkeypatch):
+    monkeypatch.setattr(witness, "applies", lambda *args: False)
+    (outcome,) = ec.check(CASE, ["accumulate:chunks=19"]).outcomes
+    assert outcome.verdict is Verdict.MISMATCH
+
+
+def shifted_key_bias(model, optimizer, batch, shift=0.05):
+    """A faithful full-batch step, then a bug that moves the key bias: nothing the loss sees changes (softmax ignores
+    it), but the weights do, by far more than rounding moves them."""
+    inputs, targets = batch
+    losses = CASE.loss(model(inputs), targets)
+    loss = losses.sum() / len(losses)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    with torch.no_grad():
+        model.trunk.attn.in_proj_bias[KEY_BIAS] += shift
+    return loss.detach()
+
+
+def test_a_bug_that_moves_the_noise_driven_elements_beyond_rounding_is_caught(monkeypatch):
+    (outcome,) = ec.check_step(CASE, shifted_key_bias).outcomes
+    assert outcome.verdict is Verdict.MISMATCH, outcome.describe()
+    assert [m.name for m in outcome.comparison.mismatches] == ["trunk.attn.in_proj_bias"]
+    # the witness too loose would let it pass: the guard is WITNESS_FACTOR
+    monkeypatch.setattr(witness, "WITNESS_FACTOR", 1e6)
+    (loose,) = ec.check_step(CASE, shifted_key_bias).outcomes
+    assert loose.verdict is Verdict.EQUIVALENT
+
+
+def stale_in_projection_bias(model, optimizer, batch):
+    """A bug on the key bias's own parameter: its gradient is never zeroed, so the query's and the value's
+    biases (whose gradients are real) step on every earlier step's gradient too."""
+    inputs, targets = batch
+    losses = CASE.loss(model(inputs), targets)
+    loss = losses.sum() / len(losses)
+    loss.backward()
+    optimizer.step()
+    bias = model.trunk.attn.in_proj_bias
+    kept = bias.grad.clone()
+    optimizer.zero_grad()
+    bias.grad = kept
+    return loss.detach()
+
+
+def test_a_bug_on_the_key_bias_parameter_itself_is_still_caught():
+    (outcome,) = ec.check_step(CASE, stale_in_projection_bias).outcomes
+    assert outcome.verdict is Verdict.MISMATCH, outcome.describe()
+
+
+def test_a_planted_pitfall_on_the_same_model_is_caught():
+    (outcome,) = ec.check(CASE, ["naive_accumulate:chunks=5"]).outcomes
+    assert outcome.verdict is Verdict.MISMATCH and outcome.comparison.margin > 1000
+
+
+def test_a_witness_whose_losses_differ_judges_nothing(monkeypatch):
+    """A witness whose losses differ from the reference's is not neutral (a forward that draws randomness per
+    sample, as dropout does, pairs other draws with other samples once they are reordered): it judges nothing."""
+    monkeypatch.setattr(witness, "_losses_match", lambda *args: False)
+    (outcome,) = ec.check(CASE, ["accumulate:chunks=19"]).outcomes
+    assert outcome.verdict is Verdict.MISMATCH
+    assert "no witness: the reference's losses change with the order of its samples" in outcome.comparison.note
+
+
+def test_the_attention_strategy_draws_what_the_issue_names():
+    from hypothesis import given, settings
+    from equivcheck.hypothesis import attention_specs
+
+    seen = set()
+
+    @settings(max_examples=60, derandomize=True, database=None, deadline=None)
+    @given(spec=attention_specs())
+    def draw(spec):
+        case = spec.build()
+        model = case.model()
+        assert isinstance(model.trunk.attn, torch.nn.MultiheadAttention)
+        assert (model.head.weight is model.trunk.tokens.weight) == spec.tied
+        seen.update({("tied", spec.tied), ("bias", spec.attention_bias), ("heads", spec.heads)})
+
+    draw()
+    assert {("tied", True), ("tied", False), ("bias", True), ("bias", False)} <= seen
+
+
+def test_a_loss_that_differs_is_never_rounding_on_a_parameter_the_loss_does_not_see(monkeypatch):
+    ran = []
+    monkeypatch.setattr(witness, "judge", lambda *args, **kwargs: ran.append(args) or args[0])
+    (outcome,) = ec.check(CASE, ["naive_accumulate:chunks=5"]).outcomes
+    assert outcome.verdict is Verdict.MISMATCH and any(m.kind == "loss" for m in outcome.comparison.mismatches)
+    assert not ran  # no witness runs for it
