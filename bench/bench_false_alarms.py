@@ -81,7 +81,7 @@ def draws(strategy: st.SearchStrategy, count: int, draw_seed: int) -> list:
 def configurations(draw, names: list[str], min_world_size: int = 1, max_world_size: int = 4, attention: bool = False):
     """A drawn case (an MLP, or with ``attention`` a causal attention LM) and a regime of ``names`` it can take."""
     spec = draw(attention_specs() if attention else case_specs())
-    names = [n for n in names if not (spec.tied and n == "detached_partial")]  # a tied head has no trunk of its own
+    names = [n for n in names if not (spec.tied and REGIMES[n].needs_split)]  # a tied head has no trunk of its own
     regime = draw(regime_specs(spec.batch_size, names=names, min_world_size=min(min_world_size, spec.batch_size),
                                max_world_size=max_world_size))
     return spec, regime

@@ -1,11 +1,25 @@
 """ZeRO (DDP + ZeroRedundancyOptimizer) on the warm pool, and what each parallel regime holds per rank."""
 
+import dataclasses
+
 import parallel_bugs  # noqa: F401  (registers the bugs; the ranks import it by name)
 import pytest
+import torch
 
 import equivcheck as ec
 from equivcheck import report as render
 from equivcheck import Verdict
+
+
+# AdamW keeps decoupled_weight_decay in its defaults, which its own __init__ refuses: ZeRO must rebuild it anyway.
+ADAMW = ec.register_case(dataclasses.replace(
+    ec.get_case("block_stack"), name="block_stack_adamw", regimes=None,
+    optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)))
+
+
+def test_zero_rebuilds_adamw_with_its_own_hyperparameters():
+    (outcome,) = ec.check(ADAMW, ["zero:world_size=2"]).outcomes
+    assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ each rank holds about 1/W of the optimizer state.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 
 from torch import nn
@@ -25,7 +26,10 @@ def sharded_like(optimizer: Optimizer) -> Optimizer:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     groups = [dict(group) for group in optimizer.param_groups]
-    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **optimizer.defaults)
+    # The class's own keywords only: AdamW's defaults hold decoupled_weight_decay, which its __init__ refuses.
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    defaults = {key: value for key, value in optimizer.defaults.items() if key in accepted}
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **defaults)
 
 
 def local_part(optimizer: Optimizer) -> Optimizer:
