@@ -120,3 +120,20 @@ def test_a_loss_that_differs_is_never_rounding_on_a_parameter_the_loss_does_not_
     (outcome,) = ec.check(CASE, ["naive_accumulate:chunks=5"]).outcomes
     assert outcome.verdict is Verdict.MISMATCH and any(m.kind == "loss" for m in outcome.comparison.mismatches)
     assert not ran  # no witness runs for it
+
+
+def test_drawn_attention_lms_are_equivalent_under_every_faithful_in_process_regime():
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from equivcheck.hypothesis import attention_cases, regime_specs
+
+    @settings(max_examples=40, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(case=attention_cases(), data=st.data())
+    def faithful(case, data):
+        names = ["sample_by_sample", "accumulate", "retained_graph"] + (["detached_partial"] if case.split else [])
+        spec = data.draw(regime_specs(case.batch_size, names=names))
+        (outcome,) = ec.check(case, [spec], measure_memory=False).outcomes
+        assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
+
+    faithful()
