@@ -8,6 +8,7 @@ import equivcheck as ec
 from equivcheck import Verdict
 from equivcheck import report as render
 from equivcheck.errors import InvalidArgument
+from equivcheck.hypothesis import CaseSpec
 
 FSDP_SPECS = ["fsdp:world_size=2", "fsdp_no_sync:world_size=2,chunks=3",
               "fsdp_no_sync:world_size=2,chunks=3,reshard_after_forward=0"]
@@ -86,3 +87,17 @@ def test_ddp_all_reduces_one_call_per_bucket_once_it_has_rebuilt_its_buckets():
     result = ec.run("block_stack", "ddp:world_size=2,bucket_cap_mb=0.0001")
     calls = [step["all_reduce"][0] for step in result.collectives]
     assert result.syncs == (1, 1, 1) and calls[1] == calls[2] > 1
+
+
+# A causal attention LM whose head is tied to its token embedding (GPT-2's layout): one parameter in two blocks.
+TIED = ec.register_case(CaseSpec(widths=(8, 11), activation="gelu", dtype="float64", batch_size=6, steps=2,
+                                 loss="cross_entropy", optimizer="adamw", lr=0.01, heads=2, block=4,
+                                 attention_bias=True, tied=True).build())
+
+
+@pytest.mark.parametrize("spec", ["fsdp:world_size=2", "fsdp_no_sync:world_size=2,chunks=2"])
+def test_a_head_tied_to_the_embedding_is_sharded_with_it(spec):
+    """FSDP2 refuses a parameter shared across two groups: the blocks that share it are left to the root."""
+    (outcome,) = ec.check(TIED, [spec]).outcomes
+    assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
+    assert outcome.result.sync_wrappers == 1  # trunk and head share the embedding: the root alone is sharded

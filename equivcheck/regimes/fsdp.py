@@ -10,6 +10,7 @@ whole through ``full_tensor``. Accumulation turns off gradient sync
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 
@@ -24,9 +25,13 @@ from .ddp import Accumulating, Ddp, Distributed
 
 
 def shard_blocks(model: nn.Module, mesh, reshard_after_forward: bool) -> nn.Module:
-    """``fully_shard`` on every direct child that holds parameters (a block), then on the root."""
+    """``fully_shard`` on every direct child that holds parameters (a block), then on the root. A block that shares
+    a parameter with another (a head tied to the token embedding) is left to the root: FSDP2 keeps a parameter in
+    one group, and refuses one shared across two."""
+    owners = collections.Counter(id(p) for block in model.children() for p in block.parameters())
     for block in model.children():
-        if any(True for _ in block.parameters()):
+        held = list(block.parameters())
+        if held and all(owners[id(p)] == 1 for p in held):
             fsdp2().fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
     return fsdp2().fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
 
