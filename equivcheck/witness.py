@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from .compare import Comparison, Mismatch, Tolerance
+from .compare import Comparison, Mismatch, Tolerance, compare
 from .result import RunResult
 
 ORDERS = ("reversed", "rolled")  # the witnesses: each global batch's samples reversed, and rolled by half
@@ -56,6 +56,8 @@ def applies(comparison: Comparison, reference: RunResult, candidate: RunResult) 
     reference gradient is at rounding level at every step. Otherwise the verdict stands without witness runs."""
     if not comparison.mismatches or comparison.problems or comparison.tolerance.source:
         return False
+    if (comparison.first_divergent_step or 0) >= 1:  # equal at step 0, apart later: perhaps amplified rounding
+        return True
     return all(m.kind == "buffer" or (m.kind in ("grad", "weight") and bool(
         (_mismatched(m, reference, candidate, comparison.tolerance) & _at_rounding_level(reference, m.name)).any()))
         for m in comparison.mismatches)
@@ -111,12 +113,11 @@ def judge(comparison: Comparison, reference: RunResult, candidate: RunResult,
         return _noted(comparison, f"the witness runs failed: {type(error).__name__}: {error}")
     neutral = [run for run in runs if _losses_match(reference, run, comparison.tolerance)]
     if not neutral:
-        return _noted(comparison, "no witness: the reference's losses change with the order of its samples (randomness "
-                                  "drawn per sample?), so rounding could not be told from the maths")
+        return _diverging(comparison, reference, candidate, runs, cause)
     noises = {m: _noise(m, reference, candidate, neutral, initial(), comparison.tolerance) for m in comparison.mismatches}
     explained = [n for n in noises.values() if n is not None and n.explained]
     if not explained:
-        return comparison
+        return _diverging(comparison, reference, candidate, runs, cause)
     note = f"ill-conditioned: {cause()}: " + "; ".join(n.describe() for n in explained) + (
         f" (before this witness: {comparison.note})" if comparison.note else "")
     standing = tuple(m for m in comparison.mismatches if not (noises[m] and noises[m].explained))
@@ -124,6 +125,52 @@ def judge(comparison: Comparison, reference: RunResult, candidate: RunResult,
         return dataclasses.replace(comparison, mismatches=standing, note=note)
     margin = max([n.margin for n in explained] + [_margin_elsewhere(reference, candidate, comparison)])
     return Comparison(comparison.tolerance, (), (), comparison.max_abs, comparison.max_rel, margin, note=note)
+
+
+def _diverging(comparison: Comparison, reference: RunResult, candidate: RunResult, witnesses: Sequence[RunResult],
+               cause: Callable[[], str]) -> Comparison:
+    """The reference may itself be chaotic: where a witness starts equal to it (step 0 within the tolerance: the
+    same weights, only the summation order differs) and ends apart beyond the tolerance, rounding alone is
+    amplified to that size. The candidate is then judged against that spread: equivalent where every mismatched
+    quantity differs from the reference by at most ``WITNESS_FACTOR`` times the furthest a witness does, said as
+    such (differences smaller than that spread cannot be seen at all). A witness apart from step 0 on (dropout's
+    draws paired with other samples) is no witness: the verdict stands."""
+    tol = comparison.tolerance
+    witnessed = [compare(reference, w, tolerance=tol) for w in witnesses]
+    diverging = [w for w, seen in zip(witnesses, witnessed) if _apart_later(seen)]
+    if any(seen.first_divergent_step == 0 for seen in witnessed):
+        return _noted(comparison, "no witness: the reference's losses change with the order of its samples from the "
+                                  "first step (randomness drawn per sample?), so rounding could not be told from the maths")
+    if not diverging or (comparison.first_divergent_step or 0) < 1:
+        return comparison
+    ratios = []
+    for mismatch in comparison.mismatches:
+        spread = max(_greatest_difference(mismatch, reference, w) for w in diverging)
+        ratios.append(_greatest_difference(mismatch, reference, candidate) / (WITNESS_FACTOR * spread)
+                      if spread else float("inf"))
+    spread_margin = max(compare(reference, w, tolerance=tol).margin for w in diverging)
+    note = (f"chaotic: {cause()}: the reference itself, its samples in another order, starts equal and ends apart "
+            f"(margin {spread_margin:.3g} against {tol}): differences within {WITNESS_FACTOR:g} times that spread "
+            "are rounding, and a difference smaller than it cannot be seen")
+    if max(ratios) > 1:
+        return _noted(comparison, note + f"; the candidate differs by up to {max(ratios):.3g} times that")
+    return Comparison(tol, (), (), comparison.max_abs, comparison.max_rel, max(ratios), note=note)
+
+
+def _apart_later(witnessed: Comparison) -> bool:
+    return (not witnessed.ok and not witnessed.problems and witnessed.first_divergent_step != 0
+            and not any(m.kind == "loss" and m.step_margins and m.step_margins[0] > 1 for m in witnessed.mismatches))
+
+
+def _greatest_difference(mismatch: Mismatch, reference: RunResult, other: RunResult) -> float:
+    """The greatest absolute difference of ``mismatch``'s quantity between two runs, over its steps."""
+    name = mismatch.name
+    if mismatch.kind == "grad":
+        return max(float((a[name].double() - b[name].double()).abs().max()) for a, b in zip(reference.grads, other.grads))
+    if mismatch.kind == "loss":
+        return max((abs(a - b) for a, b in zip(reference.losses, other.losses) if None not in (a, b)), default=0.0)
+    field = "weights" if mismatch.kind == "weight" else "buffers"
+    return float((getattr(reference, field)[name].double() - getattr(other, field)[name].double()).abs().max())
 
 
 def _noted(comparison: Comparison, note: str) -> Comparison:
@@ -165,6 +212,8 @@ def _noise(mismatch: Mismatch, reference: RunResult, candidate: RunResult, witne
     the reference and each witness moved it from there is rounding, amplified. The candidate's own movement
     there must stay within ``WITNESS_FACTOR`` times the greatest of theirs (a buffer's difference, within that
     many times the witnesses' greatest difference)."""
+    if mismatch.kind == "loss":  # the loss sees every parameter that matters: never noise on one that does not
+        return None
     level = None if mismatch.kind == "buffer" else _at_rounding_level(reference, mismatch.name)
     driven = torch.zeros(0, dtype=torch.bool)
     noise = moved_most = gradient = strayed = margin = 0.0

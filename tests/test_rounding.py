@@ -14,7 +14,7 @@ import equivcheck as ec
 from equivcheck import Verdict
 from equivcheck.compare import Comparison, Tolerance
 from equivcheck.precision import PRECISIONS, SCALED_SHADOW, SHADOW
-from equivcheck import rounding
+from equivcheck import rounding, witness
 from equivcheck.rounding import _noise_margin, _start_gap, applies, judge, shadow_of
 
 
@@ -61,6 +61,10 @@ def test_its_twin_a_real_pitfall_on_the_same_case_is_still_caught_by_its_float64
 def test_a_shadow_that_starts_elsewhere_explains_nothing_and_blames_no_detach_or_rng(monkeypatch):
     """A shadow drawing in float64 trains from other weights and data: its noise says nothing."""
     monkeypatch.setitem(PRECISIONS, SHADOW, dataclasses.replace(PRECISIONS[SHADOW], draw_dtype=torch.float64))
+    (witnessed,) = ec.check(ILL, ["accumulate:chunks=5"], seed=SEED).outcomes
+    # the witness (same precision, samples reordered) still tells rounding, where the shadows cannot
+    assert witnessed.verdict is Verdict.EQUIVALENT and witnessed.reason.startswith("chaotic: LayerNorm over 2 features")
+    monkeypatch.setattr(witness, "applies", lambda *args: False)  # the shadows' own judgement, alone
     (outcome,) = ec.check(ILL, ["accumulate:chunks=5"], seed=SEED).outcomes
     assert outcome.verdict is Verdict.MISMATCH
     assert "did not start where its float32 run did" in outcome.comparison.hint
