@@ -78,3 +78,43 @@ def test_the_per_micro_batch_mean_is_caught():
 def test_accumulation_steps_that_do_not_divide_the_batch_are_named():
     with pytest.raises(ec.InvalidArgument, match=r"gradient_accumulation_steps=3 is not allowed: expected a divisor"):
         ec.check_loop(CASE, trainer_loop(gradient_accumulation_steps=3))
+
+
+# --- GPT2LMHeadModel itself, as docs/cases.md teaches: forward=, the model's own loss, loss_reduction="mean" ------
+
+def tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)
+
+
+def padded_sequences():
+    samples = 24
+    lengths = torch.randint(2, LENGTH + 1, (samples,))
+    real = torch.arange(LENGTH) < lengths[:, None]
+    ids = torch.where(real, torch.randint(1, VOCAB, (samples, LENGTH)), PAD)
+    return ids, torch.where(real, ids, IGNORE)
+
+
+OPTIMIZERS = {"sgd": lambda params: torch.optim.SGD(params, lr=0.1),
+              "adam": lambda params: torch.optim.Adam(params, lr=1e-3),
+              "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3)}
+
+
+@pytest.mark.filterwarnings("ignore::equivcheck.PrecisionWarning")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_gpt2_under_faithful_accumulation_gives_no_false_alarm(dtype, optimizer):
+    """The key bias (a third of c_attn's bias) has a true gradient of zero; in float64 the loss runs in float32."""
+    case = ec.Case(name=f"gpt2_{optimizer}", model=tiny_gpt2, data=padded_sequences, batch_size=12, steps=2,
+                   dtype=dtype, forward=lambda model, ids, labels: model(input_ids=ids, labels=labels),
+                   loss=lambda output, labels: output.loss, loss_reduction="mean",
+                   items=lambda labels: int((labels[:, 1:] != IGNORE).sum()),  # the tokens that predict one
+                   optimizer=OPTIMIZERS[optimizer])
+    for seed in range(6):
+        ec.check(case, ["accumulate:chunks=3", "accumulate:chunks=8"], seed=seed).assert_equivalent()
+    # the twin: the 2024 trainer bug (each micro-batch's mean / K, uneven token counts) on the same model is caught
+    (naive,) = ec.check(case, ["naive_accumulate:chunks=3"]).outcomes
+    assert naive.verdict is Verdict.MISMATCH
