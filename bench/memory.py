@@ -30,7 +30,7 @@ from torch import nn
 
 import equivcheck as ec
 from equivcheck.savings import format_bytes
-from timing import alternated_times, median_seconds
+from timing import alternated_times, median_seconds, peak_resident_kib
 
 REGIMES = ("full_batch", "sample_by_sample", "accumulate:chunks=4", "retained_graph:chunks=4",
            "summed_loss:chunks=4", "detached_partial:chunks=4")
@@ -68,14 +68,6 @@ def child(case: str, spec: str) -> None:
     torch.set_num_threads(1)
     ec.run(case, spec, measure_memory=False)
     print(peak_resident_kib())
-
-
-def peak_resident_kib() -> int:
-    """This process's own high-water mark: VmHWM belongs to its address space, made fresh by exec."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    raise RuntimeError("no VmHWM in /proc/self/status: the process peak needs Linux")
 
 
 def case_table(name: str, repeats: int) -> str:

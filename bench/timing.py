@@ -1,4 +1,4 @@
-"""Wall times for the benchmarks (run as scripts from bench/): one action, or several alternated; the
+"""Wall times and memory peaks for the benchmarks (run as scripts from bench/): one action, or several alternated; the
 Markdown table the docs quote them in; and the byte-compiled sources that an installed package has."""
 
 from __future__ import annotations
@@ -47,3 +47,12 @@ def markdown_table(rows: list[tuple[str, ...]]) -> str:
     lines = ["| " + " | ".join(cell.ljust(width) for cell, width in zip(row, widths)) + " |" for row in rows]
     lines.insert(1, "|" + "|".join("-" * (width + 2) for width in widths) + "|")
     return "\n".join(lines)
+
+
+def peak_resident_kib(pid: int | str = "self") -> int:
+    """A process's own high-water mark (this one's by default): VmHWM belongs to its address space, made fresh by
+    exec. Not ``ru_maxrss``: on Linux a child's counts the parent's size at the fork."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmHWM in /proc/self/status: the process peak needs Linux")

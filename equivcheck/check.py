@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 
 from .case import Case
-from .compare import Comparison, Tolerance, compare
+from .compare import Comparison, Expected, Tolerance, compare, tolerance_of
 from .errors import (InvalidArgument, MemoryNotSaved, NotEquivalent, PrecisionWarning, Unavailable, WorkerError,
                      expect_int, expect_number, expect_seed, expect_timeout, warn)
 from .distributed import pool
@@ -220,16 +220,18 @@ class Plan:
             return base
         return spec.tolerance_for(self.case, self.precision, base) or base
 
-    def run(self, spec: Regime, dtype: Precision, measure_memory: bool, order: str = "given") -> RunResult:
+    def run(self, spec: Regime, dtype: Precision, measure_memory: bool, order: str = "given",
+            against: Expected | None = None) -> RunResult:
         """One run of this plan's case under ``spec``, with the plan's seed, timeout and threads; its samples in
-        ``order`` (a witness: witness.py)."""
-        return self.start(spec, dtype, measure_memory, order).result()
+        ``order`` (a witness: witness.py); compared as it trains where ``against`` says with what (compare.py)."""
+        return self.start(spec, dtype, measure_memory, order, against).result()
 
-    def start(self, spec: Regime, dtype: Precision, measure_memory: bool, order: str = "given") -> Started:
+    def start(self, spec: Regime, dtype: Precision, measure_memory: bool, order: str = "given",
+              against: Expected | None = None) -> Started:
         """That run begun (on its ranks, for a distributed regime); an error starting it is read with its result."""
         try:
             started = start(self.case, spec, seed=self.seed, timeout=self.timeout, threads=self.threads, dtype=dtype,
-                            measure_memory=measure_memory, runner=self.runner,
+                            measure_memory=measure_memory, runner=self.runner, against=against,
                             **({} if order == "given" else {"order": order}))
         except Exception as error:
             return Started.failed(error)
@@ -344,7 +346,9 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
     started = time.perf_counter()
     try:
         ref = plan.run(reference, precision, measure_memory)
-        rerun = plan.run(reference, precision, measure_memory)
+        streams = ref.recorded_bytes >= COMPARE_AS_IT_TRAINS_FROM
+        self_tolerance = tolerance_of(ref, plan.rtol, plan.atol)
+        rerun = plan.run(reference, precision, measure_memory, against=Expected(ref, self_tolerance) if streams else None)
     except InvalidArgument:
         raise
     except Exception as error:  # nothing can be compared with a reference that did not run
@@ -352,7 +356,7 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
         why = f"the reference {reference} failed: {crash}"
         yield from (Outcome(case.name, str(s), Verdict.ERROR, None, why, details=details) for s in plan.specs)
         return
-    self_check = compare(ref, rerun, rtol=plan.rtol, atol=plan.atol)
+    self_check = compare(ref, rerun, tolerance=self_tolerance)
     ref_seconds = time.perf_counter() - started
     if not self_check.ok:
         why = f"the reference {reference} disagrees with itself from run to run"
@@ -376,8 +380,14 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
         if not ahead and not spec.distributed:  # this run is here: the next distributed one can train meanwhile
             ahead.update(_ahead(plan, index, precision, measure_memory))
         started = time.perf_counter()
+        tolerance = plan.tolerance(spec, loss_precision)
         try:
-            result = (ahead.pop(index) if index in ahead else plan.start(spec, precision, measure_memory)).result()
+            result = (ahead.pop(index) if index in ahead else
+                      plan.start(spec, precision, measure_memory, against=Expected(ref, tolerance) if streams else None)
+                      ).result()
+            comparison = compare(ref, result, tolerance=tolerance)
+            if not comparison.ok and result.measured is not None:  # the breakdown reads the run's own tensors
+                result, comparison = _recorded(plan, spec, precision, measure_memory, ref, comparison)
         except InvalidArgument:
             raise
         except Unavailable as why:
@@ -394,7 +404,6 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
                 yield Outcome(case.name, str(spec), Verdict.EXPECTED_MISMATCH, None,
                               f"{declared}; it crashed: {crash}", seconds, details=details)
             continue
-        comparison = compare(ref, result, tolerance=plan.tolerance(spec, loss_precision))
         # Float64 shadows: the maths, or this case's rounding? Not for a lossy regime judged at its own bound:
         # its shadows would compare the compression at float64's tolerance.
         if rounding.applies(precision, comparison) and not comparison.tolerance.source:
@@ -408,6 +417,23 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
         outcome = _judge(case, spec, comparison, time.perf_counter() - started, result, ref, reference)
         yield dataclasses.replace(outcome, reason="; ".join(filter(None, (outcome.reason, loss_note))))
 
+
+def _recorded(plan: Plan, spec: Regime, precision: Precision, measure_memory: bool, reference: RunResult,
+              measured: Comparison) -> tuple[RunResult, Comparison]:
+    """A run compared as it trained that did not match, trained again and recorded whole: the hints, the float64
+    shadows and the witness read its tensors. A second run that matches says the regime disagrees with itself."""
+    result = plan.run(spec, precision, measure_memory)
+    comparison = compare(reference, result, tolerance=measured.tolerance)
+    if comparison.ok:
+        return result, dataclasses.replace(measured, problems=measured.problems + (
+            "the regime disagrees with itself: trained again to record its tensors, it matched the reference",))
+    return result, comparison
+
+
+# A reference whose recording (every step's gradients, the final weights) holds at least this many bytes has its
+# other runs compared with it as they train, keeping none of their tensors: a check then holds one recording, not
+# three. Below it, runs are recorded whole, which the breakdown of a mismatch reads, and which costs nothing there.
+COMPARE_AS_IT_TRAINS_FROM = 64 * 2**20
 
 # The precision mode whose rounding a loss computed in this dtype carries (Tensor.dtype, as RunResult names it).
 LOSS_DTYPE_MODES = {"torch.float32": "float32", "torch.bfloat16": "bf16-autocast", "torch.float16": "fp16-autocast"}
@@ -483,10 +509,9 @@ def _clipping_note(regime: Regime, result: RunResult) -> str:
     """Whether a clipping regime's clipping engaged: a clipped reference whose norm never reaches its
     max_norm checks nothing about clipping. Engaged = the gradient the step used has norm max_norm."""
     max_norm = regime.clips_at()
-    if max_norm is None or not result.grads:
+    if max_norm is None or not result.grad_norms:
         return ""
-    norms = [float(torch.linalg.vector_norm(torch.cat([g.reshape(-1).double() for g in step.values()])))
-             for step in result.grads]
+    norms = result.grad_norms
     engaged = sum(norm >= max_norm * (1 - CLIPPED) for norm in norms)
     return f"{regime}: clipping engaged at {engaged} of {len(norms)} steps"
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import Tensor
@@ -16,6 +17,10 @@ from torch import Tensor
 from .errors import InvalidArgument
 from .precision import PRECISIONS, Tolerance
 from .result import RunResult
+
+
+# Elements a comparison takes at a time: its temporaries stay in cache, whatever the tensor's size.
+CHUNK = 1 << 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,25 +38,83 @@ class TensorDiff:
 
     @classmethod
     def of(cls, actual: Tensor, expected: Tensor, tol: Tolerance) -> TensorDiff:
+        """Streamed over slices of :data:`CHUNK` elements, with no temporary of the tensor's size: one scan for
+        a tensor within ``tol``, and the breakdown (mismatched elements, NaNs) only for one that is not."""
         if not expected.numel():  # an empty parameter (a placeholder): nothing to differ
             return cls(0, 0, 0.0, (), 0.0, 0.0, (), 0.0)
-        abs_diff = (actual - expected).abs()
-        allowed = tol.atol + tol.rtol * expected.abs()
-        ratio = torch.nan_to_num(abs_diff / allowed, nan=math.inf)
-        rel_diff = torch.nan_to_num(abs_diff / expected.abs(), nan=0.0)  # 0/0: no difference
-        rel_diff = torch.where(abs_diff.isnan(), math.inf, rel_diff)
-        abs_at = int(torch.nan_to_num(abs_diff, nan=math.inf).argmax())
-        rel_at = int(rel_diff.argmax())
-        return cls(
-            mismatched=int((ratio > 1).sum()),
-            total=ratio.numel(),
-            max_abs=float(abs_diff.reshape(-1)[abs_at]),
-            abs_index=_index(abs_at, expected.shape),
-            abs_allowed=float(allowed.reshape(-1)[abs_at]),
-            max_rel=float(rel_diff.reshape(-1)[rel_at]),
-            rel_index=_index(rel_at, expected.shape),
-            margin=float(ratio.max()),
-        )
+        flat_actual, flat_expected = actual.to(expected.dtype).reshape(-1), expected.reshape(-1)
+        if torch.equal(flat_actual, flat_expected):  # bit for bit (a NaN equals nothing): every difference is 0
+            return cls(0, expected.numel(), 0.0, _index(0, expected.shape), _allowed(flat_expected, 0, tol), 0.0,
+                       _index(0, expected.shape), 0.0)
+        scan = _Scan(flat_actual, flat_expected, tol)
+        return scan.within(expected.shape) or scan.breakdown(expected.shape)
+
+
+class _Scan:
+    """One pass over a pair of flat tensors, slice by slice, into buffers of one slice: the greatest error
+    ratio, absolute and relative difference, and the slice where each first occurs."""
+
+    def __init__(self, actual: Tensor, expected: Tensor, tol: Tolerance) -> None:
+        self.actual, self.expected, self.tol = actual, expected, tol
+        size = min(CHUNK, expected.numel())
+        self._diff, self._magnitude, self._ratio = (expected.new_empty(size) for _ in range(3))
+
+    def _slices(self) -> Iterator[tuple[int, Tensor, Tensor]]:
+        for start in range(0, self.expected.numel(), CHUNK):
+            yield start, self.actual[start : start + CHUNK], self.expected[start : start + CHUNK]
+
+    def within(self, shape: torch.Size) -> TensorDiff | None:
+        """The figures of a tensor whose every element is within tolerance, else None (a NaN included)."""
+        margin, greatest_abs, greatest_rel = 0.0, (-1.0, 0), (-1.0, 0)
+        for start, actual, expected in self._slices():
+            n = len(expected)
+            diff, magnitude, ratio = self._diff[:n], self._magnitude[:n], self._ratio[:n]
+            torch.sub(actual, expected, out=diff).abs_()
+            torch.abs(expected, out=magnitude)
+            torch.mul(magnitude, self.tol.rtol, out=ratio).add_(self.tol.atol)  # what each element may differ by
+            torch.div(diff, ratio, out=ratio)
+            top = float(ratio.max())
+            if not top <= 1:  # beyond tolerance, a NaN, or 0 / 0 where nothing is allowed: the breakdown decides
+                return None
+            margin = max(margin, top)
+            greatest_abs = max(greatest_abs, (float(diff.max()), -start))  # ties: the first slice
+            torch.div(diff, magnitude, out=ratio).nan_to_num_(nan=0.0)  # 0 / 0: no difference
+            greatest_rel = max(greatest_rel, (float(ratio.max()), -start))
+        abs_at, rel_at = self._first(greatest_abs, relative=False), self._first(greatest_rel, relative=True)
+        return TensorDiff(0, self.expected.numel(), greatest_abs[0], _index(abs_at, shape),
+                          _allowed(self.expected, abs_at, self.tol), greatest_rel[0], _index(rel_at, shape), margin)
+
+    def _first(self, greatest: tuple[float, int], relative: bool) -> int:
+        """Where in the whole tensor ``greatest`` first occurs: found again in the one slice that holds it."""
+        start = -greatest[1]
+        actual, expected = self.actual[start : start + CHUNK], self.expected[start : start + CHUNK]
+        diff = (actual - expected).abs()
+        values = torch.nan_to_num(diff / expected.abs(), nan=0.0) if relative else diff
+        return start + int(values.argmax())
+
+    def breakdown(self, shape: torch.Size) -> TensorDiff:
+        """Every figure of a tensor with elements beyond tolerance: NaNs are the greatest difference."""
+        mismatched, margin, greatest_abs, greatest_rel = 0, 0.0, (-math.inf, 0, 0.0), (-math.inf, 0, 0.0)
+        for start, actual, expected in self._slices():
+            abs_diff = (actual - expected).abs()
+            ratio = torch.nan_to_num(abs_diff / (self.tol.atol + self.tol.rtol * expected.abs()), nan=math.inf)
+            ratio = torch.where(abs_diff == 0, 0.0, ratio)  # equal is 0 even where nothing is allowed
+            rel_diff = torch.nan_to_num(abs_diff / expected.abs(), nan=0.0)  # 0/0: no difference
+            rel_diff = torch.where(abs_diff.isnan(), math.inf, rel_diff)
+            ranked = torch.nan_to_num(abs_diff, nan=math.inf)
+            abs_at, rel_at = int(ranked.argmax()), int(rel_diff.argmax())
+            mismatched += int((ratio > 1).sum())
+            margin = max(margin, float(ratio.max()))
+            greatest_abs = max(greatest_abs, (float(ranked[abs_at]), -start - abs_at, float(abs_diff[abs_at])))
+            greatest_rel = max(greatest_rel, (float(rel_diff[rel_at]), -start - rel_at, float(rel_diff[rel_at])))
+        abs_at, rel_at = -greatest_abs[1], -greatest_rel[1]
+        return TensorDiff(mismatched, self.expected.numel(), greatest_abs[2], _index(abs_at, shape),
+                          _allowed(self.expected, abs_at, self.tol), greatest_rel[2], _index(rel_at, shape), margin)
+
+
+def _allowed(expected: Tensor, flat: int, tol: Tolerance) -> float:
+    """What the element at ``flat`` may differ by, computed in its dtype as the scan computes it."""
+    return float(tol.atol + tol.rtol * expected[flat : flat + 1].abs())
 
 
 def _index(flat: int, shape: torch.Size) -> tuple[int, ...]:
@@ -121,115 +184,119 @@ class Comparison:
         return "\n".join(lines)
 
 
+def tolerance_of(reference: RunResult, rtol: float | None = None, atol: float | None = None) -> Tolerance:
+    """What a comparison with ``reference`` is judged at by default: its precision mode's tolerance (its weights'
+    dtype where it names none), unless the call gives ``rtol`` and ``atol``."""
+    mode = PRECISIONS.get(reference.precision) or next(iter(reference.weights.values())).dtype
+    return Tolerance.resolve(mode, rtol, atol)
+
+
 def compare(
     reference: RunResult, candidate: RunResult, *, rtol: float | None = None, atol: float | None = None,
     tolerance: Tolerance | None = None,
 ) -> Comparison:
     """Compare ``candidate`` against ``reference`` everywhere; the tolerance follows the precision mode,
-    unless ``rtol`` and ``atol`` or a whole ``tolerance`` (a lossy regime's own bound) are given."""
+    unless ``rtol`` and ``atol`` or a whole ``tolerance`` (a lossy regime's own bound) are given. A candidate
+    compared as it trained (``train(against=...)``) brings its measurement, taken at that tolerance."""
     if tolerance is not None:
         if not isinstance(tolerance, Tolerance):
             raise InvalidArgument.type("tolerance", tolerance, "an equivcheck.Tolerance")
         tol = tolerance
     else:
-        mode = PRECISIONS.get(reference.precision) or next(iter(reference.weights.values())).dtype
-        tol = Tolerance.resolve(mode, rtol, atol)
-    within = _all_within(reference, candidate, tol)
-    if within is not None:  # the common case, in a few vectorised ops; the breakdown is for mismatches
-        return Comparison(tol, (), (), *within)
-    problems: list[str] = []
-    if reference.optimizer_steps != candidate.optimizer_steps:
-        problems.append(
-            f"optimizer steps: the reference took {reference.optimizer_steps}, "
-            f"the candidate {candidate.optimizer_steps}"
-        )
-    # A quantity maps to one diff per step; steps beyond the shorter run are covered by the problem above.
-    series: dict[tuple[str, str], list[tuple[int | None, Tensor, Tensor]]] = {}
-    for step, (ref_grads, cand_grads) in enumerate(zip(reference.grads, candidate.grads)):
-        for name, expected in ref_grads.items():
-            series.setdefault(("grad", name), []).append((step, cand_grads.get(name), expected))
-    for kind, ref_map, cand_map in (
-        ("weight", reference.weights, candidate.weights),
-        ("buffer", reference.buffers, candidate.buffers),
-    ):
-        if ref_map.keys() != cand_map.keys():
-            problems.append(f"{kind} names differ: {sorted(ref_map.keys() ^ cand_map.keys())}")
-        for name, expected in ref_map.items():
-            series[(kind, name)] = [(None, cand_map.get(name), expected)]
-    losses = [(r, c) for r, c in zip(reference.losses, candidate.losses) if r is not None and c is not None]
-    if losses:
-        ref_l, cand_l = zip(*losses)
-        series[("loss", "loss")] = [(None, torch.tensor(cand_l, dtype=torch.float64), torch.tensor(ref_l, dtype=torch.float64))]
+        tol = tolerance_of(reference, rtol, atol)
+    measured = candidate.measured
+    if measured is None:
+        measured = Measurement(tol)
+        for step, (ref_grads, cand_grads) in enumerate(zip(reference.grads, candidate.grads)):
+            measured.add("grad", step, cand_grads, ref_grads)
+        measured.add_final("weight", candidate.weights, reference.weights)
+        measured.add_final("buffer", candidate.buffers, reference.buffers)
+    elif measured.tolerance != tol:
+        raise InvalidArgument(f"tolerance={tol} is not allowed here: the candidate was compared as it trained, at "
+                              f"{measured.tolerance}; compare it at that tolerance, or train it without against=")
+    return measured.conclude(reference, candidate)
 
-    mismatches, max_abs, max_rel, margin = [], 0.0, 0.0, 0.0
-    for (kind, name), entries in series.items():
-        first = worst = None
-        margins = []
-        for step, actual, expected in entries:
-            if actual is None or actual.shape != expected.shape:
-                problems.append(f"{kind} of {name!r}: candidate has {None if actual is None else tuple(actual.shape)}, "
-                                f"reference {tuple(expected.shape)}")
-                break
-            diff = TensorDiff.of(actual.to(expected.dtype), expected, tol)
-            max_abs, max_rel, margin = max(max_abs, diff.max_abs), max(max_rel, diff.max_rel), max(margin, diff.margin)
-            margins.append(diff.margin)
-            if diff.margin > 1:
-                if first is None:
-                    first = (step, diff)
-                if worst is None or diff.margin > worst[1].margin:
-                    worst = (step, diff)
-        if first is not None:
+
+class Measurement:
+    """Every quantity's difference from the reference, taken as it comes: each step's gradients (while a run
+    trains, where it is compared as it goes), then the final weights and buffers. No tensor is kept."""
+
+    def __init__(self, tolerance: Tolerance) -> None:
+        self.tolerance = tolerance
+        # A quantity maps to one diff per step; a quantity whose shape is off stops there, with its problem.
+        self.series: dict[tuple[str, str], list[tuple[int | None, TensorDiff]]] = {}
+        self.broken: dict[tuple[str, str], str] = {}
+        self.names: list[str] = []  # weight or buffer names that differ
+
+    def add(self, kind: str, step: int | None, actual: Mapping[str, Tensor], expected: Mapping[str, Tensor]) -> None:
+        """The differences of ``actual`` from ``expected``, name by name (``step`` None: final values)."""
+        for name, wanted in expected.items():
+            key = (kind, name)
+            entries = self.series.setdefault(key, [])
+            if key in self.broken:
+                continue
+            got = actual.get(name)
+            if got is None or got.shape != wanted.shape:
+                self.broken[key] = (f"{kind} of {name!r}: candidate has {None if got is None else tuple(got.shape)}, "
+                                    f"reference {tuple(wanted.shape)}")
+                continue
+            entries.append((step, TensorDiff.of(got.to(wanted.device), wanted, self.tolerance)))
+
+    def add_final(self, kind: str, actual: Mapping[str, Tensor], expected: Mapping[str, Tensor]) -> None:
+        """The final ``kind`` (``'weight'`` or ``'buffer'``), whose names must be the reference's too."""
+        if actual.keys() != expected.keys():
+            self.names.append(f"{kind} names differ: {sorted(actual.keys() ^ expected.keys())}")
+        self.add(kind, None, actual, expected)
+
+
+    def conclude(self, reference: RunResult, candidate: RunResult) -> Comparison:
+        """The comparison: the step counts, every quantity's first and worst step, the loss series."""
+        tol = self.tolerance
+        problems: list[str] = []
+        if reference.optimizer_steps != candidate.optimizer_steps:
+            problems.append(f"optimizer steps: the reference took {reference.optimizer_steps}, "
+                            f"the candidate {candidate.optimizer_steps}")
+        problems += self.names
+        series = dict(self.series)
+        losses = [(r, c) for r, c in zip(reference.losses, candidate.losses) if r is not None and c is not None]
+        if losses:
+            ref_l, cand_l = (torch.tensor(values, dtype=torch.float64) for values in zip(*losses))
+            series[("loss", "loss")] = [(None, TensorDiff.of(cand_l, ref_l, tol))]
+        mismatches, max_abs, max_rel, margin = [], 0.0, 0.0, 0.0
+        for (kind, name), entries in series.items():
+            first = worst = None
+            for step, diff in entries:
+                max_abs, max_rel, margin = max(max_abs, diff.max_abs), max(max_rel, diff.max_rel), max(margin, diff.margin)
+                if diff.margin > 1:
+                    if first is None:
+                        first = (step, diff)
+                    if worst is None or diff.margin > worst[1].margin:
+                        worst = (step, diff)
+            if (kind, name) in self.broken:
+                problems.append(self.broken[(kind, name)])
+            if first is None:
+                continue
             if kind == "loss":  # the loss series is one tensor over steps: each element is a step
-                step_margins = _element_margins(entries[0], tol)
+                step_margins = _element_margins(cand_l, ref_l, tol)
                 worst_step = max(range(len(step_margins)), key=step_margins.__getitem__)
                 first_step = next(step for step, step_margin in enumerate(step_margins) if step_margin > 1)
                 mismatches.append(Mismatch(kind, name, first_step, worst_step, worst[1], step_margins))
             else:
                 mismatches.append(Mismatch(kind, name, first[0], worst[0], worst[1],
-                                           tuple(margins) if kind == "grad" else ()))
-    return Comparison(tol, tuple(mismatches), tuple(problems), max_abs, max_rel, margin)
+                                           tuple(diff.margin for _, diff in entries) if kind == "grad" else ()))
+        return Comparison(tol, tuple(mismatches), tuple(problems), max_abs, max_rel, margin)
 
 
-def _element_margins(entry: tuple[int | None, Tensor, Tensor], tol: Tolerance) -> tuple[float, ...]:
+@dataclasses.dataclass(frozen=True)
+class Expected:
+    """What a run is compared with as it trains (``train(against=...)``): the reference's recording, at a tolerance."""
+
+    reference: RunResult
+    tolerance: Tolerance
+
+
+
+def _element_margins(actual: Tensor, expected: Tensor, tol: Tolerance) -> tuple[float, ...]:
     """The loss series' margin at each step: one element per step (a NaN is the worst, never a match)."""
-    _, actual, expected = entry
     ratio = (actual - expected).abs() / (tol.atol + tol.rtol * expected.abs())
     return tuple(float(r) for r in torch.nan_to_num(ratio, nan=math.inf))
-
-
-def _all_within(reference: RunResult, candidate: RunResult, tol: Tolerance) -> tuple[float, float, float] | None:
-    """``(max_abs, max_rel, margin)`` when both runs have the same structure and every element is within
-    ``tol``, computed as :class:`TensorDiff` does but on all tensors of a dtype at once; else None, and
-    :func:`compare` takes the per-quantity path that locates every mismatch."""
-    if reference.optimizer_steps != candidate.optimizer_steps:
-        return None
-    pairs = [(cand_grads.get(name), expected)
-             for ref_grads, cand_grads in zip(reference.grads, candidate.grads) for name, expected in ref_grads.items()]
-    for ref_map, cand_map in ((reference.weights, candidate.weights), (reference.buffers, candidate.buffers)):
-        if ref_map.keys() != cand_map.keys():
-            return None
-        pairs += [(cand_map[name], expected) for name, expected in ref_map.items()]
-    losses = [(c, r) for r, c in zip(reference.losses, candidate.losses) if r is not None and c is not None]
-    if losses:
-        pairs.append(tuple(torch.tensor(series, dtype=torch.float64) for series in zip(*losses)))
-    by_dtype: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
-    for actual, expected in pairs:
-        if actual is None or actual.shape != expected.shape:
-            return None
-        if not expected.numel():
-            continue  # an empty parameter: nothing to compare
-        actuals, expecteds = by_dtype.setdefault(expected.dtype, ([], []))
-        actuals.append(actual.to(expected.dtype).reshape(-1))
-        expecteds.append(expected.reshape(-1))
-    max_abs = max_rel = margin = 0.0
-    for actuals, expecteds in by_dtype.values():
-        actual, expected = torch.cat(actuals), torch.cat(expecteds)
-        abs_diff = (actual - expected).abs()
-        ratio = torch.nan_to_num(abs_diff / (tol.atol + tol.rtol * expected.abs()), nan=math.inf)
-        group_margin = float(ratio.max())
-        if not group_margin <= 1:
-            return None
-        rel_diff = torch.nan_to_num(abs_diff / expected.abs(), nan=0.0)  # 0/0: no difference
-        max_abs, max_rel = max(max_abs, float(abs_diff.max())), max(max_rel, float(rel_diff.max()))
-        margin = max(margin, group_margin)
-    return max_abs, max_rel, margin

@@ -81,10 +81,11 @@ def start(case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED, t
         raise Unavailable(reason)
     # Resolved here, where the user's choice is visible: ranks train with the parent's count.
     options["threads"] = intra_op.resolve(options.get("threads"))
+    against = options.pop("against", None)  # the reference is here: a run elsewhere comes back recorded whole
     if not regime.distributed:
         if runner is not None and can_isolate(regime, precision.device, options["threads"]):
             return Started(lambda: runner.train(case, regime, seed=seed, **options))
-        return Started(lambda: train(case, regime, seed=seed, **options))
+        return Started(lambda: train(case, regime, seed=seed, against=against, **options))
     source = importable_source(case)
     if isinstance(options.get("dtype"), Precision):  # workers look precision modes up by name
         options["dtype"] = registered_name(options["dtype"])

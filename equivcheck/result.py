@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from .compare import Measurement
 
 _TENSOR_MAPS = ("weights", "buffers")
 
@@ -44,15 +48,25 @@ class RunResult:
     precision: str = ""  # the precision mode's name (equivcheck.precision); "" means the weights' dtype
     peak_activation_bytes: int | None = None
     memory_method: str | None = None
-    loss_dtypes: tuple[str, ...] = ()
-    steps_per_batch: tuple[int, ...] | None = None  # optimizer steps each global batch took, where observable  # the dtypes the case's loss came out in ("torch.float32"): the real precision
+    loss_dtypes: tuple[str, ...] = ()  # the dtypes the case's loss came out in ("torch.float32"): the real precision
+    steps_per_batch: tuple[int, ...] | None = None  # optimizer steps each global batch took, where observable
     batch_samples: tuple[int, ...] = ()  # samples in each global batch trained on, every epoch's: where the tails are
     # Bytes rank 0 held (parameters, gradients at the last step, optimizer state): see equivcheck.measure.state.
     state_bytes: tuple[int, int, int] | None = None
+    grad_norms: tuple[float, ...] = ()  # each step's global gradient norm, where the regime clips (check.py's note)
+    # A run compared with a reference as it trained (training.train's against=): every difference measured, and
+    # no gradient, weight or buffer kept (``grads`` holds an empty mapping per step).
+    measured: Measurement | None = None
 
     @property
     def optimizer_steps(self) -> int:
         return len(self.grads)
+
+    @property
+    def recorded_bytes(self) -> int:
+        """What this run's recording holds: every step's gradients, the final weights and buffers."""
+        maps = [*self.grads, self.weights, self.buffers]
+        return sum(t.numel() * t.element_size() for named in maps for t in named.values())
 
     def to_plain(self) -> dict:
         """Numpy arrays and builtins only: safe to pickle across processes (no shared-memory tensors)."""

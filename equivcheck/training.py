@@ -17,6 +17,7 @@ from torch.optim import Optimizer
 
 from .case import Batch, Case, Objective
 from .closure import evaluate_closure
+from .compare import Expected, Measurement
 from .errors import InvalidArgument, NonFinite, Unavailable
 from .measure.activation import activation_meter
 from .measure.collectives import add_traffic
@@ -38,11 +39,14 @@ def train(
     measure_memory: bool = True,
     threads: int | None = None,
     order: str = "given",
+    against: Expected | None = None,
 ) -> RunResult:
     """Train ``case`` for its steps under ``regime`` in precision ``dtype`` (default: the case's dtype)
     and return what it produced, with its peak activation memory unless ``measure_memory`` is off;
     with ``threads`` intra-op threads (default: one, unless the user chose: see ``threads.py``); with each
-    global batch's samples in ``order`` (``'given'``; ``'reversed'`` or ``'rolled'``: a witness, witness.py)."""
+    global batch's samples in ``order`` (``'given'``; ``'reversed'`` or ``'rolled'``: a witness, witness.py). ``against``
+    compares the run with a reference as it trains, keeping the differences and none of its tensors: what a check
+    needs of a run, in a recording's memory less (compare.py)."""
     case = resolve_case(case)
     regime = parse_regime(regime)
     precision = resolve_precision(dtype, default=case.dtype)
@@ -68,7 +72,8 @@ def train(
         counter = regime.count_communication(module)
         counts_syncs = counter is not None and counter.counts_syncs  # a pipeline counts traffic, but no sync
         data = [t for batch in batches for t in (batch.inputs, batch.targets)]
-        with GradRecorder(model, optimizer, counter, regime.full_tensor) as recorder, \
+        with GradRecorder(model, optimizer, counter, regime.full_tensor, against, norms=regime.clips_at() is not None) \
+                as recorder, \
                 activation_meter(model, data, enabled=measure_memory) as memory:
             watched = StepWatch(batches, recorder)
             losses = tuple(None if loss is None else float(loss)
@@ -76,15 +81,21 @@ def train(
                                                     objective))
     held = (held_bytes(model.parameters()), recorder.grad_bytes,
             optimizer_state_bytes(regime.local_optimizer(optimizer)))
-    weights = snapshot(model.named_parameters(), regime.full_tensor)
-    ensure_finite(str(regime), losses, recorder.grads, weights)
+    named_buffers = [(n, b) for n, b in model.named_buffers() if b.is_floating_point()]
+    if against is None:
+        weights, buffers = (snapshot(named, regime.full_tensor) for named in (model.named_parameters(), named_buffers))
+        ensure_finite(str(regime), losses, recorder.grads, weights)
+    else:
+        weights = buffers = {}
+        recorder.measure_final(model.named_parameters(), named_buffers)
+        ensure_finite(str(regime), losses, (), {})
     return RunResult(
         case=case.name,
         regime=str(regime),
         losses=losses,
         grads=tuple(recorder.grads),
         weights=weights,
-        buffers=snapshot(((n, b) for n, b in model.named_buffers() if b.is_floating_point()), regime.full_tensor),
+        buffers=buffers,
         seconds=time.perf_counter() - started,
         syncs=tuple(recorder.syncs) if counts_syncs else None,
         sync_bytes=tuple(recorder.sync_bytes) if counts_syncs else None,
@@ -97,6 +108,8 @@ def train(
         loss_dtypes=tuple(sorted(str(dtype) for dtype in objective.loss_dtypes)),
         batch_samples=tuple(len(batch) for batch in batches),
         state_bytes=held,
+        grad_norms=tuple(recorder.grad_norms),
+        measured=recorder.measurement,
     )
 
 
@@ -109,11 +122,22 @@ def ensure_finite(regime: str, losses: Sequence[float | None], grads: Sequence[d
             raise NonFinite(f"non-finite loss ({loss}) at step {step} under {regime}")
     for step, named in enumerate(grads):
         for name, grad in named.items():
-            if not bool(torch.isfinite(grad).all()):
+            if not finite(grad):
                 raise NonFinite(f"non-finite gradient of {name!r} at step {step} under {regime}")
     for name, weight in weights.items():
-        if not bool(torch.isfinite(weight).all()):
+        if not finite(weight):
             raise NonFinite(f"non-finite weight {name!r} after the last step under {regime}")
+
+
+def finite(tensor: Tensor) -> bool:
+    """Whether every element is finite, in one reduction and no temporary of the tensor's size: a NaN
+    anywhere makes the minimum and the maximum NaN, an infinity is one of them."""
+    if not tensor.numel() or not (tensor.is_floating_point() or tensor.is_complex()):
+        return True
+    if tensor.is_complex():  # no order: element by element
+        return bool(torch.isfinite(tensor).all())
+    low, high = torch.aminmax(tensor)
+    return math.isfinite(float(low)) and math.isfinite(float(high))
 
 
 def build_model(case: Case, precision: Precision | None = None, device: torch.device | None = None) -> nn.Module:
@@ -209,14 +233,19 @@ class GradRecorder:
     under a parallel wrapper, what was communicated from the end of the previous step to the end of this
     one (ZeRO broadcasts parameters inside its step; what follows the last step, join's closing rounds,
     counts in the last). A step given a closure has its closure run first (see :mod:`equivcheck.closure`):
-    its backward belongs to the step."""
+    its backward belongs to the step. ``against``: each gradient is compared with the reference's as the step
+    takes it, and none is kept; ``norms``: each step's global gradient norm is noted (a clipping regime's)."""
 
     def __init__(self, model: nn.Module, optimizer: Optimizer, counter: CommunicationCounter | None = None,
-                 full_tensor: Callable[[Tensor], Tensor] = lambda t: t) -> None:
+                 full_tensor: Callable[[Tensor], Tensor] = lambda t: t, against: Expected | None = None,
+                 norms: bool = False) -> None:
         self._named = list(model.named_parameters())
         self._full_tensor = full_tensor
         self._optimizer = optimizer
         self._counter = counter
+        self._against, self._norms = against, norms
+        self.measurement = None if against is None else Measurement(against.tolerance)
+        self.grad_norms: list[float] = []
         self.grads: list[dict[str, Tensor]] = []
         self.syncs: list[int] = []
         self.sync_bytes: list[int] = []
@@ -235,8 +264,33 @@ class GradRecorder:
     def _before_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         call = evaluate_closure(args, kwargs)
         self.grad_bytes = held_bytes(p.grad for _, p in self._named)
-        self.grads.append(self._snapshot())
+        # A parameter that took no part in the step has no gradient: mathematically a zero one.
+        grads = {n: self._full_tensor(p.grad.detach() if p.grad is not None else torch.zeros_like(p))
+                 for n, p in self._named}
+        if self._norms:
+            self.grad_norms.append(math.sqrt(sum(float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2
+                                                 for g in grads.values())))
+        if self.measurement is None:
+            self.grads.append(snapshot(grads.items()))
+        else:
+            self._measure("grad", len(self.grads), grads)
+            self.grads.append({})
         return call
+
+    def _measure(self, kind: str, step: int | None, tensors: dict[str, Tensor]) -> None:
+        """Compare with the reference's (``'grad'`` at ``step``, or a final ``'weight'`` or ``'buffer'``). Nothing is
+        read for finiteness: within tolerance of the reference's (which is finite) is finite, and a run beyond it is
+        trained again, recorded, for its breakdown (check.py), where the error is raised as a recorded run raises it."""
+        reference = self._against.reference
+        if kind == "grad":
+            self.measurement.add(kind, step, tensors, reference.grads[step] if step < len(reference.grads) else {})
+        else:
+            self.measurement.add_final(kind, tensors, reference.weights if kind == "weight" else reference.buffers)
+
+    def measure_final(self, parameters, buffers) -> None:
+        """The final weights and buffers compared with the reference's (a run compared as it trains)."""
+        for kind, named in (("weight", parameters), ("buffer", buffers)):
+            self._measure(kind, None, {n: self._full_tensor(t.detach()) for n, t in named})
 
     def _after_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
         syncs, sent = self._counter.take()
@@ -253,10 +307,6 @@ class GradRecorder:
     def __exit__(self, *exc: object) -> None:
         self._exits.close()
 
-    def _snapshot(self) -> dict[str, Tensor]:
-        # A parameter that took no part in the step has no gradient: mathematically a zero one.
-        return snapshot(((n, p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self._named),
-                        self._full_tensor)
 
 
 def snapshot(named, full_tensor: Callable[[Tensor], Tensor] = lambda t: t) -> dict[str, Tensor]:

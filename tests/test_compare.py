@@ -2,14 +2,17 @@
 
 import dataclasses
 import math
+import sys
 
 import pytest
 import torch
 
 import equivcheck as ec
-from equivcheck.compare import Comparison, Mismatch, TensorDiff, Tolerance, _all_within
+from equivcheck.compare import Comparison, Mismatch, TensorDiff, Tolerance
 from equivcheck.precision import PRECISIONS
 from equivcheck.result import RunResult
+
+compare_module = sys.modules["equivcheck.compare"]  # the package's `compare` is the function
 
 
 @pytest.fixture(scope="module")
@@ -187,23 +190,21 @@ def run_of(grad=(2.0, 0.0), weight=1.0, buffer=1.0, loss=2.0, names=("w",)):
                      seconds=0.0)
 
 
-def test_the_fast_path_accepts_an_equivalent_pair_with_the_figures_the_breakdown_would_give():
+def test_an_equivalent_pair_has_the_figures_of_its_greatest_differences():
     reference, candidate = run_of(), run_of(grad=(2.625, 0.0))  # 0.625 of the 1.25 allowed at 2; 0/0: no difference
-    assert _all_within(reference, candidate, TOL) == (0.625, 0.3125, 0.5)
     assert ec.compare(reference, candidate, tolerance=TOL) == Comparison(TOL, (), (), 0.625, 0.3125, 0.5)
 
 
 @pytest.mark.parametrize("where", ["grad", "weight", "buffer", "loss"])
-def test_a_margin_just_above_one_anywhere_is_declined_by_the_fast_path_and_a_mismatch(where):
+def test_a_margin_just_above_one_anywhere_is_a_mismatch(where):
     reference = run_of(grad=(2.0, 2.0), weight=2.0, buffer=2.0, loss=2.0)
     moved = {"grad": (2.0, 3.875), "weight": 3.875, "buffer": 3.875, "loss": 3.875}[where]  # 1.875 / 1.25 = 1.5
     candidate = run_of(**{"grad": (2.0, 2.0), "weight": 2.0, "buffer": 2.0, "loss": 2.0, where: moved})
-    assert _all_within(reference, candidate, TOL) is None
     comparison = ec.compare(reference, candidate, tolerance=TOL)
     assert not comparison.ok and comparison.margin == 1.5 and comparison.mismatches[0].kind == where
 
 
-def test_the_fast_path_declines_every_difference_in_structure_and_the_breakdown_names_it():
+def test_every_difference_in_structure_is_named():
     reference = run_of()
     for candidate, problem in [
         (dataclasses.replace(run_of(), grads=()), "optimizer steps: the reference took 1, the candidate 0"),
@@ -212,15 +213,14 @@ def test_the_fast_path_declines_every_difference_in_structure_and_the_breakdown_
         (dataclasses.replace(run_of(), grads=({},)), "grad of 'w': candidate has None, reference (2,)"),
         (dataclasses.replace(run_of(), buffers={"c": torch.tensor([1.0])}), "buffer names differ: ['b', 'c']"),
     ]:
-        assert _all_within(reference, candidate, TOL) is None
         assert problem in ec.compare(reference, candidate, tolerance=TOL).problems
     fewer = ec.compare(reference, dataclasses.replace(run_of(), grads=()), tolerance=TOL)
     assert (fewer.max_abs, fewer.max_rel, fewer.margin, fewer.mismatches) == (0.0, 0.0, 0.0, ())  # the rest is equal
 
 
-def test_an_empty_parameter_has_nothing_to_differ_on_either_path():
+def test_an_empty_parameter_has_nothing_to_differ():
     reference, candidate = run_of(grad=()), run_of(grad=())
-    assert _all_within(reference, candidate, TOL) == (0.0, 0.0, 0.0)
+    assert ec.compare(reference, candidate, tolerance=TOL) == Comparison(TOL, (), (), 0.0, 0.0, 0.0)
     assert TensorDiff.of(torch.zeros(0), torch.zeros(0), TOL) == TensorDiff(0, 0, 0.0, (), 0.0, 0.0, (), 0.0)
     moved = dataclasses.replace(candidate, weights={"w": torch.tensor([9.0])})
     assert ec.compare(reference, moved, tolerance=TOL).mismatches[0].name == "w"  # the breakdown runs past it
@@ -256,12 +256,62 @@ def test_the_tolerance_follows_the_references_precision_mode_else_its_weights_dt
         ec.compare(float32, float32, tolerance=0.1)
 
 
-def test_matching_runs_take_the_vectorised_path_and_never_the_per_quantity_breakdown(monkeypatch):
+def test_a_tensor_within_tolerance_is_scanned_once_and_never_broken_down(monkeypatch):
     def breakdown(*args):
-        raise AssertionError("the per-quantity breakdown ran on matching runs")
+        raise AssertionError("the breakdown ran on a tensor within tolerance")
 
-    monkeypatch.setattr(TensorDiff, "of", breakdown)
+    monkeypatch.setattr(compare_module._Scan, "breakdown", breakdown)
     assert ec.compare(run_of(), run_of(grad=(2.625, 0.0)), tolerance=TOL).ok
+    with pytest.raises(AssertionError, match="the breakdown ran"):  # the same pair one step past the bound
+        ec.compare(run_of(), run_of(grad=(3.875, 0.0)), tolerance=TOL)
+
+
+def reference_diff(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance) -> TensorDiff:
+    """torch.testing's figures from whole-tensor temporaries, as written before the comparison streamed: what
+    every slice size must reproduce exactly."""
+    abs_diff = (actual - expected).abs()
+    allowed = tol.atol + tol.rtol * expected.abs()
+    ratio = torch.where(abs_diff == 0, 0.0, torch.nan_to_num(abs_diff / allowed, nan=math.inf))
+    rel_diff = torch.nan_to_num(abs_diff / expected.abs(), nan=0.0)
+    rel_diff = torch.where(abs_diff.isnan(), math.inf, rel_diff)
+    abs_at, rel_at = int(torch.nan_to_num(abs_diff, nan=math.inf).argmax()), int(rel_diff.argmax())
+    index = lambda flat: tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), expected.shape))  # noqa: E731
+    return TensorDiff(int((ratio > 1).sum()), ratio.numel(), float(abs_diff.reshape(-1)[abs_at]), index(abs_at),
+                      float(allowed.reshape(-1)[abs_at]), float(rel_diff.reshape(-1)[rel_at]), index(rel_at),
+                      float(ratio.max()))
+
+
+def same_figures(a: TensorDiff, b: TensorDiff) -> bool:
+    return all(x == y or (x != x and y != y) for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(b)))
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 64, 1 << 16])
+def test_the_streamed_figures_are_exactly_the_whole_tensors_at_every_slice_size(monkeypatch, chunk):
+    """Ties (the first index wins), NaNs and infinities, zeros expected, equal tensors, float32 and float64."""
+    monkeypatch.setattr(compare_module, "CHUNK", chunk)
+    generator = torch.Generator().manual_seed(chunk)
+    for trial in range(300):
+        dtype = (torch.float32, torch.float64)[trial % 2]
+        shape = ((5,), (3, 4), (37,), (2, 3, 5), (130,))[trial % 5]
+        expected = torch.randn(shape, generator=generator, dtype=dtype).round(decimals=trial % 3)
+        actual = expected + torch.randn(shape, generator=generator, dtype=dtype) * (0, 1e-9, 1e-6, 1e-3, 1)[trial % 7 % 5]
+        flat = actual.view(-1)
+        if trial % 4 == 1:
+            flat[trial % flat.numel()] = (math.nan, math.inf, -math.inf, 0.0)[trial % 8 // 2]
+        if trial % 6 == 2:
+            expected.view(-1)[trial % flat.numel()] = 0.0
+        if trial % 10 == 3:  # every element tied
+            actual.fill_(1.5), expected.fill_(1.0)
+        tol = (Tolerance(1.3e-6, 1e-5), Tolerance(0.5, 0.25), Tolerance(1e-5, 1e-8))[trial % 3]
+        assert same_figures(TensorDiff.of(actual, expected, tol), reference_diff(actual, expected, tol)), trial
+
+
+def test_equal_elements_match_even_where_nothing_is_allowed():
+    """atol=0 allows nothing at an expected 0: an actual 0 there is equal, not 0 / 0 beyond the bound."""
+    expected, actual = torch.tensor([0.0, 2.0]), torch.tensor([0.0, 2.5])
+    diff = TensorDiff.of(actual, expected, Tolerance(rtol=0.5, atol=0.0))
+    assert (diff.mismatched, diff.margin) == (0, 0.5)
+    assert TensorDiff.of(expected, expected.clone(), Tolerance(rtol=0.5, atol=0.0)).margin == 0.0
 
 
 def test_a_gradient_series_names_its_first_step_beyond_the_bound_the_first_worst_and_every_steps_margin():

@@ -1,0 +1,170 @@
+"""What a check costs at real model sizes, side by side with torch alone training the same case.
+
+For each size (a GELU MLP of about 1M, 25M and 100M parameters, float32, AdamW, 3 steps of 16 samples) and
+each regime (``accumulate:chunks=4`` in process, ``ddp:world_size=2`` on ranks), two fresh processes:
+
+- torch alone: the case's training as a team writes it (``scale_cases.train_alone``; under DDP, 2 gloo ranks),
+  three times: the work of a self-checked check (the reference twice, the regime once). Its time, and the
+  peak RSS (VmHWM) of each process that trained, ranks included;
+- ``ec.check(case, [regime])`` with its defaults, after a warm-up check of the 1M case (imports, the warm
+  pool's ranks): its time and its peak RSS, of the checking process and of each rank.
+
+Printed as ratios, check over torch alone. Then one row for the 124M GPT-2-shaped transformer checked in one
+process (its RSS against a 16 GB runner). One intra-op thread on both sides, as equivcheck trains by default.
+
+    python bench/bench_scale.py [--sizes 1m 25m 100m] [--regimes accumulate:chunks=4 ddp:world_size=2] [--no-gpt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import equivcheck as ec
+from scale_cases import CASES, MLP_SIZES, train_alone
+from timing import markdown_table, peak_resident_kib
+
+TRAININGS = 3  # a self-checked check trains the reference twice and the regime once
+IN_PROCESS, DDP = "accumulate:chunks=4", "ddp:world_size=2"
+
+
+def descendants(root: int) -> list[int]:
+    """Every live process under ``root`` (its ranks, the warm pool's forker), from /proc."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, frontier = [], [root]
+    while frontier:
+        children = [pid for pid, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def rank_peaks_kib() -> list[int]:
+    """The peaks of this process's descendants that trained: the pool's ranks (the forker trains nothing)."""
+    peaks = []
+    for pid in descendants(os.getpid()):
+        try:
+            peaks.append(peak_resident_kib(pid))
+        except (OSError, RuntimeError):
+            continue
+    return sorted(peaks, reverse=True)
+
+
+def check_child(case: str, regime: str) -> dict:
+    """One timed check after a warm-up check of the smallest case: seconds, verdict, this process's peak and the ranks'."""
+    ec.check("scale_mlp_1m", [regime])
+    started = time.perf_counter()
+    report = ec.check(case, [regime])
+    seconds = time.perf_counter() - started
+    verdicts = sorted({o.verdict.value for o in report.outcomes})
+    peaks = rank_peaks_kib() if regime == DDP else []
+    return {"seconds": seconds, "peak_kib": peak_resident_kib(), "rank_peaks_kib": peaks[:2], "verdicts": verdicts}
+
+
+def _alone_rank(rank: int, world_size: int, case: str, port: int, replies) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    warm_up(rank, world_size)
+    dist.barrier()
+    started = time.perf_counter()
+    for _ in range(TRAININGS):
+        train_alone(CASES[case], rank=rank, world_size=world_size)
+    dist.barrier()
+    replies.put((rank, time.perf_counter() - started, peak_resident_kib()))
+    dist.destroy_process_group()
+
+
+def warm_up(rank: int = 0, world_size: int = 1) -> None:
+    """One training of the smallest case: torch's lazy imports and kernels, as the check's warm-up has them."""
+    train_alone(CASES["scale_mlp_1m"], rank=rank, world_size=world_size)
+
+
+def alone_child(case: str, world_size: int) -> dict:
+    """Torch alone: three trainings, timed after a warm-up; the peak of each process that trained."""
+    torch.set_num_threads(1)
+    if world_size == 1:
+        warm_up()
+        started = time.perf_counter()
+        for _ in range(TRAININGS):
+            train_alone(CASES[case])
+        return {"seconds": time.perf_counter() - started, "peak_kib": peak_resident_kib(), "rank_peaks_kib": []}
+    replies = mp.get_context("spawn").SimpleQueue()
+    port = 29500 + os.getpid() % 1000
+    mp.spawn(_alone_rank, args=(world_size, case, port, replies), nprocs=world_size)
+    ranks = sorted(replies.get() for _ in range(world_size))
+    return {"seconds": max(seconds for _, seconds, _ in ranks), "peak_kib": peak_resident_kib(),
+            "rank_peaks_kib": sorted((peak for _, _, peak in ranks), reverse=True)}
+
+
+def in_fresh_process(*args: str) -> dict:
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", *args],
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"bench child {args} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def gib(kib: int) -> str:
+    return f"{kib / 2**20:.2f} GB"
+
+
+def parameters(case: str) -> str:
+    count = sum(p.numel() for p in CASES[case].model().parameters())
+    return f"{count / 1e6:.1f}M"
+
+
+def row(case: str, regime: str) -> tuple[str, ...]:
+    world_size = 2 if regime == DDP else 1
+    alone = in_fresh_process("alone", case, str(world_size))
+    check = in_fresh_process("check", case, regime)
+    ranks = ("-" if not check["rank_peaks_kib"] else
+             f"{gib(max(check['rank_peaks_kib']))} / {gib(max(alone['rank_peaks_kib']))} = "
+             f"{max(check['rank_peaks_kib']) / max(alone['rank_peaks_kib']):.2f}x")
+    reference_peak = max(alone["rank_peaks_kib"]) if world_size > 1 else alone["peak_kib"]
+    return (case, parameters(case), regime, "/".join(check["verdicts"]),
+            f"{check['seconds']:.1f} / {alone['seconds']:.1f} s = {check['seconds'] / alone['seconds']:.2f}x",
+            f"{gib(check['peak_kib'])} / {gib(reference_peak)} = {check['peak_kib'] / reference_peak:.2f}x", ranks)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", default=list(MLP_SIZES), choices=list(MLP_SIZES))
+    parser.add_argument("--regimes", nargs="+", default=[IN_PROCESS, DDP], choices=[IN_PROCESS, DDP])
+    parser.add_argument("--no-gpt", action="store_true", help="leave out the 124M transformer's row")
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        kind, case, extra = args.child
+        print(json.dumps(check_child(case, extra) if kind == "check" else alone_child(case, int(extra))))
+        return
+    print(f"torch {torch.__version__}, one intra-op thread a process; {os.cpu_count()} CPUs; load "
+          f"{os.getloadavg()[0]:.1f}\ncheck / torch alone: time (alone: {TRAININGS} trainings), peak RSS of the "
+          "checking process (against one torch-alone process that trains; under DDP, its largest rank) and of the "
+          "largest rank\n", flush=True)
+    header = ("case", "parameters", "regime", "verdict", "time", "peak RSS, checking process", "peak RSS, ranks")
+    rows = [header]
+    cases = [f"scale_mlp_{size}" for size in args.sizes] + ([] if args.no_gpt else ["scale_gpt2_124m"])
+    for case in cases:
+        for regime in args.regimes if case.startswith("scale_mlp") else [IN_PROCESS]:
+            rows.append(row(case, regime))
+            print("  ".join(rows[-1]), flush=True)
+    print("\n" + markdown_table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""The cases of ``make bench-scale``: models of real size, and the same training written in torch alone.
+
+A GELU MLP in float32 with AdamW, 3 steps of 16 samples, at about 1M, 25M and 100M parameters, and a
+GPT-2-shaped transformer of about 124M parameters (12 pre-norm blocks of 768 features, 12 heads, a head tied
+to the 50,257-token embedding; block 64, batch 8, 2 steps). Registered at import, so DDP ranks find them.
+``train_alone`` is the floor: what a team's own loop does with the same model, data and optimizer.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import equivcheck as ec
+
+SAMPLES, STEPS, CLASSES = 16, 3, 10
+MLP_SIZES = {"1m": (256, 2), "25m": (1024, 3), "100m": (2048, 3)}  # width, blocks: about 8 * width^2 per block
+VOCAB, EMBED, LAYERS, HEADS, BLOCK, GPT_BATCH, GPT_STEPS = 50257, 768, 12, 12, 64, 8, 2
+
+
+def mlp(width: int, blocks: int) -> nn.Module:
+    layers = [nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width), nn.GELU())
+              for _ in range(blocks)]
+    return nn.Sequential(*layers, nn.Linear(width, CLASSES))
+
+
+def mlp_data(width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(SAMPLES * STEPS, width), torch.randint(0, CLASSES, (SAMPLES * STEPS,))
+
+
+def adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(EMBED), nn.LayerNorm(EMBED)
+        self.attn = nn.MultiheadAttention(EMBED, HEADS, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(EMBED, 4 * EMBED), nn.GELU(), nn.Linear(4 * EMBED, EMBED))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        causal = torch.triu(torch.full((x.shape[1], x.shape[1]), float("-inf")), diagonal=1)
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, attn_mask=causal, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(VOCAB, EMBED), nn.Embedding(1024, EMBED)
+        self.blocks = nn.Sequential(*(Block() for _ in range(LAYERS)))
+        self.norm = nn.LayerNorm(EMBED)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(ids) + self.positions(torch.arange(ids.shape[1]))
+        return self.norm(self.blocks(x)) @ self.tokens.weight.T  # the head tied to the embedding
+
+
+def gpt_data() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (GPT_BATCH * GPT_STEPS, BLOCK + 1))
+    return ids[:, :-1], ids[:, 1:]
+
+
+def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), reduction="none")
+
+
+CASES = {
+    **{f"scale_mlp_{size}": ec.register_case(ec.Case(
+        name=f"scale_mlp_{size}", model=partial(mlp, width, blocks), data=partial(mlp_data, width),
+        loss=partial(F.cross_entropy, reduction="none"), optimizer=adamw, batch_size=SAMPLES, steps=STEPS,
+        dtype=torch.float32, description=f"bench only: a GELU MLP of width {width}, {blocks} blocks, AdamW"))
+       for size, (width, blocks) in MLP_SIZES.items()},
+    "scale_gpt2_124m": ec.register_case(ec.Case(
+        name="scale_gpt2_124m", model=GPT, data=gpt_data, loss=token_losses, items=lambda t: t.numel(),
+        optimizer=adamw, batch_size=GPT_BATCH, steps=GPT_STEPS, dtype=torch.float32,
+        description="bench only: a GPT-2-shaped transformer (124M parameters), block 64")),
+}
+
+
+def train_alone(case: ec.Case, *, rank: int = 0, world_size: int = 1) -> None:
+    """The case's training as a team writes it in torch alone (under DDP with ``world_size`` ranks: each rank
+    takes its slice of every global batch), from the same seeded start."""
+    torch.manual_seed(0)
+    model = case.model()
+    inputs, targets = case.data()
+    if world_size > 1:
+        model = nn.parallel.DistributedDataParallel(model)
+    optimizer = case.optimizer(model.parameters())
+    for start in range(0, len(inputs), case.batch_size):
+        share = slice(start + rank * case.batch_size // world_size, start + (rank + 1) * case.batch_size // world_size)
+        optimizer.zero_grad()
+        loss = case.loss(model(inputs[share]), targets[share]).mean()
+        loss.backward()
+        optimizer.step()
