@@ -9,7 +9,7 @@ import math
 import os
 import time
 import traceback
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -29,7 +29,7 @@ from .registry import all_cases, resolve_case
 from .result import RunResult
 from .savings import MemoryUse
 from .training import initial_weights
-from .seeding import DEFAULT_SEED
+from .seeding import DEFAULT_SEED, default_dtype, seeded
 
 
 class Verdict(str, enum.Enum):
@@ -298,10 +298,12 @@ def iter_outcomes(plan: Plan, *, measure_memory: bool = True, runner: IsolatedRu
     if own_runner:
         runner = isolated([plan])
     plan = dataclasses.replace(plan, runner=runner if plan.isolate else None)
-    # The first distributed run trains on its ranks while the reference runs here: one job in flight at a time.
-    ahead = _ahead(plan, -1, precision, measure_memory)
+    streams = (_recording_bytes(plan, precision) or 0) >= COMPARE_AS_IT_TRAINS_FROM
+    # The first distributed run trains on its ranks while the reference runs here: one job in flight at a time. Not
+    # where runs are compared with the reference as they train: that one could only come back recorded whole.
+    ahead = {} if streams else _ahead(plan, -1, precision, measure_memory, lambda spec: None)
     try:
-        for outcome in _outcomes(plan, precision, measure_memory, ahead):
+        for outcome in _outcomes(plan, precision, measure_memory, ahead, streams):
             yield dataclasses.replace(outcome, reason="; ".join(filter(None, (outcome.reason, note))))
     finally:  # a consumer that stops early (Ctrl-C in the CLI) leaves no job unread on a pool, and no child
         for started in ahead.values():
@@ -329,7 +331,8 @@ def isolated(plans: Iterable[Plan]) -> IsolatedRunner:
     return IsolatedRunner((p.case, (p.reference, *p.specs)) for p in plans)
 
 
-def _ahead(plan: Plan, after: int, precision: Precision, measure_memory: bool) -> dict[int, Started]:
+def _ahead(plan: Plan, after: int, precision: Precision, measure_memory: bool,
+           against: Callable[[Regime], Expected | None]) -> dict[int, Started]:
     """The next distributed run after spec ``after``, started now so its ranks train while this process
     works; none while the reference itself runs on ranks (it would share their pool)."""
     if plan.reference.distributed:
@@ -337,16 +340,28 @@ def _ahead(plan: Plan, after: int, precision: Precision, measure_memory: bool) -
     for index in range(after + 1, len(plan.specs)):
         spec = plan.specs[index]
         if spec.distributed and spec != plan.reference:
-            return {index: plan.start(spec, precision, measure_memory)}
+            return {index: plan.start(spec, precision, measure_memory, against=against(spec))}
     return {}
 
 
-def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dict[int, Started]) -> Iterator[Outcome]:
+def _recording_bytes(plan: Plan, precision: Precision) -> int | None:
+    """What the reference's recording will hold (every optimizer step's gradients and the final weights), from the
+    case's model built on the meta device: no memory, no time. None where the model cannot be built there."""
+    try:
+        with seeded(plan.seed), torch.device("meta"), default_dtype(precision.draw_dtype or precision.dtype):
+            model = plan.case.model()
+        weights = sum(p.numel() for p in model.parameters())
+    except Exception:  # a factory that reads files or draws data: recorded whole, as a small case is
+        return None
+    return weights * (plan.case.steps * plan.case.epochs + 1) * precision.dtype.itemsize
+
+
+def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dict[int, Started],
+              streams: bool) -> Iterator[Outcome]:
     case, reference, seed = plan.case, plan.reference, plan.seed
     started = time.perf_counter()
     try:
         ref = plan.run(reference, precision, measure_memory)
-        streams = ref.recorded_bytes >= COMPARE_AS_IT_TRAINS_FROM
         self_tolerance = tolerance_of(ref, plan.rtol, plan.atol)
         rerun = plan.run(reference, precision, measure_memory, against=Expected(ref, self_tolerance) if streams else None)
     except InvalidArgument:
@@ -373,18 +388,18 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
     shadow_reference = functools.cache(lambda: plan.run(reference, shadow, False))
     witnesses = functools.cache(lambda: [plan.run(reference, precision, False, order) for order in witness.ORDERS])
     initial = functools.cache(lambda: initial_weights(case, precision, seed))
+    against = (lambda spec: Expected(ref, plan.tolerance(spec, loss_precision))) if streams else (lambda spec: None)
     for index, spec in enumerate(plan.specs):
         if spec == reference:
             yield _judge(case, spec, self_check, ref_seconds / 2, rerun, ref, reference)
             continue
         if not ahead and not spec.distributed:  # this run is here: the next distributed one can train meanwhile
-            ahead.update(_ahead(plan, index, precision, measure_memory))
+            ahead.update(_ahead(plan, index, precision, measure_memory, against))
         started = time.perf_counter()
         tolerance = plan.tolerance(spec, loss_precision)
         try:
             result = (ahead.pop(index) if index in ahead else
-                      plan.start(spec, precision, measure_memory, against=Expected(ref, tolerance) if streams else None)
-                      ).result()
+                      plan.start(spec, precision, measure_memory, against=against(spec))).result()
             comparison = compare(ref, result, tolerance=tolerance)
             if not comparison.ok and result.measured is not None:  # the breakdown reads the run's own tensors
                 result, comparison = _recorded(plan, spec, precision, measure_memory, ref, comparison)
@@ -430,9 +445,10 @@ def _recorded(plan: Plan, spec: Regime, precision: Precision, measure_memory: bo
     return result, comparison
 
 
-# A reference whose recording (every step's gradients, the final weights) holds at least this many bytes has its
-# other runs compared with it as they train, keeping none of their tensors: a check then holds one recording, not
-# three. Below it, runs are recorded whole, which the breakdown of a mismatch reads, and which costs nothing there.
+# A reference whose recording (every step's gradients, the final weights) would hold at least this many bytes has
+# its other runs compared with it as they train, keeping none of their tensors, in this process and on ranks: a check
+# then holds one recording, not three or more. Below it, runs are recorded whole, which the breakdown of a mismatch
+# reads, and which costs nothing there.
 COMPARE_AS_IT_TRAINS_FROM = 64 * 2**20
 
 # The precision mode whose rounding a loss computed in this dtype carries (Tensor.dtype, as RunResult names it).

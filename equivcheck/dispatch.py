@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Callable
 
 from .case import Case
-from .distributed import launcher, pool
+from .distributed import launcher, pool, shared_reference
 from .errors import InvalidArgument, Unavailable, expect_timeout
 from .isolation import IsolatedRunner, can_isolate
 from .precision import Precision, registered_name, resolve_precision
@@ -81,7 +81,7 @@ def start(case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED, t
         raise Unavailable(reason)
     # Resolved here, where the user's choice is visible: ranks train with the parent's count.
     options["threads"] = intra_op.resolve(options.get("threads"))
-    against = options.pop("against", None)  # the reference is here: a run elsewhere comes back recorded whole
+    against = options.pop("against", None)  # a forked child has no reference: its run comes back recorded whole
     if not regime.distributed:
         if runner is not None and can_isolate(regime, precision.device, options["threads"]):
             return Started(lambda: runner.train(case, regime, seed=seed, **options))
@@ -89,6 +89,8 @@ def start(case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED, t
     source = importable_source(case)
     if isinstance(options.get("dtype"), Precision):  # workers look precision modes up by name
         options["dtype"] = registered_name(options["dtype"])
+    if against is not None:  # the ranks compare with the reference as they train, from a file they map
+        options["against"] = shared_reference.payload(against)
     job = {"case": case.name, "source": source, "regime": str(regime),
            "regime_source": regime_source(regime), "seed": seed, "options": options}
     backend = regime.resolved_backend
@@ -99,10 +101,13 @@ def start(case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED, t
 
 
 def _assembled(replies: list[dict]) -> RunResult:
-    """One RunResult of the ranks' replies: rank 0's, with the step losses and how far the ranks stood apart."""
+    """One RunResult of the ranks' replies: rank 0's, with the step losses and how far the ranks stood apart (measured
+    on the ranks where they compared with the reference as they trained, and kept no tensor to send)."""
     results = [RunResult.from_plain(reply) for reply in replies]
     # Each rank returns its share of the step's loss (None: a step that returns none).
     losses = tuple(None if None in shares else sum(shares) for shares in zip(*(r.losses for r in results)))
+    if results[0].measured is not None:
+        return dataclasses.replace(results[0], losses=losses)
     return dataclasses.replace(results[0], losses=losses, rank_spread=_spread(results),
                                rank_grad_spread=_grad_spread(results))
 

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -109,6 +110,7 @@ def train(
         batch_samples=tuple(len(batch) for batch in batches),
         state_bytes=held,
         grad_norms=tuple(recorder.grad_norms),
+        rank_spread=recorder.rank_spread,
         measured=recorder.measurement,
     )
 
@@ -246,6 +248,7 @@ class GradRecorder:
         self._against, self._norms = against, norms
         self.measurement = None if against is None else Measurement(against.tolerance)
         self.grad_norms: list[float] = []
+        self.rank_spread: float | None = None  # measured on the ranks by a run compared as it trains
         self.grads: list[dict[str, Tensor]] = []
         self.syncs: list[int] = []
         self.sync_bytes: list[int] = []
@@ -288,9 +291,13 @@ class GradRecorder:
             self.measurement.add_final(kind, tensors, reference.weights if kind == "weight" else reference.buffers)
 
     def measure_final(self, parameters, buffers) -> None:
-        """The final weights and buffers compared with the reference's (a run compared as it trains)."""
-        for kind, named in (("weight", parameters), ("buffer", buffers)):
-            self._measure(kind, None, {n: self._full_tensor(t.detach()) for n, t in named})
+        """The final weights and buffers compared with the reference's (a run compared as it trains), and, on ranks,
+        how far each rank's weights ended from rank 0's."""
+        weights = {n: self._full_tensor(t.detach()) for n, t in parameters}
+        self._measure("weight", None, weights)
+        self._measure("buffer", None, {n: self._full_tensor(t.detach()) for n, t in buffers})
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self.rank_spread = rank_spread(weights)
 
     def _after_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
         syncs, sent = self._counter.take()
@@ -307,6 +314,20 @@ class GradRecorder:
     def __exit__(self, *exc: object) -> None:
         self._exits.close()
 
+
+
+def rank_spread(weights: dict[str, Tensor]) -> float:
+    """The greatest difference of any rank's final weights from rank 0's (DDP keeps replicas identical: 0), rank 0's
+    broadcast one tensor at a time; after training, so no regime's communication count sees it."""
+    local = 0.0
+    for weight in weights.values():
+        theirs = weight.clone() if dist.get_rank() == 0 else torch.empty_like(weight)
+        dist.broadcast(theirs, 0)
+        if weight.numel():
+            local = max(local, float((weight - theirs).abs().max()))
+    spread = torch.tensor([local], dtype=torch.float64, device=next(iter(weights.values())).device)
+    dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+    return float(spread)
 
 
 def snapshot(named, full_tensor: Callable[[Tensor], Tensor] = lambda t: t) -> dict[str, Tensor]:

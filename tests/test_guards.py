@@ -8,6 +8,7 @@ steps) and fails with that bug in place.
 
 import dataclasses
 import itertools
+import sys
 
 import numpy as np
 import pytest
@@ -70,11 +71,16 @@ def test_an_error_verdict_fails_the_report():
         report.assert_equivalent()
 
 
-def test_ranks_that_drift_apart_are_caught_even_when_rank_0_matches():
+@pytest.mark.parametrize("as_it_trains", [False, True], ids=["recorded", "compared-as-it-trains"])
+def test_ranks_that_drift_apart_are_caught_even_when_rank_0_matches(monkeypatch, as_it_trains):
     """Rank 0's gradients and weights equal the reference on a 1-step case: only the rank-drift guard
-    sees that rank 1 never stepped (its weights differ by far less than 1)."""
+    sees that rank 1 never stepped (its weights differ by far less than 1), from the ranks' recordings, or measured on
+    the ranks where they compare with the reference as they train (a large model's check)."""
+    if as_it_trains:
+        monkeypatch.setattr(sys.modules["equivcheck.check"], "COMPARE_AS_IT_TRAINS_FROM", 0)
     faithful, drifting = (ec.check_step(ONE_STEP, step, world_size=2).outcomes[0]
                           for step in (ddp_step, ddp_step_only_rank_0_steps))
+    assert (drifting.result.measured is not None) is as_it_trains
     assert faithful.verdict is Verdict.EQUIVALENT and faithful.result.rank_spread == 0
     assert drifting.verdict is Verdict.MISMATCH
     assert not drifting.comparison.mismatches  # the numbers of rank 0 alone match

@@ -5,8 +5,10 @@ with one recording in memory instead of three."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -128,3 +130,18 @@ def test_clipping_is_said_to_engage_from_the_norms_a_run_compared_as_it_trains_n
     streamed = ec.check("mlp", specs, reference=reference).outcomes[0]
     assert streamed.result.measured is not None
     assert streamed.reason == recorded.reason and "clipping engaged at 3 of 3 steps" in streamed.reason
+
+
+def test_ranks_compare_as_they_train_and_leave_no_file_of_the_reference(streamed, monkeypatch, tmp_path):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where this process writes the reference for its ranks
+    folders = []
+    make_folder = tempfile.mkdtemp
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda **kw: folders.append(make_folder(**kw)) or folders[-1])
+    report = ec.check("mlp", ["ddp:world_size=2", "accumulate:chunks=3", "ddp:world_size=3"])
+    assert {o.verdict for o in report.outcomes} == {ec.Verdict.EQUIVALENT}
+    ranks = report.outcome("mlp", "ddp:world_size=2").result
+    assert ranks.measured is not None and ranks.recorded_bytes == 0 and ranks.rank_spread == 0.0
+    assert ranks.rank_grad_spread is None  # read from recordings, for a hint: a mismatch is recorded again
+    assert len([f for f in folders if "equivcheck-reference-" in f]) == 1  # one file for every rank of both runs
+    gc.collect()
+    assert not list(tmp_path.glob("equivcheck-reference-*"))  # gone with the reference

@@ -25,6 +25,7 @@ from ..process_exit import leave_with_parent
 from ..regimes import parse_regime
 from ..registry import get_case, load_cases_from
 from ..training import train
+from . import shared_reference
 
 
 def train_job(job: dict) -> dict:
@@ -33,7 +34,10 @@ def train_job(job: dict) -> dict:
     The case's module and the regime's are imported first: they register the names the job uses."""
     load_cases_from(job["source"])
     importlib.import_module(job["regime_source"])
-    result = train(get_case(job["case"]), parse_regime(job["regime"]), seed=job["seed"], **job["options"])
+    options = dict(job["options"])
+    if "against" in options:  # compared with the parent's reference as it trains: a reply of differences alone
+        options["against"] = shared_reference.expected(options["against"])
+    result = train(get_case(job["case"]), parse_regime(job["regime"]), seed=job["seed"], **options)
     return result.to_plain()
 
 
