@@ -4,8 +4,9 @@ For each size (a GELU MLP of about 1M, 25M and 100M parameters, float32, AdamW, 
 each regime (``accumulate:chunks=4`` in process, ``ddp:world_size=2`` on ranks), two fresh processes:
 
 - torch alone: the case's training as a team writes it (``scale_cases.train_alone``; under DDP, 2 gloo ranks),
-  three times: the work of a self-checked check (the reference twice, the regime once). Its time, and the
-  peak RSS (VmHWM) of each process that trained, ranks included;
+  three times: the floor the figures are held to, a self-checked check's three trainings. Its time, and the
+  peak RSS (VmHWM) of each process that trained, ranks included. In process, also the regime's own floor: two
+  full-batch trainings and one accumulated over 4 micro-batches, the same work as the check's three runs;
 - ``ec.check(case, [regime])`` with its defaults, after a warm-up check of the 1M case (imports, the warm
   pool's ranks): its time and its peak RSS, of the checking process and of each rank.
 
@@ -34,7 +35,8 @@ from scale_cases import CASES, MLP_SIZES, train_alone
 from timing import markdown_table, peak_resident_kib
 
 TRAININGS = 3  # a self-checked check trains the reference twice and the regime once
-IN_PROCESS, DDP = "accumulate:chunks=4", "ddp:world_size=2"
+CHUNKS = 4
+IN_PROCESS, DDP = f"accumulate:chunks={CHUNKS}", "ddp:world_size=2"
 
 
 def descendants(root: int) -> list[int]:
@@ -73,7 +75,9 @@ def check_child(case: str, regime: str) -> dict:
     seconds = time.perf_counter() - started
     verdicts = sorted({o.verdict.value for o in report.outcomes})
     peaks = rank_peaks_kib() if regime == DDP else []
-    return {"seconds": seconds, "peak_kib": peak_resident_kib(), "rank_peaks_kib": peaks[:2], "verdicts": verdicts}
+    notes = [o.reason for o in report.outcomes if o.reason]
+    return {"seconds": seconds, "peak_kib": peak_resident_kib(), "rank_peaks_kib": peaks[:2], "verdicts": verdicts,
+            "notes": notes}
 
 
 def _alone_rank(rank: int, world_size: int, case: str, port: int, replies) -> None:
@@ -95,14 +99,20 @@ def warm_up(rank: int = 0, world_size: int = 1) -> None:
 
 
 def alone_child(case: str, world_size: int) -> dict:
-    """Torch alone: three trainings, timed after a warm-up; the peak of each process that trained."""
+    """Torch alone: three trainings, timed after a warm-up (in process, then the regime's own floor too); the peak
+    of each process that trained."""
     torch.set_num_threads(1)
     if world_size == 1:
         warm_up()
         started = time.perf_counter()
         for _ in range(TRAININGS):
             train_alone(CASES[case])
-        return {"seconds": time.perf_counter() - started, "peak_kib": peak_resident_kib(), "rank_peaks_kib": []}
+        seconds = time.perf_counter() - started
+        started = time.perf_counter()
+        for chunks in (1, 1, CHUNKS):
+            train_alone(CASES[case], chunks=chunks)
+        return {"seconds": seconds, "regime_seconds": time.perf_counter() - started, "peak_kib": peak_resident_kib(),
+                "rank_peaks_kib": []}
     replies = mp.get_context("spawn").SimpleQueue()
     port = 29500 + os.getpid() % 1000
     mp.spawn(_alone_rank, args=(world_size, case, port, replies), nprocs=world_size)
@@ -128,16 +138,19 @@ def parameters(case: str) -> str:
     return f"{count / 1e6:.1f}M"
 
 
-def row(case: str, regime: str) -> tuple[str, ...]:
+def row(case: str, regime: str, notes: list[str]) -> tuple[str, ...]:
     world_size = 2 if regime == DDP else 1
     alone = in_fresh_process("alone", case, str(world_size))
     check = in_fresh_process("check", case, regime)
+    notes += [f"{case} under {regime}: {note}" for note in check["notes"]]
+    own_floor = (f" (regime's floor {alone['regime_seconds']:.1f} s: {check['seconds'] / alone['regime_seconds']:.2f}x)"
+                 if "regime_seconds" in alone else "")
     ranks = ("-" if not check["rank_peaks_kib"] else
              f"{gib(max(check['rank_peaks_kib']))} / {gib(max(alone['rank_peaks_kib']))} = "
              f"{max(check['rank_peaks_kib']) / max(alone['rank_peaks_kib']):.2f}x")
     reference_peak = max(alone["rank_peaks_kib"]) if world_size > 1 else alone["peak_kib"]
     return (case, parameters(case), regime, "/".join(check["verdicts"]),
-            f"{check['seconds']:.1f} / {alone['seconds']:.1f} s = {check['seconds'] / alone['seconds']:.2f}x",
+            f"{check['seconds']:.1f} / {alone['seconds']:.1f} s = {check['seconds'] / alone['seconds']:.2f}x{own_floor}",
             f"{gib(check['peak_kib'])} / {gib(reference_peak)} = {check['peak_kib'] / reference_peak:.2f}x", ranks)
 
 
@@ -157,13 +170,13 @@ def main() -> None:
           "checking process (against one torch-alone process that trains; under DDP, its largest rank) and of the "
           "largest rank\n", flush=True)
     header = ("case", "parameters", "regime", "verdict", "time", "peak RSS, checking process", "peak RSS, ranks")
-    rows = [header]
+    rows, notes = [header], []
     cases = [f"scale_mlp_{size}" for size in args.sizes] + ([] if args.no_gpt else ["scale_gpt2_124m"])
     for case in cases:
         for regime in args.regimes if case.startswith("scale_mlp") else [IN_PROCESS]:
-            rows.append(row(case, regime))
+            rows.append(row(case, regime, notes))
             print("  ".join(rows[-1]), flush=True)
-    print("\n" + markdown_table(rows))
+    print("\n" + markdown_table(rows) + "".join(f"\n- {note}" for note in notes))
 
 
 if __name__ == "__main__":

@@ -83,18 +83,21 @@ CASES = {
 }
 
 
-def train_alone(case: ec.Case, *, rank: int = 0, world_size: int = 1) -> None:
+def train_alone(case: ec.Case, *, rank: int = 0, world_size: int = 1, chunks: int = 1) -> None:
     """The case's training as a team writes it in torch alone (under DDP with ``world_size`` ranks: each rank
-    takes its slice of every global batch), from the same seeded start."""
+    takes its slice of every global batch; with ``chunks``, each global batch accumulated over that many
+    micro-batches), from the same seeded start."""
     torch.manual_seed(0)
     model = case.model()
     inputs, targets = case.data()
     if world_size > 1:
         model = nn.parallel.DistributedDataParallel(model)
     optimizer = case.optimizer(model.parameters())
+    share = case.batch_size // world_size
     for start in range(0, len(inputs), case.batch_size):
-        share = slice(start + rank * case.batch_size // world_size, start + (rank + 1) * case.batch_size // world_size)
+        rank_inputs, rank_targets = (t[start + rank * share : start + (rank + 1) * share] for t in (inputs, targets))
         optimizer.zero_grad()
-        loss = case.loss(model(inputs[share]), targets[share]).mean()
-        loss.backward()
+        for micro_inputs, micro_targets in zip(rank_inputs.chunk(chunks), rank_targets.chunk(chunks)):
+            losses = case.loss(model(micro_inputs), micro_targets)
+            (losses.sum() / losses.numel() / chunks).backward()
         optimizer.step()

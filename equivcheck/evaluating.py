@@ -18,7 +18,8 @@ from .case import Case
 from .errors import InvalidArgument, NonFinite
 from .precision import resolve_precision
 from .registry import get_case, load_cases_from
-from .regimes.user_code import epoch_dataset, resolve
+from .import_paths import resolve
+from .regimes.user_code import epoch_dataset
 from .seeding import default_dtype, seeded
 from .training import build_model, load_batches
 

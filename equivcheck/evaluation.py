@@ -29,7 +29,7 @@ from .errors import (BlindSpotWarning, InvalidArgument, NotEquivalent, Unavailab
                      expect_seed, expect_timeout, warn)
 from .evaluating import EvaluateFn, evaluate
 from .regimes.ddp import Ddp
-from .regimes.user_code import import_path
+from .import_paths import import_path
 from .registry import resolve_case
 from .seeding import DEFAULT_SEED
 from . import intra_op

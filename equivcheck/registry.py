@@ -9,6 +9,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import TypeVar
 
 from .case import Case
@@ -109,19 +110,7 @@ def _import_source(source: str) -> None:
     if source.endswith(".py") or path.is_file():
         if not path.is_file():
             raise InvalidArgument.value("cases_from", source, "an existing .py file or an importable module name")
-        resolved = path.resolve()
-        module_name = _FILE_MODULE_PREFIX + hashlib.sha1(str(resolved).encode()).hexdigest()[:12]
-        if module_name in sys.modules:
-            return
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(spec)
-        setattr(module, SOURCE_ATTRIBUTE, str(resolved))
-        sys.modules[module_name] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[module_name]
-            raise
+        import_file(source)
         return
     try:
         importlib.import_module(source)
@@ -129,6 +118,25 @@ def _import_source(source: str) -> None:
         if error.name and source.startswith(error.name):
             raise InvalidArgument.value("cases_from", source, "an existing .py file or an importable module name") from None
         raise
+
+
+def import_file(file: str) -> ModuleType:
+    """The Python file ``file`` imported once per process under a name of its own (never ``__main__``, so a script's
+    ``if __name__ == "__main__":`` part does not run): how worker ranks find cases and a team's code in it."""
+    resolved = Path(file).resolve()
+    module_name = _FILE_MODULE_PREFIX + hashlib.sha1(str(resolved).encode()).hexdigest()[:12]
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, resolved)
+    module = importlib.util.module_from_spec(spec)
+    setattr(module, SOURCE_ATTRIBUTE, str(resolved))
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
+    return module
 
 
 def _load_builtins() -> None:

@@ -22,8 +22,8 @@ from .errors import InvalidArgument, expect_callable
 from .regimes import Regime
 from .seeding import DEFAULT_SEED
 from .regimes.ddp import DDP_OPTIONS
-from .regimes.user_code import (DdpLoop, DdpStep, LoopFn, PipelineLoop, PipelineStep, StepFn, UserLoop, UserStep,
-                                import_path)
+from .import_paths import import_path
+from .regimes.user_code import DdpLoop, DdpStep, LoopFn, PipelineLoop, PipelineStep, StepFn, UserLoop, UserStep
 
 
 def check_step(

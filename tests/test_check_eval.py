@@ -116,7 +116,8 @@ def test_an_even_split_is_blind_to_both_bugs_and_says_so():
 
 
 def test_usage_errors():
-    with pytest.raises(ec.InvalidArgument, match=r"evaluate=.* is not allowed: expected a function defined at the top"):
+    with pytest.raises(ec.InvalidArgument,
+                       match=r"evaluate=.* is not allowed: expected a function, or an object bound to a name, at the top"):
         ec.check_eval(ELEVEN, lambda model, dataset: 0.0)
     with pytest.raises(ec.InvalidArgument, match=r"world_size=0 is not allowed"):
         ec.check_eval(ELEVEN, evaluate_sums_and_counts, world_size=0)

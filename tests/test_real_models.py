@@ -211,7 +211,7 @@ def test_a_loop_runs_on_ranks_and_its_twin_without_zero_grad_is_caught():
 
 
 def test_a_loop_for_ranks_must_be_importable_and_wrap_needs_ranks():
-    with pytest.raises(ec.InvalidArgument, match="loop=.*a function defined at the top level of an importable module"):
+    with pytest.raises(ec.InvalidArgument, match="loop=.*a function, or an object bound to a name, at the top level of an importable module"):
         ec.check_loop("mlp", lambda model, optimizer, batches: None, world_size=2)
     with pytest.raises(ec.InvalidArgument, match="wrap=.* is not allowed without world_size"):
         ec.check_loop("mlp", ddp_training_loop, wrap=lambda model: model)

@@ -152,8 +152,8 @@ def test_bad_optimizer_wraps_are_named():
     with pytest.raises(ec.InvalidArgument, match="optimizer_wrap=.* is not allowed without world_size: expected "
                                                  "world_size= with it"):
         ec.check_step("block_stack", train_step, optimizer_wrap=zero)
-    with pytest.raises(ec.InvalidArgument, match="optimizer_wrap=.*lambda.* expected a function defined at the top "
-                                                 "level of an importable module"):
+    with pytest.raises(ec.InvalidArgument, match="optimizer_wrap=.*lambda.* expected a function, or an object bound "
+                                                 "to a name, at the top level of an importable module"):
         ec.check_step("block_stack", train_step, world_size=2, optimizer_wrap=lambda optimizer: optimizer)
     with pytest.raises(ec.InvalidArgument, match="optimizer_wrap 'test_team_parallel:not_an_optimizer' returned a "
                                                  "list: expected a torch.optim.Optimizer"):

@@ -16,7 +16,6 @@ step and the wrappers travel as import paths of module-level functions (``module
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -27,6 +26,7 @@ from torch.utils.data import TensorDataset
 
 from ..case import Batch, Objective
 from ..errors import InvalidArgument, expect_callable
+from ..import_paths import resolve
 from ..measure.collectives import StepTraffic, uncounted
 from .base import Regime
 from .ddp import DdpOptions, Distributed
@@ -122,28 +122,6 @@ def epoch_dataset(batches: Sequence[Batch], epochs: int) -> TensorDataset:
     """One epoch's samples of ``batches`` (every epoch's, in turn), in order, as one dataset."""
     one_epoch = list(batches)[: len(batches) // epochs]
     return TensorDataset(torch.cat([b.inputs for b in one_epoch]), torch.cat([b.targets for b in one_epoch]))
-
-
-def import_path(fn: Callable, argument: str = "step") -> str:
-    """``module:qualname`` of ``fn``, checked to import back to ``fn`` in another process."""
-    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
-    path = f"{module}:{qualname}"
-    try:
-        found = module not in (None, "__main__") and "<" not in qualname and resolve(path) is fn
-    except (ImportError, AttributeError):
-        found = False
-    if not found:
-        raise InvalidArgument.value(argument, fn, "a function defined at the top level of an importable module "
-                                    f"(worker processes import the {argument} by name to run it on every rank)")
-    return path
-
-
-def resolve(path: str) -> Callable:
-    module, _, qualname = path.partition(":")
-    found = importlib.import_module(module)
-    for part in qualname.split("."):
-        found = getattr(found, part)
-    return found
 
 
 def expect_import_paths(regime: Regime, *arguments: str) -> None:
