@@ -209,6 +209,7 @@ class Plan:
     compare_losses: bool = True  # False: gradients and weights only (a step that returns a logged loss)
     tolerance_given: bool = False  # rtol and atol came from the call: they hold for every regime, a lossy one too
     isolate: bool = False  # in-process runs train in a forked child (isolation.py)
+    misfits: tuple[tuple[str, str], ...] = ()  # (spec, why) asked for with other cases, that cannot run this one
     runner: IsolatedRunner | None = dataclasses.field(default=None, compare=False, repr=False)  # while it runs
 
     def tolerance(self, spec: Regime, loss_precision: Precision | None = None) -> Tolerance:
@@ -281,6 +282,10 @@ def iter_outcomes(plan: Plan, *, measure_memory: bool = True, runner: IsolatedRu
     the report. ``runner``: the forked child of several plans (:func:`isolated`); by default an isolated plan
     forks its own."""
     case, precision = plan.case, plan.precision
+    yield from (Outcome(case.name, spec, Verdict.SKIPPED, reason=f"does not fit this case: {why}")
+                for spec, why in plan.misfits)
+    if not plan.specs:
+        return
     missing = precision.unavailable()
     if missing is None and case.cpu_generator_only and precision.device != "cpu":
         missing = (f"{case.name}: {case.cpu_generator_only}; precision {precision.name!r} trains on "
@@ -481,10 +486,39 @@ def _crash(error: Exception) -> tuple[str, str]:
 
 def plan_all(cases: Sequence[Case | str] | None = None, regimes: Iterable[str | Regime] | None = None,
              **options) -> list[Plan]:
-    """Plans for several cases (default: every registered one), all validated before any runs."""
+    """Plans for several cases (default: every registered one), all validated before any runs. A regime that cannot
+    run one of the cases (too many chunks for its batch, no split) is skipped there, saying why (``Plan.misfits``);
+    one that fits none of them is a usage error."""
     chosen = [resolve_case(c) for c in cases] if cases is not None else list(all_cases().values())
-    specs = None if regimes is None else list(regimes)
-    return [plan(case, specs, **options) for case in chosen]
+    if regimes is None:
+        return [plan(case, None, **options) for case in chosen]
+    specs = [parse_regime(spec) for spec in regimes]
+    unfit = misfits(chosen, specs)
+    plans = []
+    for case in chosen:
+        fitting = [spec for spec in specs if (case.name, str(spec)) not in unfit]
+        skipped = tuple((str(spec), unfit[(case.name, str(spec))]) for spec in specs if spec not in fitting)
+        # A case that fits none of them is still planned (its options validated), against its reference alone.
+        planned = plan(case, fitting or [options.get("reference", "full_batch")], **options)
+        plans.append(dataclasses.replace(planned, specs=planned.specs if fitting else (), misfits=skipped))
+    return plans
+
+
+def misfits(cases: Sequence[Case], specs: Sequence[Regime]) -> dict[tuple[str, str], str]:
+    """Why each (case name, spec) pair that cannot run cannot (``Regime.validate``); a spec that fits none of
+    ``cases`` is a usage error, naming the first reason."""
+    found: dict[tuple[str, str], str] = {}
+    for spec in specs:
+        reasons = []
+        for case in cases:
+            try:
+                spec.validate(case)
+            except InvalidArgument as error:
+                found[(case.name, str(spec))] = str(error)
+                reasons.append(str(error))
+        if len(reasons) == len(cases):
+            raise InvalidArgument(f"regime {str(spec)!r} fits none of the cases asked for: {reasons[0]}")
+    return found
 
 
 def check_all(

@@ -8,6 +8,7 @@ import time: ``pytest --help`` stays fast, and torch is imported only once equiv
 
 from __future__ import annotations
 
+import sys
 from importlib import metadata
 
 import pytest
@@ -64,15 +65,42 @@ def pytest_report_header(config: pytest.Config) -> str:
             f"dtype {settings.dtype or 'per case'}, world sizes {world_sizes}")
 
 
+USAGE_ERROR = "equivcheck_usage_error"  # what an xdist worker met at collection, for the controller to raise
+WORKER_USAGE_ERROR = pytest.StashKey[str]()  # in the controller: what a worker handed over
+
+
 @pytest.hookimpl(tryfirst=True)  # before -k and -m deselect, so they select generated tests too
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        marker_values(item)  # a misspelt keyword stops the run before anything trains
-    settings = config.stash[SETTINGS]
-    if settings.generate:
-        from .items import generate
+    try:
+        for item in items:
+            marker_values(item)  # a misspelt keyword stops the run before anything trains
+        settings = config.stash[SETTINGS]
+        if settings.generate:
+            from .items import generate
 
-        items.extend(generate(session, settings))
+            items.extend(generate(session, settings))
+    except pytest.UsageError as error:
+        if not hasattr(config, "workerinput"):
+            raise
+        # An xdist worker that raised would crash its node: it runs nothing and hands the error to the controller,
+        # which ends the session with it, as a serial run does.
+        config.workeroutput[USAGE_ERROR] = str(error)
+        items.clear()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    message = getattr(node, "workeroutput", {}).get(USAGE_ERROR)
+    if message:
+        node.config.stash[WORKER_USAGE_ERROR] = message
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    message = session.config.stash.get(WORKER_USAGE_ERROR, None)
+    if message:
+        sys.stderr.write(f"ERROR: {message}\n")
+        session.exitstatus = pytest.ExitCode.USAGE_ERROR
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ import pytest
 import equivcheck as ec
 from equivcheck import report as render
 from equivcheck.registry import resolve_case
+from equivcheck.torch_support import import_what_training_imports
 
 from .controller import PROPERTY
 from .deadline import deadline
@@ -79,6 +80,9 @@ class Checker:
         # Distributed jobs are bounded by the pool, which tears itself down cleanly on a timeout; an alarm
         # could interrupt it half-way through a job. In-process checks are bounded by the alarm.
         timeout = kw.get("timeout")
+        # Torch's lazy imports (what creating an optimizer imports: a second) happen before the alarm is set: they
+        # are no part of the check's time, and an import the alarm cut short would break every later test here.
+        import_what_training_imports()
         with deadline(None if distributed else timeout, what):
             report = checking(kw)
         record(self._node, report)

@@ -12,8 +12,10 @@ import threading
 from collections.abc import Iterator
 
 
-class CheckTimeout(Exception):
-    """A check ran longer than the timeout it was given."""
+class CheckTimeout(BaseException):
+    """A check ran longer than the timeout it was given. Raised wherever the check happens to be, so it is no
+    ``Exception``, as ``KeyboardInterrupt`` is none: code that turns a run's errors into verdicts, or reads a
+    model's size where it can, must not swallow it and let the check go on past its deadline."""
 
 
 def can_interrupt() -> bool:

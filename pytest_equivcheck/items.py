@@ -52,23 +52,23 @@ def planned(settings: Settings) -> list[tuple[str, str]]:
 
 
 def generate(session: pytest.Session, settings: Settings) -> list[EquivalenceItem]:
-    """One test per planned pair. A regime that cannot run one of the cases (too many chunks for its
-    batch, no split) is skipped there, saying why; a spec that fits none of them is a usage error,
-    as it is on the command line."""
+    """One test per planned pair. A regime that cannot run one of the cases (too many chunks for its batch, no split,
+    no trunk that steps a token) is skipped there, saying why; a spec that fits none of them is a usage error, as it
+    is on the command line."""
     import equivcheck as ec
+    from equivcheck.check import misfits
 
-    items, fitting, errors = [], set(), {}
-    for name, spec in planned(settings):
+    pairs = planned(settings)
+    try:
+        unfit = misfits([ec.get_case(name) for name in dict.fromkeys(name for name, _ in pairs)],
+                        [ec.parse_regime(spec) for spec in dict.fromkeys(spec for _, spec in pairs)])
+    except ec.InvalidArgument as error:
+        raise pytest.UsageError(f"equivcheck: --equivcheck-regimes: {error}") from None
+    items = []
+    for name, spec in pairs:
         item = EquivalenceItem.from_parent(session, name=f"{NAME}[{name}-{spec}]", case=name, regime=spec,
                                            settings=settings)
-        try:
-            ec.parse_regime(spec).validate(ec.get_case(name))
-            fitting.add(spec)
-        except ec.InvalidArgument as error:
-            item.add_marker(pytest.mark.skip(reason=str(error)))
-            errors.setdefault(spec, error)
+        if (name, spec) in unfit:
+            item.add_marker(pytest.mark.skip(reason=unfit[(name, spec)]))
         items.append(item)
-    unfit = [spec for spec in errors if spec not in fitting]
-    if unfit:
-        raise pytest.UsageError(f"equivcheck: --equivcheck-regimes {unfit[0]} fits none of the cases: {errors[unfit[0]]}")
     return items

@@ -109,6 +109,25 @@ def test_a_cases_from_file_that_cannot_be_imported_exits_2_naming_file_and_line(
     assert "Traceback" not in err
 
 
+def test_a_regime_that_fits_only_some_of_the_cases_is_skipped_where_it_cannot_run(tmp_path, capsys):
+    """per_token needs a trunk that steps one token: batchnorm_cnn has none (seen on its model built on the meta
+    device, before anything trains), gru_detached_hidden has one. A regime that fits none is still a usage error."""
+    path = tmp_path / "rows.json"
+    code = main(["run", "--case", "batchnorm_cnn", "--case", "gru_detached_hidden", "--regime", "per_token:detach=1",
+                 "--json", str(path)])
+    assert code == 0
+    rows = {row["case"]: row for row in json.loads(path.read_text())["rows"]}
+    assert rows["batchnorm_cnn"]["verdict"] == "skipped"
+    assert rows["batchnorm_cnn"]["reason"] == (
+        "does not fit this case: regime 'per_token:detach=1' on case 'batchnorm_cnn': the case's trunk Sequential has "
+        "no initial_hidden(): expected initial_hidden(inputs) and step(inputs[:, t], hidden)")
+    assert rows["gru_detached_hidden"]["verdict"] == "expected_mismatch"
+    capsys.readouterr()
+    assert main(["run", "--case", "batchnorm_cnn", "--case", "mlp", "--regime", "per_token:detach=1"]) == 2
+    assert ("regime 'per_token:detach=1' fits none of the cases asked for: regime 'per_token:detach=1' on case "
+            "'batchnorm_cnn': the case's trunk Sequential has no initial_hidden()") in capsys.readouterr().err
+
+
 def test_a_run_that_errored_exits_3_and_its_json_says_so(tmp_path, capsys):
     import fault_cases  # noqa: F401  (registers fault_raise: rank 1 raises inside DDP)
 

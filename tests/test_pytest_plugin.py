@@ -81,6 +81,40 @@ def test_generated_tests_have_readable_ids_and_obey_k(pytester):
                                  "batchnorm_cnn*caught *"])
 
 
+def test_a_generated_test_whose_regime_cannot_run_its_case_is_skipped_saying_why(pytester):
+    result = pytester.runpytest("--equivcheck-cases", "batchnorm_cnn", "--equivcheck-cases", "gru_detached_hidden",
+                                "--equivcheck-regimes", "per_token:detach=1", "-rs")
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines(["*SKIPPED*regime 'per_token:detach=1' on case 'batchnorm_cnn': the case's trunk "
+                                 "Sequential has no initial_hidden()*"])
+
+
+MISSPELT_KEYWORD = """
+import pytest
+
+@pytest.mark.equivcheck(timout=3)
+def test_gate(equivcheck):
+    equivcheck.check("mlp", ["accumulate:chunks=4"])
+"""
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "xdist"])
+@pytest.mark.parametrize(("args", "files", "message"), [
+    (["--equivcheck-cases", "nosuchcase", "--equivcheck-regimes", "ddp:world_size=2"], {},
+     "ERROR: equivcheck: unknown case 'nosuchcase'; known cases: batchnorm_cnn,*"),
+    ([], {"test_misspelt": MISSPELT_KEYWORD},
+     "ERROR: test_misspelt.py::test_gate: unknown @pytest.mark.equivcheck keyword 'timout'; allowed keywords:*"),
+])
+def test_a_usage_error_met_at_collection_stops_the_run_with_or_without_xdist(pytester, workers, args, files, message):
+    """Under -n the workers collect and the controller collects nothing: a worker hands its usage error over and the
+    controller ends the session with it (exit 4), instead of 'no tests ran' (exit 5) or an internal error."""
+    if files:
+        pytester.makepyfile(**files)
+    result = pytester.runpytest("-q", "-p", "no:cacheprovider", *workers, *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([message])
+
+
 USER_CASES = '''
 import dataclasses
 import equivcheck as ec
@@ -163,9 +197,11 @@ def test_marker_mistakes_are_usage_errors(pytester, marker, message):
         (["--equivcheck-rtol", "inf", "--equivcheck-atol", "inf"], "--equivcheck-rtol=inf is not allowed"),
         (["--equivcheck-json", "/no/such/folder/rows.json"], "--equivcheck-json='/no/such/folder/rows.json' is not "
                                                              "allowed: expected a path in an existing folder"),
-        (["--equivcheck-regimes", "accumulate:chunks=1000"], "--equivcheck-regimes accumulate:chunks=1000 fits none of "
-                                                             "the cases: regime 'accumulate:chunks=1000' on case"),
-        (["--equivcheck-regimes", "ddp:world_size=64"], "--equivcheck-regimes ddp:world_size=64 fits none of the cases"),
+        (["--equivcheck-regimes", "accumulate:chunks=1000"], "--equivcheck-regimes: regime 'accumulate:chunks=1000' fits "
+                                                             "none of the cases asked for: regime 'accumulate:chunks=1000'"
+                                                             " on case"),
+        (["--equivcheck-regimes", "ddp:world_size=64"], "--equivcheck-regimes: regime 'ddp:world_size=64' fits none of "
+                                                        "the cases asked for"),
         (["--equivcheck-regimes", "accumulate:chunks=2,chunks=3"], "chunks is given twice"),
     ],
 )
@@ -211,6 +247,33 @@ def test_fast(equivcheck):
     result = pytester.runpytest("--equivcheck-timeout", "60")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*CheckTimeout: check of *slow* ran past timeout=0.1 s*"])
+
+
+SLOW_TO_BUILD = '''
+import dataclasses, time
+import pytest, torch
+import equivcheck as ec
+
+class SlowToBuild(torch.nn.Linear):
+    def __init__(self):
+        time.sleep(0.3)
+        super().__init__(6, 3)
+
+SLOW = dataclasses.replace(ec.get_case("mlp"), name="slow_to_build", model=SlowToBuild, split=None)
+
+@pytest.mark.equivcheck(timeout=0.1)
+def test_slow(equivcheck):
+    equivcheck.check(SLOW, ["full_batch"])
+'''
+
+
+def test_a_timeout_that_lands_where_the_check_catches_errors_still_fails_it(pytester):
+    """The alarm may fire anywhere: in a model built to read its size (whose errors the check forgives), in a run
+    (whose errors become verdicts). A CheckTimeout is no Exception, so none of those handlers swallows it."""
+    pytester.makepyfile(test_slow_model=SLOW_TO_BUILD)
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*CheckTimeout: check of *slow_to_build* ran past timeout=0.1 s*"])
 
 
 def test_loading_the_plugin_imports_no_torch():

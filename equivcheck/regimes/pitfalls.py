@@ -262,12 +262,27 @@ class PerToken(Regime):
         if self.detach not in (0, 1) or isinstance(self.detach, bool):
             raise InvalidArgument.value("detach", self.detach, "0 (full BPTT) or 1 (hidden state detached per token)")
 
-    def train_step(self, model, optimizer, batch, objective):
-        trunk, head = objective.split(model)
+    def validate(self, case):
+        """The trunk's contract too, read off the case's model built on the meta device (no memory, no time): a case
+        whose trunk does not step one token cannot take this regime, which a matrix then skips there."""
+        super().validate(case)
+        try:
+            with torch.device("meta"):
+                trunk, _ = case.split(case.model())
+        except Exception:  # a model that cannot be built there: training tells
+            return
+        self._expect_token_steps(trunk, case.name)
+
+    def _expect_token_steps(self, trunk, case: str = "") -> None:
+        on = f" on case {case!r}" if case else ""
         for method in ("initial_hidden", "step"):
             if not callable(getattr(trunk, method, None)):
-                raise InvalidArgument(f"regime {str(self)!r}: the case's trunk {type(trunk).__name__} has no "
+                raise InvalidArgument(f"regime {str(self)!r}{on}: the case's trunk {type(trunk).__name__} has no "
                                       f"{method}(): expected initial_hidden(inputs) and step(inputs[:, t], hidden)")
+
+    def train_step(self, model, optimizer, batch, objective):
+        trunk, head = objective.split(model)
+        self._expect_token_steps(trunk)  # a model the meta device could not build is checked here
         hidden, total = trunk.initial_hidden(batch.inputs), 0.0
         length = batch.inputs.shape[1]
         for t in range(length):
