@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "(printed anyway when something is not as expected)")
     running.add_argument("--html", metavar="PATH",
                          help="write a self-contained HTML report (matrix, divergence plots, memory) to PATH")
+    running.add_argument("--plots", choices=html_report.PLOTS, default="failures",
+                         help="which checks the HTML report plots: those not as expected (default), or every caught "
+                              "pitfall too, to see what a known bug looks like beside your own failure")
     running.add_argument("--markdown", metavar="PATH",
                          help="write a compact Markdown summary to PATH (e.g. $GITHUB_STEP_SUMMARY)")
     running.add_argument("--backend", choices=("gloo", "nccl"),
@@ -243,7 +246,7 @@ def _run(args: argparse.Namespace) -> int:
         print("\n" + render.render_failures(report))
     for opened, write in ((output, lambda f: f.write(render.json_document(rows, interrupted))),
                           (markdown_output, lambda f: f.write(render.render_markdown(rows))),
-                          (html_output, lambda f: f.write(html_report.render_html(rows, _metadata(args, plans))))):
+                          (html_output, lambda f: f.write(html_report.render_html(rows, _metadata(args, plans), args.plots)))):
         if opened is not None:
             with opened:
                 write(opened)

@@ -23,9 +23,17 @@ from .regimes.ddp import auto_backend
 
 PLOTS_MISSING = "Divergence plots need matplotlib: pip install 'equivcheck[report]'."
 STYLE = """
-body { font-family: system-ui, sans-serif; margin: 2em; color: #222; }
+body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 100%; }
 table { border-collapse: collapse; margin: 1em 0; }
 th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; font-size: 0.9em; }
+p { overflow-wrap: anywhere; }
+.scroll { overflow-x: auto; max-width: 100%; }
+.scroll table { margin: 0; }
+table.matrix th { max-width: 9em; vertical-align: bottom; font-weight: normal; font-size: 0.8em; }
+table.matrix td { white-space: nowrap; }
+table.matrix th:first-child, table.matrix td:first-child { position: sticky; left: 0; background: #fff;
+  font-weight: bold; white-space: nowrap; z-index: 1; }
+figure.divergence svg { max-width: 100%; height: auto; }
 td.ok { background: #e8f5e9; } td.caught { background: #fff8e1; } td.bad { background: #ffebee; font-weight: bold; }
 .bar { background: #90caf9; height: 0.9em; display: inline-block; vertical-align: middle; }
 .status-ok { color: #2e7d32; } .status-bad { color: #c62828; }
@@ -41,24 +49,30 @@ def run_metadata(*, seed: int, dtype: str | None, backend: str | None, world_siz
         {"kernels": "; ".join(kernel_paths().values())} if kernel_paths() else {})
 
 
-def render_html(rows: list[dict], metadata: dict[str, str]) -> str:
+PLOTS = ("failures", "all")  # which checks get a divergence plot: those not as expected, or caught pitfalls too
+
+
+def render_html(rows: list[dict], metadata: dict[str, str], plots: str = "failures") -> str:
+    """The page; with ``plots='all'`` the caught pitfalls get their divergence plots too, in a section of their own:
+    what a known bug looks like, beside a failure of one's own."""
     status = Status.of(Verdict(r["verdict"]) for r in rows)
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>equivcheck report</title>"
              f"<style>{STYLE}</style></head><body>",
              f"<h1>equivcheck: <span class='status-{'ok' if status is Status.OK else 'bad'}'>"
              f"{_e(status.value.replace('_', ' '))}</span></h1>",
              _table(["", ""], [[k, v] for k, v in metadata.items()], caption="run"),
-             "<h2>Overview</h2>", _table(*_split(overview_table(rows))),
-             "<h2>Matrix</h2>", _matrix(rows),
-             "<h2>Not as expected</h2>", _failures(rows),
-             "<h2>Memory and communication</h2>", _resources(rows),
+             "<h2 id='overview'>Overview</h2>", _table(*_split(overview_table(rows))),
+             "<h2 id='matrix'>Matrix</h2>", _matrix(rows),
+             "<h2 id='not-as-expected'>Not as expected</h2>", _failures(rows),
+             *(["<h2 id='caught-pitfalls'>Caught pitfalls</h2>", _caught(rows)] if plots == "all" else []),
+             "<h2 id='memory'>Memory and communication</h2>", _resources(rows),
              "</body></html>"]
     return "\n".join(parts)
 
 
-def write_html(path: str, rows: list[dict], metadata: dict[str, str]) -> None:
+def write_html(path: str, rows: list[dict], metadata: dict[str, str], plots: str = "failures") -> None:
     with open(path, "w") as file:
-        file.write(render_html(rows, metadata))
+        file.write(render_html(rows, metadata, plots))
 
 
 def _e(text: object) -> str:
@@ -69,14 +83,16 @@ def _split(table: list[list[str]]) -> tuple[list[str], list[list[str]]]:
     return table[0], table[1:]
 
 
-def _table(header: list[str], body: list[list[str]], *, caption: str = "", raw: bool = False) -> str:
-    """A table of escaped text; ``raw`` cells are HTML already (classes, bars)."""
+def _table(header: list[str], body: list[list[str]], *, caption: str = "", raw: bool = False, css: str = "") -> str:
+    """A table of escaped text, in a box that scrolls sideways where it is wider than the page; ``raw`` cells (and
+    headers) are HTML already (classes, bars, break points)."""
     cell = (lambda c: c) if raw else _e
-    head = "".join(f"<th>{_e(h)}</th>" for h in header) if any(header) else ""
+    head = "".join(f"<th>{cell(h)}</th>" for h in header) if any(header) else ""
     rows = "".join("<tr>" + "".join(c if raw and c.startswith("<td") else f"<td>{cell(c)}</td>" for c in r) + "</tr>"
                    for r in body)
-    return (f"<table>{f'<caption>{_e(caption)}</caption>' if caption else ''}"
-            f"{f'<tr>{head}</tr>' if head else ''}{rows}</table>")
+    opening = f"<table class='{css}'>" if css else "<table>"
+    return (f"<div class='scroll'>{opening}{f'<caption>{_e(caption)}</caption>' if caption else ''}"
+            f"{f'<tr>{head}</tr>' if head else ''}{rows}</table></div>")
 
 
 def _css(verdict: str) -> str:
@@ -101,15 +117,29 @@ def _matrix(rows: list[dict]) -> str:
             line.append(f"<td class='{_css(row['verdict'])}' title='{_e(row['hint'] or row['reason'])}'>"
                         f"{_e(LABELS[Verdict(row['verdict'])] + margin)}</td>")
         body.append(line)
-    return _table(["case", *regimes], body, raw=True)
+    return _table(["case", *map(_breakable, regimes)], body, raw=True, css="matrix")
+
+
+def _breakable(spec: str) -> str:
+    """A regime spec that may wrap after its colon and commas (``ddp_step:world_size=2,fn=...``): a column as narrow
+    as its cells, not as its name."""
+    return _e(spec).replace(":", ":<wbr>").replace(",", ",<wbr>")
 
 
 def _failures(rows: list[dict]) -> str:
     failed = [r for r in rows if r["verdict"] not in AS_EXPECTED]
-    if not failed:
-        return "<p>Every verdict is as expected.</p>"
+    return _details(failed) if failed else "<p>Every verdict is as expected.</p>"
+
+
+def _caught(rows: list[dict]) -> str:
+    caught = [r for r in rows if r["verdict"] == Verdict.EXPECTED_MISMATCH.value]
+    return _details(caught) if caught else "<p>No declared pitfall was checked.</p>"
+
+
+def _details(rows: list[dict]) -> str:
+    """Each check's reasons, its divergence plotted per optimizer step, and its mismatched quantities."""
     parts = []
-    for row in failed:
+    for row in rows:
         parts.append(f"<h3>{_e(row['case'])} under {_e(row['regime'])}: {_e(row['verdict'])}</h3>")
         parts += [f"<p>{_e(text)}</p>" for text in (row["hint"], row["reason"], *row["problems"]) if text]
         if any(m.get("step_margins") for m in row["mismatches"]):

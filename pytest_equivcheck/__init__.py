@@ -30,8 +30,8 @@ def pytest_configure(config: pytest.Config) -> None:
         _load(settings)
     if not hasattr(config, "workerinput"):  # xdist workers send their rows to the controller
         metadata = {"seed": settings.seed or 0, "dtype": settings.dtype, "backend": None, "world_sizes": []}
-        config.pluginmanager.register(Controller(settings.json, settings.html, settings.markdown, metadata),
-                                      "equivcheck-controller")
+        controller = Controller(settings.json, settings.html, settings.markdown, metadata, settings.plots)
+        config.pluginmanager.register(controller, "equivcheck-controller")
 
 
 def _load(settings: Settings) -> None:

@@ -13,8 +13,8 @@ PROPERTY = "equivcheck"  # the user_properties key under which a test's outcome 
 
 class Controller:
     def __init__(self, json_path: str | None, html_path: str | None = None, markdown_path: str | None = None,
-                 metadata: dict[str, object] | None = None) -> None:
-        self.json_path, self.html_path, self.markdown_path = json_path, html_path, markdown_path
+                 metadata: dict[str, object] | None = None, plots: str = "failures") -> None:
+        self.json_path, self.html_path, self.markdown_path, self.plots = json_path, html_path, markdown_path, plots
         self.metadata = metadata or {}
         self.order: dict[str, int] = {}  # test id -> its place in the collection
         self.arrived: list[tuple[str, dict]] = []  # (test id, {"row": the CLI's JSON row, "cell": its text})
@@ -60,4 +60,4 @@ class Controller:
         if self.html_path:
             from equivcheck.html_report import render_html, run_metadata
 
-            Path(self.html_path).write_text(render_html(rows, run_metadata(**self.metadata)))
+            Path(self.html_path).write_text(render_html(rows, run_metadata(**self.metadata), self.plots))

@@ -54,6 +54,9 @@ def add_options(parser: pytest.Parser) -> None:
                     help="write the outcomes of every check as JSON rows (the CLI's format) to PATH")
     group.addoption("--equivcheck-html", default=None, metavar="PATH",
                     help="write a self-contained HTML report of every check (matrix, divergence plots) to PATH")
+    group.addoption("--equivcheck-plots", choices=("failures", "all"), default="failures",
+                    help="which checks the HTML report plots: those not as expected (default), or every caught pitfall "
+                         "too")
     group.addoption("--equivcheck-markdown", default=None, metavar="PATH",
                     help="write a compact Markdown summary of every check to PATH (e.g. $GITHUB_STEP_SUMMARY)")
 
@@ -75,6 +78,7 @@ class Settings:
     isolate: bool = True
     html: str | None = None
     markdown: str | None = None
+    plots: str = "failures"
 
     @classmethod
     def from_config(cls, config: pytest.Config) -> Settings:
@@ -83,7 +87,7 @@ class Settings:
             cases=tuple(option("cases")), regimes=tuple(option("regimes")), cases_from=tuple(option("cases-from")),
             dtype=option("dtype"), seed=option("seed"), rtol=option("rtol"), atol=option("atol"),
             timeout=option("timeout"), threads=option("threads"), json=option("json"), html=option("html"),
-            markdown=option("markdown"), isolate=not option("no-isolate"),
+            markdown=option("markdown"), isolate=not option("no-isolate"), plots=option("plots"),
         )
         settings.validate("--equivcheck-")
         return settings

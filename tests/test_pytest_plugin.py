@@ -289,7 +289,8 @@ def test_xdist_two_workers_give_the_same_verdicts_and_one_matrix(pytester):
     serial = pytester.runpytest(*args, "--equivcheck-json", str(serial_json))
     html_path, markdown_path = pytester.path / "report.html", pytester.path / "summary.md"
     parallel = pytester.runpytest(*args, "-n", "2", "--equivcheck-json", str(parallel_json),
-                                  f"--equivcheck-html={html_path}", f"--equivcheck-markdown={markdown_path}")
+                                  f"--equivcheck-html={html_path}", f"--equivcheck-markdown={markdown_path}",
+                                  "--equivcheck-plots=all")
     # batchnorm_cnn's 8 regimes include ddp and ddp_no_sync (on each xdist worker's own pool) and
     # data_parallel, skipped without 2 GPUs.
     serial.assert_outcomes(passed=8, failed=1, skipped=1)
@@ -311,6 +312,8 @@ def test_xdist_two_workers_give_the_same_verdicts_and_one_matrix(pytester):
     page = html_path.read_text()
     assert "<h3>mlp under step:naive_step: mismatch</h3>" in page and "<td>ddp_no_sync:world_size=2,chunks=3</td>" in page
     assert "title='DataParallel needs at least 2 CUDA devices; 0 found'>skipped</td>" in page
+    assert "<h2 id='caught-pitfalls'>Caught pitfalls</h2>" in page  # --equivcheck-plots=all
+    assert "<h3>batchnorm_cnn under sample_by_sample: expected_mismatch</h3>" in page
     markdown = markdown_path.read_text()
     assert markdown.startswith("## equivcheck (pytest): not as expected\n")
     assert "| mlp | 1 ok, 1 MISMATCH | MISMATCH step:naive_step 4e+05 |" in markdown

@@ -5,6 +5,8 @@ import html.parser
 import io
 import json
 import re
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -130,6 +132,65 @@ def test_without_matplotlib_the_report_keeps_its_tables_and_says_how_to_get_plot
     assert ["bad", "MISMATCH 4e+05"] in page.cells
     assert any(cell == [None, "grad 0.weight"] for cell in page.cells)
     assert [None, "torch"] in page.cells
+
+
+METADATA = {"equivcheck": "test"}
+
+
+def wide(rows: list[dict]) -> list[dict]:
+    """``rows`` and 14 more regimes with long specs: a matrix wider than any page."""
+    return rows + [dict(rows[0], regime=f"ddp_step:world_size=2,fn=team_module:train_step_variant_{k}")
+                   for k in range(14)]
+
+
+def test_the_matrix_scrolls_in_its_own_box_keeping_the_case_column_in_view(failing_rows):
+    page = render_html(wide(failing_rows), METADATA)
+    assert "<div class='scroll'><table class='matrix'>" in page
+    assert "table.matrix th:first-child, table.matrix td:first-child { position: sticky; left: 0;" in page
+    assert "<th>ddp_step:<wbr>world_size=2,<wbr>fn=team_module:<wbr>train_step_variant_0</th>" in page  # may wrap
+
+
+def test_plots_all_draws_the_caught_pitfalls_too(failing_rows, tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="the plots need the report extra (make test-frameworks installs it)")
+    failures, everything = (Parsed(render_html(failing_rows, METADATA, plots)) for plots in ("failures", "all"))
+    caught = [r for r in failing_rows if r["verdict"] == "expected_mismatch"]
+    assert caught and "Caught pitfalls" in everything.headings and "Caught pitfalls" not in failures.headings
+    assert everything.svgs == failures.svgs + len(caught)
+    path = tmp_path / "report.html"
+    assert main([*FAILING, "--html", str(path), "--plots", "all"]) == 1
+    assert Parsed(path.read_text()).svgs == 2  # the mismatch and the caught pitfall
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        main([*FAILING, "--plots", "some"])
+    assert exited.value.code == 2
+    assert "argument --plots: invalid choice: 'some' (choose from 'failures', 'all')" in capsys.readouterr().err
+
+
+MEASURE = """<script>
+const box = document.querySelector("table.matrix").parentElement;
+box.scrollLeft = 400;
+const cell = document.querySelector("table.matrix td");
+document.body.dataset.pageWidth = document.documentElement.scrollWidth;
+document.body.dataset.scrolled = box.scrollLeft;
+document.body.dataset.caseLeft = Math.round(cell.getBoundingClientRect().left - box.getBoundingClientRect().left);
+</script></body>"""
+
+
+def test_in_a_browser_1280_pixels_wide_the_page_never_scrolls_sideways(failing_rows, tmp_path):
+    """Laid out by a real headless browser: the page is no wider than the window, the matrix scrolls inside its box,
+    and its case column stays at the box's left edge when it does."""
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("no headless browser here (Debian's chromium package): the layout is asserted by its structure")
+    path = tmp_path / "report.html"
+    path.write_text(render_html(wide(failing_rows), METADATA).replace("</body>", MEASURE))
+    done = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--window-size=1280,900",
+                           "--dump-dom", path.as_uri()], capture_output=True, text=True, timeout=120)
+    body = re.search(r"<body ([^>]*)>", done.stdout).group(1)
+    measured = dict(re.findall(r'data-([a-z-]+)="(\d+)"', body))
+    assert int(measured["page-width"]) <= 1280
+    assert int(measured["scrolled"]) > 0  # wider than the page: it scrolls, inside its box
+    assert measured["case-left"] == "0"  # sticky: the case column is still in view
 
 
 def test_the_plugins_report_options_refuse_a_path_that_cannot_be_written(pytester):
