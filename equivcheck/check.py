@@ -17,7 +17,7 @@ from .case import Case
 from .compare import Comparison, Expected, Tolerance, compare, tolerance_of
 from .errors import (InvalidArgument, MemoryNotSaved, NotEquivalent, PrecisionWarning, Unavailable, WorkerError,
                      expect_int, expect_number, expect_seed, expect_timeout, warn)
-from .distributed import pool
+from .distributed import launcher, pool
 from .hints import diagnose
 from .isolation import IsolatedRunner
 from .kernels import decisions
@@ -303,9 +303,11 @@ def iter_outcomes(plan: Plan, *, measure_memory: bool = True, runner: IsolatedRu
     if own_runner:
         runner = isolated([plan])
     plan = dataclasses.replace(plan, runner=runner if plan.isolate else None)
-    streams = (_recording_bytes(plan, precision) or 0) >= COMPARE_AS_IT_TRAINS_FROM
     # The first distributed run trains on its ranks while the reference runs here: one job in flight at a time. Not
-    # where runs are compared with the reference as they train: that one could only come back recorded whole.
+    # where runs are compared with the reference as they train (judged from the model's size before the reference
+    # exists): that one could only come back recorded whole.
+    streams = any(spec.distributed for spec in plan.specs) and \
+        (_recording_bytes(plan, precision) or 0) >= COMPARE_AS_IT_TRAINS_FROM
     ahead = {} if streams else _ahead(plan, -1, precision, measure_memory, lambda spec: None)
     try:
         for outcome in _outcomes(plan, precision, measure_memory, ahead, streams):
@@ -351,7 +353,11 @@ def _ahead(plan: Plan, after: int, precision: Precision, measure_memory: bool,
 
 def _recording_bytes(plan: Plan, precision: Precision) -> int | None:
     """What the reference's recording will hold (every optimizer step's gradients and the final weights), from the
-    case's model built on the meta device: no memory, no time. None where the model cannot be built there."""
+    case's model built on the meta device: no memory, no time, except that its initialisers import torch's compiler
+    once (a second, which training imports anyway: the warm pool's forker starts first, to overlap it). None where
+    the model cannot be built there."""
+    if not launcher.active():
+        pool.start_forker()
     try:
         with seeded(plan.seed), torch.device("meta"), default_dtype(precision.draw_dtype or precision.dtype):
             model = plan.case.model()
@@ -367,6 +373,7 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
     started = time.perf_counter()
     try:
         ref = plan.run(reference, precision, measure_memory)
+        streams = streams or ref.recorded_bytes >= COMPARE_AS_IT_TRAINS_FROM
         self_tolerance = tolerance_of(ref, plan.rtol, plan.atol)
         rerun = plan.run(reference, precision, measure_memory, against=Expected(ref, self_tolerance) if streams else None)
     except InvalidArgument:

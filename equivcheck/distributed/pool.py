@@ -266,6 +266,13 @@ def pool_for(backend: str, world_size: int) -> WorkerPool:
     return pool
 
 
+def start_forker() -> None:
+    """Start this process's forker now, where a pool will soon be needed and this process has other work meanwhile;
+    inside a rank, where no pool may start, the refusal comes here already."""
+    _refuse_inside_a_rank()
+    forker(START_TIMEOUT)
+
+
 def _refuse_inside_a_rank() -> None:
     """A module that runs a check when imported would have every rank start a pool of its own (1, 3, 7, 15 ...
     processes): ranks never start pools."""

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from ..case import Batch, Objective, default_optimizer
 from ..errors import InvalidArgument, expect_number
+from ..seeding import DEFAULT_SEED, seeded
 from .base import Chunked, Regime, finish_step
 from .loop import accumulate, backward_chunks, global_mean_part, meddling_part
 
@@ -263,13 +264,14 @@ class PerToken(Regime):
             raise InvalidArgument.value("detach", self.detach, "0 (full BPTT) or 1 (hidden state detached per token)")
 
     def validate(self, case):
-        """The trunk's contract too, read off the case's model built on the meta device (no memory, no time): a case
-        whose trunk does not step one token cannot take this regime, which a matrix then skips there."""
+        """The trunk's contract too, read off the case's model built once (seeded, so no random state moves; not on
+        the meta device, whose initialisers import torch's compiler, a second): a case whose trunk does not step one
+        token cannot take this regime, which a matrix then skips there."""
         super().validate(case)
         try:
-            with torch.device("meta"):
+            with seeded(DEFAULT_SEED):
                 trunk, _ = case.split(case.model())
-        except Exception:  # a model that cannot be built there: training tells
+        except Exception:  # a model that cannot be built here: training tells
             return
         self._expect_token_steps(trunk, case.name)
 
