@@ -84,7 +84,9 @@ def train(
             optimizer_state_bytes(regime.local_optimizer(optimizer)))
     named_buffers = [(n, b) for n, b in model.named_buffers() if b.is_floating_point()]
     if against is None:
-        weights, buffers = (snapshot(named, regime.full_tensor) for named in (model.named_parameters(), named_buffers))
+        # The final state is no copy: the model is done with once this returns, and nothing writes to it again.
+        weights, buffers = (snapshot(named, regime.full_tensor, copy=False)
+                            for named in (model.named_parameters(), named_buffers))
         ensure_finite(str(regime), losses, recorder.grads, weights)
     else:
         weights = buffers = {}
@@ -330,7 +332,7 @@ def rank_spread(weights: dict[str, Tensor]) -> float:
     return float(spread)
 
 
-def snapshot(named, full_tensor: Callable[[Tensor], Tensor] = lambda t: t) -> dict[str, Tensor]:
-    """Plain CPU copies of the whole tensors (gathered by ``full_tensor`` where a wrapper shards them),
-    whatever device the run used."""
-    return {name: full_tensor(tensor.detach()).to("cpu", copy=True) for name, tensor in named}
+def snapshot(named, full_tensor: Callable[[Tensor], Tensor] = lambda t: t, *, copy: bool = True) -> dict[str, Tensor]:
+    """Plain CPU tensors of the whole tensors (gathered by ``full_tensor`` where a wrapper shards them), whatever
+    device the run used: copies, unless ``copy=False`` says nothing will write to the originals again."""
+    return {name: full_tensor(tensor.detach()).to("cpu", copy=copy) for name, tensor in named}
