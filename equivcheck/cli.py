@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from typing import TextIO
 
 from . import catalogue as pitfall_catalogue
-from . import html_report
+from . import field, html_report
 from . import report as render
 from . import terminal
 from .audit import audit
@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     catalogue = commands.add_parser("catalogue", help="measure every known pitfall and its faithful twin, per precision")
     auditing = commands.add_parser("audit", help="per class of bug, can each case catch it? (catches / blind, and why)")
+    fielding = commands.add_parser("field", help="publicly reported training bugs, each checked as reported and as "
+                                                 "fixed (caught, then equivalent)")
+    fielding.add_argument("--family", action="append", choices=field.FAMILIES,
+                          help="only this family's reports (repeatable; default: all)")
+    fielding.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     for sub in (listing, running, catalogue, auditing):
         sub.add_argument("--cases-from", action="append", default=[], metavar="FILE_OR_MODULE",
                          help="import a .py file or module that registers cases (repeatable)")
@@ -103,9 +108,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         with _sigterm_interrupts():
-            for source in args.cases_from:
+            for source in getattr(args, "cases_from", ()):
                 load_cases_from(source)
-            return {"list": _list, "run": _run, "catalogue": _catalogue, "audit": _audit}[args.command](args)
+            return {"list": _list, "run": _run, "catalogue": _catalogue, "audit": _audit,
+                    "field": _field}[args.command](args)
     except InvalidArgument as error:
         print(f"equivcheck: error: {error}", file=sys.stderr)
         return EXIT_USAGE
@@ -305,3 +311,23 @@ def _audit(args: argparse.Namespace) -> int:
             json.dump([row for a in audits for row in a.to_rows()], output, indent=2)
             output.write("\n")
     return 0
+
+
+def _field(args: argparse.Namespace) -> int:
+    """Exit 0 where every row holds (the bug caught as reported, equivalent as fixed), else 1."""
+    started = time.perf_counter()
+    output = _open_output(args.json)
+    rows = field.run_field(args.family)
+    print(field.render(rows))
+    if output is not None:
+        with output:
+            json.dump(field.to_rows(rows), output, indent=2)
+            output.write("\n")
+    broken = [row for row in rows if not row.holds]
+    for row in broken:
+        print(f"\n{row.bug.reference} ({row.module}) does not hold: as reported {row.buggy.describe()}; "
+              f"as fixed {row.fixed.describe()}")
+    print(f"\n{field.totals(row.bug for row in rows)}; "
+          + (f"{len(broken)} rows do not hold" if broken else "every row holds")
+          + f" in {time.perf_counter() - started:.1f} s")
+    return 1 if broken else 0

@@ -62,9 +62,11 @@ def all_cases() -> dict[str, Case]:
 
 
 def builtin_cases() -> dict[str, Case]:
-    """The cases that ship with equivcheck (the ``equivcheck_cases`` package), by name."""
+    """The cases that ship with equivcheck (the ``equivcheck_cases`` package), by name; not the field's (a field
+    module registers its cases when ``equivcheck field`` imports it: they belong to its report, not to the matrix)."""
     return {name: case for name, case in all_cases().items()
-            if _sources[name][0].partition(".")[0] == BUILTIN_PACKAGE}
+            if _sources[name][0].partition(".")[0] == BUILTIN_PACKAGE
+            and not _sources[name][0].startswith(f"{BUILTIN_PACKAGE}.field.")}
 
 
 def get_case(name: str) -> Case:

@@ -37,6 +37,7 @@ def check_step(
     ddp_options: dict | None = None,
     optimizer_wrap: Callable[[Optimizer], Optimizer] | None = None,
     pipeline: bool = False,
+    syncs_per_step: int | None = None,
     **options,
 ) -> Report:
     """Check a team's ``step(model, optimizer, batch)`` against ``reference``: a regime spec, or another
@@ -51,7 +52,9 @@ def check_step(
     optimizer that the team's ``optimizer_wrap(optimizer)`` makes of the case's own (``ZeroRedundancyOptimizer``
     around it, as :func:`equivcheck.regimes.zero.sharded_like` builds it: its state sharded over the ranks,
     its broadcasts counted). ``wrap`` and ``optimizer_wrap`` must be module-level functions: the ranks import
-    them by name.
+    them by name. A faithful step syncs the gradients once per optimizer step (per wrapped module); any other count
+    is a ``communication`` verdict. ``syncs_per_step=K`` declares the K a step makes on purpose (ZeRO-2, which
+    reduces every one of K micro-batches), and any other count is then the problem.
 
     With ``pipeline=True`` the step runs its own pipeline schedule (``torch.distributed.pipelining``) on
     ``world_size`` ranks instead of DDP: each rank is handed the whole model, unwrapped, the case's optimizer
@@ -67,7 +70,8 @@ def check_step(
     reference = reference if isinstance(reference, (str, Regime)) else UserStep(reference)
     if not isinstance(per_run, bool):
         raise InvalidArgument.type("per_run", per_run, "bool")
-    ranks_only = {"wrap": wrap, "ddp_options": ddp_options, "optimizer_wrap": optimizer_wrap, "pipeline": pipeline}
+    ranks_only = {"wrap": wrap, "ddp_options": ddp_options, "optimizer_wrap": optimizer_wrap, "pipeline": pipeline,
+                  "syncs_per_step": syncs_per_step}
     candidate = (UserStep(step, per_run) if _in_process(world_size, **ranks_only)
                  else _on_ranks((DdpStep, PipelineStep), "step", step, world_size, **ranks_only, per_run=per_run))
     warn_blind_spots(case, seed=options.get("seed", DEFAULT_SEED), isolate=options.get("isolate", False))
@@ -84,6 +88,7 @@ def check_loop(
     ddp_options: dict | None = None,
     optimizer_wrap: Callable[[Optimizer], Optimizer] | None = None,
     pipeline: bool = False,
+    syncs_per_step: int | None = None,
     **options,
 ) -> Report:
     """Check a team's ``loop(model, optimizer, batches)`` against ``reference`` (a spec or another loop);
@@ -91,7 +96,8 @@ def check_loop(
     model in DDP made with ``ddp_options`` and the optimizer made by ``optimizer_wrap``, or with ``pipeline=True``
     the loop running its own pipeline schedule on every rank, given every whole global batch (as :func:`check_step`)."""
     reference = reference if isinstance(reference, (str, Regime)) else UserLoop(reference)
-    ranks_only = {"wrap": wrap, "ddp_options": ddp_options, "optimizer_wrap": optimizer_wrap, "pipeline": pipeline}
+    ranks_only = {"wrap": wrap, "ddp_options": ddp_options, "optimizer_wrap": optimizer_wrap, "pipeline": pipeline,
+                  "syncs_per_step": syncs_per_step}
     candidate = (UserLoop(loop) if _in_process(world_size, **ranks_only)
                  else _on_ranks((DdpLoop, PipelineLoop), "loop", loop, world_size, **ranks_only))
     warn_blind_spots(case, seed=options.get("seed", DEFAULT_SEED), isolate=options.get("isolate", False))
@@ -102,7 +108,8 @@ def check_loop(
 _RANKS_ONLY = {"wrap": "the model is wrapped for DDP ranks only",
                "ddp_options": "the options are DistributedDataParallel's",
                "optimizer_wrap": "the optimizer is sharded over DDP ranks only",
-               "pipeline": "a pipeline's stages are spread over ranks, one each"}
+               "pipeline": "a pipeline's stages are spread over ranks, one each",
+               "syncs_per_step": "only DDP ranks sync gradients"}
 
 
 def _in_process(world_size: int | None, **ranks_only) -> bool:
@@ -110,23 +117,29 @@ def _in_process(world_size: int | None, **ranks_only) -> bool:
         raise InvalidArgument.type("pipeline", ranks_only["pipeline"], "bool")
     if world_size is None:
         for argument, value in ranks_only.items():
-            if value:
+            if _given(value):
                 raise InvalidArgument(f"{argument}={value!r} is not allowed without world_size: expected world_size= "
                                       f"with it ({_RANKS_ONLY[argument]})")
     return world_size is None
 
 
+def _given(value: object) -> bool:
+    """Whether a ranks-only argument was given: anything but its defaults (None, False) and an empty dict."""
+    return value is not None and value is not False and value != {}
+
+
 def _on_ranks(regimes: tuple[type[DdpStep], type[PipelineStep]], argument: str, fn: Callable, world_size: int,
               wrap: Callable | None, ddp_options: dict | None, optimizer_wrap: Callable | None, pipeline: bool,
-              **fields) -> DdpStep | PipelineStep:
+              syncs_per_step: int | None, **fields) -> DdpStep | PipelineStep:
     """The team's code on DDP ranks, or running its own pipeline on ranks: it and its wraps travel by import
     path, which the ranks resolve."""
     expect_callable(argument, fn)
     path = import_path(fn, argument)
     ddp_step, pipeline_step = regimes
     if pipeline:
-        for name, given in (("wrap", wrap), ("ddp_options", ddp_options), ("optimizer_wrap", optimizer_wrap)):
-            if given:
+        for name, given in (("wrap", wrap), ("ddp_options", ddp_options), ("optimizer_wrap", optimizer_wrap),
+                            ("syncs_per_step", syncs_per_step)):
+            if _given(given):
                 raise InvalidArgument(f"{name}={given!r} is not allowed with pipeline=True: expected {name}=None (a "
                                       "pipeline takes no DDP: every rank is handed the whole model, unwrapped, and "
                                       "the case's own optimizer)")
@@ -141,4 +154,6 @@ def _on_ranks(regimes: tuple[type[DdpStep], type[PipelineStep]], argument: str, 
     if unknown:
         raise InvalidArgument(f"ddp_options: {unknown[0]!r} is not allowed: expected DistributedDataParallel options "
                               f"among {', '.join(DDP_OPTIONS)}")
+    if syncs_per_step is not None:
+        fields["syncs"] = syncs_per_step
     return ddp_step(world_size=world_size, fn=path, **wrappers, **ddp_options, **fields)

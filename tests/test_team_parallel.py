@@ -158,3 +158,35 @@ def test_bad_optimizer_wraps_are_named():
     with pytest.raises(ec.InvalidArgument, match="optimizer_wrap 'test_team_parallel:not_an_optimizer' returned a "
                                                  "list: expected a torch.optim.Optimizer"):
         ec.check_step("block_stack", train_step, world_size=2, optimizer_wrap=not_an_optimizer)
+
+
+def reduce_every_micro_batch(model, optimizer, batch, micro_batches=3):
+    """ZeRO-2's way: every micro-batch's backward all-reduces (no no_sync()), the sums add up in .grad."""
+    inputs, targets = batch
+    samples = inputs.new_tensor(float(len(inputs)))
+    dist.all_reduce(samples)
+    for x, y in zip(inputs.chunk(micro_batches), targets.chunk(micro_batches)):
+        (F.cross_entropy(model(x), y, reduction="sum") * dist.get_world_size() / samples).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_a_step_that_syncs_every_micro_batch_on_purpose_declares_it():
+    """By default a faithful step syncs once per optimizer step: three syncs are a communication finding, with
+    matching numbers. Declared, they are what the step must do, and a step that syncs once is the finding."""
+    (undeclared,) = ec.check_step("mlp", reduce_every_micro_batch, world_size=2).outcomes
+    assert undeclared.verdict is ec.Verdict.COMMUNICATION and undeclared.result.syncs == (3, 3, 3)
+    assert "a faithful step does it 1 time(s)" in undeclared.describe()
+    ec.check_step("mlp", reduce_every_micro_batch, world_size=2, syncs_per_step=3).assert_equivalent()
+    (once,) = ec.check_step("mlp", train_step, world_size=2, syncs_per_step=3).outcomes
+    assert once.verdict is ec.Verdict.COMMUNICATION and "a faithful step does it 3 time(s)" in once.describe()
+
+
+@pytest.mark.parametrize(("arguments", "message"), [
+    ({"syncs_per_step": 3}, "syncs_per_step=3 is not allowed without world_size: .*only DDP ranks sync gradients"),
+    ({"world_size": 2, "syncs_per_step": 0}, "syncs=0.*an integer >= 1"),
+    ({"world_size": 2, "syncs_per_step": 2, "pipeline": True}, "syncs_per_step=2 is not allowed with pipeline=True"),
+])
+def test_bad_sync_counts_are_named(arguments, message):
+    with pytest.raises(ec.InvalidArgument, match=message):
+        ec.check_step("mlp", reduce_every_micro_batch, **arguments)

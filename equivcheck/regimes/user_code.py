@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 from torch.utils.data import TensorDataset
 
 from ..case import Batch, Objective
-from ..errors import InvalidArgument, expect_callable
+from ..errors import InvalidArgument, expect_callable, expect_int
 from ..import_paths import resolve
 from ..measure.collectives import StepTraffic, uncounted
 from .base import Regime
@@ -142,10 +142,18 @@ class DdpStep(DdpOptions, Distributed):
     per_run: bool = dataclasses.field(default=False, kw_only=True)  # fn is a factory of the step, called per run
     # module:function making the optimizer the step is handed from the case's (ZeRO, say); "": the case's own
     optimizer_wrapper: str = dataclasses.field(default="", kw_only=True)
+    # gradient syncs a faithful step of the team's makes per wrapped module: more than one where it means to (ZeRO-2
+    # reducing every micro-batch); any other count is reported as a communication problem
+    syncs: int = dataclasses.field(default=1, kw_only=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         expect_import_paths(self, "fn", "wrapper", "optimizer_wrapper")
+        expect_int("syncs", self.syncs)
+
+    @property
+    def syncs_per_step(self) -> int:
+        return self.syncs
 
     def wrap(self, model, objective):
         return resolve(self.wrapper)(model) if self.wrapper else super().wrap(model, objective)
