@@ -109,13 +109,18 @@ class LoopBatches(list):
     DataLoader finds one epoch's samples, in the case's order, as ``.dataset`` (a TensorDataset), with
     ``.batch_size`` (samples per global batch) and ``.epochs``: ``DataLoader(batches.dataset,
     batch_size=batches.batch_size // K)`` (no shuffle, ``drop_last=False``) over ``range(batches.epochs)``
-    yields micro-batches whose windows of K are exactly the global batches the reference steps on."""
+    yields micro-batches whose windows of K are exactly the global batches the reference steps on.
 
-    def __init__(self, batches: Sequence[Batch], epochs: int) -> None:
+    On DDP ranks the batches are this rank's shards and ``.dataset`` holds them; ``.whole_dataset`` holds one epoch
+    of every rank's samples (in one process, ``.dataset`` itself), for a loop whose own sampler decides what each
+    rank trains on: ``DistributedSampler(batches.whole_dataset, ...)`` with ``batch_size=batches.batch_size``."""
+
+    def __init__(self, batches: Sequence[Batch], epochs: int, whole_dataset: TensorDataset | None = None) -> None:
         super().__init__((b.inputs, b.targets) for b in batches)
         self.epochs = epochs
         self.batch_size = len(batches[0])
         self.dataset = epoch_dataset(batches, epochs)
+        self.whole_dataset = self.dataset if whole_dataset is None else whole_dataset
 
 
 def epoch_dataset(batches: Sequence[Batch], epochs: int) -> TensorDataset:
@@ -201,7 +206,8 @@ class DdpLoop(DdpStep):
     steps_observable = False
 
     def train(self, model, optimizer, batches, objective):
-        shards = LoopBatches([self.team_shard(b) for b in batches], objective.epochs)
+        shards = LoopBatches([self.team_shard(b) for b in batches], objective.epochs,
+                             whole_dataset=epoch_dataset(batches, objective.epochs))
         losses = resolve(self.fn)(model, optimizer, shards)
         return [self.share(loss) for loss in loop_losses(self.fn, losses, len(batches))]
 
