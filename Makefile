@@ -23,13 +23,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
 	touch $@
 
-# One screen: the catalogue's verdict line (its tables in build/demo/), then the matrix's overview, which
+# One screen: the catalogue's verdict line and the field's totals (their tables in build/demo/), then the matrix's overview, which
 # ends by saying where the full matrix, the HTML report and the Markdown summary are.
 DEMO := build/demo
 demo: install
 	@mkdir -p $(DEMO)
 	@$(BIN)/equivcheck catalogue --json $(DEMO)/catalogue.json > $(DEMO)/catalogue.txt || (cat $(DEMO)/catalogue.txt; exit 1)
 	@tail -n 1 $(DEMO)/catalogue.txt; echo "the catalogue's tables: $(DEMO)/catalogue.txt"
+	@$(BIN)/equivcheck field --json $(DEMO)/field.json > $(DEMO)/field.txt 2> $(DEMO)/field.log || (cat $(DEMO)/field.txt $(DEMO)/field.log; exit 1)
+	@tail -n 1 $(DEMO)/field.txt; echo "the field's table: $(DEMO)/field.txt"
 	@$(BIN)/equivcheck run --html $(DEMO)/report.html --markdown $(DEMO)/summary.md
 
 test-dev: install
