@@ -190,3 +190,30 @@ def test_a_step_that_syncs_every_micro_batch_on_purpose_declares_it():
 def test_bad_sync_counts_are_named(arguments, message):
     with pytest.raises(ec.InvalidArgument, match=message):
         ec.check_step("mlp", reduce_every_micro_batch, **arguments)
+
+
+def replicate_every_block(model):
+    """HSDP on a W x 1 mesh: every block replicated on every rank, one rank per shard group (pure replication
+    through FSDP2): its gradients are synchronised by the replicas' all-reduce alone, never reduce-scattered."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard"))
+    for block in model.children():
+        if any(True for _ in block.parameters()):
+            fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def sync_every_micro_batch(model, optimizer, batch, micro_batches=3):
+    reduce_every_micro_batch(model, optimizer, batch, micro_batches)
+
+
+def test_a_one_rank_shard_group_syncs_by_its_all_reduce_and_is_counted():
+    """With one rank per shard group FSDP2 all-reduces each block's gradient and reduce-scatters nothing: still one
+    sync per block per step (5), not a missing one; a step syncing every one of 3 micro-batches makes 15."""
+    (outcome,) = ec.check_step("block_stack", train_step, world_size=2, wrap=replicate_every_block).outcomes
+    assert outcome.verdict is ec.Verdict.EQUIVALENT, outcome.describe()
+    assert outcome.result.syncs == (5, 5, 5) and outcome.result.sync_wrappers == 5
+    assert all(step["reduce_scatter"][0] == 0 for step in outcome.result.collectives)
+    (every,) = ec.check_step("block_stack", sync_every_micro_batch, world_size=2, wrap=replicate_every_block).outcomes
+    assert every.verdict is ec.Verdict.COMMUNICATION and every.result.syncs == (15, 15, 15), every.describe()

@@ -84,11 +84,17 @@ def _counting_hook(counted: _Counted, bucket: dist.GradBucket):
 class ShardedCommCounter:
     """What FSDP2 communicates, by kind: its reduce-scatters (one per sharded block per synchronised
     backward: the *syncs*) and its all-gathers (parameters gathered for forward and backward), each
-    with the bytes this rank hands to the collective. Installed as every FSDP module's own comm."""
+    with the bytes this rank hands to the collective. Installed as every FSDP module's own comm.
+
+    A block whose shard group holds one rank (HSDP on a W x 1 mesh) reduce-scatters nothing: its gradients are
+    synchronised by the replicas' all-reduce alone. Every block's finished reduction (FSDP2's all-reduce hook,
+    which runs after the reduce-scatter or the replicas' all-reduce) is counted too, and a step's syncs are the
+    more of the two counts, so such a block's sync is not missed and no other count changes."""
 
     wrappers: int = 0
-    calls: dict[str, int] = dataclasses.field(default_factory=lambda: {"reduce_scatter": 0, "all_gather": 0})
-    sent: dict[str, int] = dataclasses.field(default_factory=lambda: {"reduce_scatter": 0, "all_gather": 0})
+    calls: dict[str, int] = dataclasses.field(
+        default_factory=lambda: {"reduce_scatter": 0, "all_gather": 0, "reduced": 0})
+    sent: dict[str, int] = dataclasses.field(default_factory=lambda: {"reduce_scatter": 0, "all_gather": 0, "reduced": 0})
     last_step: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # kind -> (calls, bytes)
 
     @classmethod
@@ -100,6 +106,8 @@ class ShardedCommCounter:
                 counter.wrappers += 1
                 sharded.set_custom_reduce_scatter(counting_reduce_scatter(counter))
                 sharded.set_custom_all_gather(counting_all_gather(counter))
+                if hasattr(sharded, "set_all_reduce_hook"):  # torch >= 2.6
+                    sharded.set_all_reduce_hook(functools.partial(counter.count, "reduced"))
         return counter
 
     def count(self, kind: str, tensor) -> None:
@@ -107,12 +115,15 @@ class ShardedCommCounter:
         self.sent[kind] += tensor.numel() * tensor.element_size()
 
     def take(self) -> tuple[int, int]:
-        """The reduce-scatters and their bytes since the last call (one optimizer step's worth); the
-        all-gathers stay readable in ``last_step`` as every kind's (calls, bytes)."""
-        self.last_step = {kind: (self.calls[kind], self.sent[kind]) for kind in self.calls}
+        """The gradient syncs and their bytes since the last call (one optimizer step's worth): the reduce-scatters,
+        or the finished reductions where there were more of those; every kind stays readable in ``last_step`` as
+        its (calls, bytes), the finished reductions left out."""
+        taken = {kind: (self.calls[kind], self.sent[kind]) for kind in self.calls}
         for kind in self.calls:
             self.calls[kind] = self.sent[kind] = 0
-        return self.last_step["reduce_scatter"]
+        reduced = taken.pop("reduced")
+        self.last_step = taken
+        return reduced if reduced[0] > taken["reduce_scatter"][0] else taken["reduce_scatter"]
 
 
 def _holds_parameters_of_its_own(sharded: nn.Module) -> bool:
