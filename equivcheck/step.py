@@ -150,6 +150,9 @@ def _on_ranks(regimes: tuple[type[DdpStep], type[PipelineStep]], argument: str, 
             expect_callable(name, given)
         wrappers[field] = "" if given is None else import_path(given, name)
     ddp_options = dict(ddp_options or {})
+    if ddp_options and wrap is not None:
+        raise InvalidArgument(f"ddp_options={ddp_options!r} is not allowed with wrap={wrappers['wrapper']!r}: expected "
+                              "one of them (the wrap makes the model's DDP or FSDP itself: pass its options there)")
     unknown = sorted(set(ddp_options) - set(DDP_OPTIONS))
     if unknown:
         raise InvalidArgument(f"ddp_options: {unknown[0]!r} is not allowed: expected DistributedDataParallel options "

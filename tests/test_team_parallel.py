@@ -217,3 +217,11 @@ def test_a_one_rank_shard_group_syncs_by_its_all_reduce_and_is_counted():
     assert all(step["reduce_scatter"][0] == 0 for step in outcome.result.collectives)
     (every,) = ec.check_step("block_stack", sync_every_micro_batch, world_size=2, wrap=replicate_every_block).outcomes
     assert every.verdict is ec.Verdict.COMMUNICATION and every.result.syncs == (15, 15, 15), every.describe()
+
+
+def test_ddp_options_beside_a_wrap_are_refused_not_ignored():
+    """The team's wrap builds the model's wrapper itself: options for equivcheck's own DDP would never reach it."""
+    with pytest.raises(ec.InvalidArgument, match=r"ddp_options=\{'static_graph': True\} is not allowed with "
+                                                 r"wrap='test_team_parallel:shard_every_block': expected one of them"):
+        ec.check_step("block_stack", train_step, world_size=2, wrap=shard_every_block,
+                      ddp_options={"static_graph": True})

@@ -11,12 +11,12 @@ before the user's backward runs, and lets the wrapper skip it when that is done.
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import equivcheck as ec
 from equivcheck.field import Bug
+from equivcheck_cases.field._lightning import manual_training_step
 
 BUG = Bug("Lightning-AI/pytorch-lightning", "pull", 4976, "ddp",
           "manual optimization: backward ran inside training_step, before DDP readied its all-reduce")
@@ -64,13 +64,8 @@ class ManualOptimizationModule(nn.Module):
             self.trainer_model.reducer_prepare_for_backwards()
         loss.backward()
 
-    def forward(self, batch, optimizer):  # training_step
-        inputs, targets = batch  # this rank's 6 of mlp's 12 samples: equal shards, so the ranks' means average right
-        loss = F.cross_entropy(self.net(inputs), targets)
-        self.manual_backward(loss)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+    def forward(self, batch, optimizer):  # training_step, run as DDP's forward
+        return manual_training_step(self, batch, optimizer)
 
 
 def lightning_ddp(model, prepare_in_manual_backward=True):

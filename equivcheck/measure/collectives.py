@@ -88,8 +88,9 @@ class ShardedCommCounter:
 
     A block whose shard group holds one rank (HSDP on a W x 1 mesh) reduce-scatters nothing: its gradients are
     synchronised by the replicas' all-reduce alone. Every block's finished reduction (FSDP2's all-reduce hook,
-    which runs after the reduce-scatter or the replicas' all-reduce) is counted too, and a step's syncs are the
-    more of the two counts, so such a block's sync is not missed and no other count changes."""
+    which runs after the reduce-scatter or the replicas' all-reduce) is counted too where its mesh holds more than
+    one rank (on one rank nothing is sent), and a step's syncs are the more of the two counts, so such a block's
+    sync is not missed and no other count changes."""
 
     wrappers: int = 0
     calls: dict[str, int] = dataclasses.field(
@@ -102,11 +103,13 @@ class ShardedCommCounter:
         counter = cls()
         counting_reduce_scatter, counting_all_gather = _counting_collectives()
         for sharded in (m for m in module.modules() if is_fsdp_module(m)):
-            if _holds_parameters_of_its_own(sharded):  # a root holding none syncs nothing
+            own = _parameters_of_its_own(sharded)
+            if own:  # a root holding none syncs nothing
                 counter.wrappers += 1
                 sharded.set_custom_reduce_scatter(counting_reduce_scatter(counter))
                 sharded.set_custom_all_gather(counting_all_gather(counter))
-                if hasattr(sharded, "set_all_reduce_hook"):  # torch >= 2.6
+                mesh = getattr(own[0], "device_mesh", None)  # a DTensor's: on a mesh of one rank nothing is sent
+                if mesh is not None and mesh.size() > 1 and hasattr(sharded, "set_all_reduce_hook"):  # torch >= 2.6
                     sharded.set_all_reduce_hook(functools.partial(counter.count, "reduced"))
         return counter
 
@@ -126,11 +129,11 @@ class ShardedCommCounter:
         return reduced if reduced[0] > taken["reduce_scatter"][0] else taken["reduce_scatter"]
 
 
-def _holds_parameters_of_its_own(sharded: nn.Module) -> bool:
-    """Whether ``sharded`` has parameters that no FSDP module inside it shards (public API only: FSDP2's
-    private state differs between torch releases)."""
+def _parameters_of_its_own(sharded: nn.Module) -> list[nn.Parameter]:
+    """The parameters of ``sharded`` that no FSDP module inside it shards (public API only: FSDP2's private state
+    differs between torch releases)."""
     inner = {id(p) for m in sharded.modules() if m is not sharded and is_fsdp_module(m) for p in m.parameters()}
-    return any(id(p) not in inner for p in sharded.parameters())
+    return [p for p in sharded.parameters() if id(p) not in inner]
 
 
 @functools.cache
