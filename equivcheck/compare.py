@@ -65,7 +65,7 @@ class _Scan:
 
     def within(self, shape: torch.Size) -> TensorDiff | None:
         """The figures of a tensor whose every element is within tolerance, else None (a NaN included)."""
-        margin, greatest_abs, greatest_rel = 0.0, (-1.0, 0), (-1.0, 0)
+        margin, greatest_abs, greatest_rel = 0.0, (-1.0, 0), (-1.0, 0)  # (greatest, the first slice holding it)
         for start, actual, expected in self._slices():
             n = len(expected)
             diff, magnitude, ratio = self._diff[:n], self._magnitude[:n], self._ratio[:n]
@@ -77,12 +77,23 @@ class _Scan:
             if not top <= 1:  # beyond tolerance, a NaN, or 0 / 0 where nothing is allowed: the breakdown decides
                 return None
             margin = max(margin, top)
-            greatest_abs = max(greatest_abs, _first_greatest(diff, start))
+            greatest_abs = _greater(greatest_abs, float(diff.max()), start)
             torch.div(diff, magnitude, out=ratio).nan_to_num_(nan=0.0)  # 0 / 0: no difference
-            greatest_rel = max(greatest_rel, _first_greatest(ratio, start))
-        abs_at, rel_at = -greatest_abs[1], -greatest_rel[1]
+            greatest_rel = _greater(greatest_rel, float(ratio.max()), start)
+        # Where in its slice each greatest first occurs: that one slice computed again, as the scan computed it.
+        abs_at = self._first_greatest_in(greatest_abs[1], relative=False)
+        rel_at = self._first_greatest_in(greatest_rel[1], relative=True)
         return TensorDiff(0, self.expected.numel(), greatest_abs[0], _index(abs_at, shape),
                           _allowed(self.expected, abs_at, self.tol), greatest_rel[0], _index(rel_at, shape), margin)
+
+    def _first_greatest_in(self, start: int, relative: bool) -> int:
+        """The index in the whole tensor of the first greatest absolute (or relative) difference in the slice at
+        ``start``: one slice's argmax, not one per slice of the scan."""
+        actual, expected = self.actual[start : start + CHUNK], self.expected[start : start + CHUNK]
+        values = torch.sub(actual, expected).abs_()
+        if relative:
+            values = torch.div(values, torch.abs(expected)).nan_to_num_(nan=0.0)
+        return -_first_greatest(values, start)[1]
 
     def breakdown(self, shape: torch.Size) -> TensorDiff:
         """Every figure of a tensor with elements beyond tolerance: NaNs are the greatest difference."""
@@ -102,6 +113,11 @@ class _Scan:
         abs_at, rel_at = -greatest_abs[1], -greatest_rel[1]
         return TensorDiff(mismatched, self.expected.numel(), greatest_abs[2], _index(abs_at, shape),
                           _allowed(self.expected, abs_at, self.tol), greatest_rel[2], _index(rel_at, shape), margin)
+
+
+def _greater(best: tuple[float, int], value: float, start: int) -> tuple[float, int]:
+    """``(value, start)`` where ``value`` is greater than ``best``'s: on a tie the earlier slice keeps it."""
+    return (value, start) if value > best[0] else best
 
 
 def _first_greatest(values: Tensor, start: int) -> tuple[float, int]:
