@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -56,6 +57,14 @@ def train(
     if missing:
         raise Unavailable(f"dtype={precision.name!r} cannot run here: {missing}")
     precision = precision.with_kernels()  # decided by a check before its runs; probed here for a lone run
+    run = functools.partial(_train, case, regime, precision, seed=seed, measure_memory=measure_memory, threads=threads,
+                            order=order, against=against)
+    # None: something wrote to a gradient the recording kept after its step had used it: train again, copying each.
+    return run(keeps_gradients=regime.releases_gradients) or run(keeps_gradients=False)
+
+
+def _train(case: Case, regime: Regime, precision: Precision, *, seed: int, measure_memory: bool, threads: int | None,
+           order: str, against: Expected | None, keeps_gradients: bool) -> RunResult | None:
     started = time.perf_counter()
     device = regime.device() if regime.device().type != "cpu" else torch.device(precision.device)
     with intra_op.using(intra_op.resolve(threads)), seeded(seed), default_dtype(precision.dtype), \
@@ -73,13 +82,15 @@ def train(
         counter = regime.count_communication(module)
         counts_syncs = counter is not None and counter.counts_syncs  # a pipeline counts traffic, but no sync
         data = [t for batch in batches for t in (batch.inputs, batch.targets)]
-        with GradRecorder(model, optimizer, counter, regime.full_tensor, against, norms=regime.clips_at() is not None) \
-                as recorder, \
+        with GradRecorder(model, optimizer, counter, regime.full_tensor, against, norms=regime.clips_at() is not None,
+                          keeps=keeps_gradients) as recorder, \
                 activation_meter(model, data, enabled=measure_memory) as memory:
             watched = StepWatch(batches, recorder)
             losses = tuple(None if loss is None else float(loss)
                            for loss in regime.train(module, optimizer, watched if regime.steps_observable else batches,
                                                     objective))
+    if not recorder.intact():
+        return None
     held = (held_bytes(model.parameters()), recorder.grad_bytes,
             optimizer_state_bytes(regime.local_optimizer(optimizer)))
     named_buffers = [(n, b) for n, b in model.named_buffers() if b.is_floating_point()]
@@ -238,16 +249,19 @@ class GradRecorder:
     one (ZeRO broadcasts parameters inside its step; what follows the last step, join's closing rounds,
     counts in the last). A step given a closure has its closure run first (see :mod:`equivcheck.closure`):
     its backward belongs to the step. ``against``: each gradient is compared with the reference's as the step
-    takes it, and none is kept; ``norms``: each step's global gradient norm is noted (a clipping regime's)."""
+    takes it, and none is kept; ``norms``: each step's global gradient norm is noted (a clipping regime's);
+    ``keeps``: the recording keeps the CPU gradients the step used, not copies (a regime that lets go of them after
+    each step: ``Regime.releases_gradients``), and :meth:`intact` says whether anything wrote to them since."""
 
     def __init__(self, model: nn.Module, optimizer: Optimizer, counter: CommunicationCounter | None = None,
                  full_tensor: Callable[[Tensor], Tensor] = lambda t: t, against: Expected | None = None,
-                 norms: bool = False) -> None:
+                 norms: bool = False, keeps: bool = False) -> None:
         self._named = list(model.named_parameters())
         self._full_tensor = full_tensor
         self._optimizer = optimizer
         self._counter = counter
-        self._against, self._norms = against, norms
+        self._against, self._norms, self._keeps = against, norms, keeps
+        self._kept: list[tuple[Tensor, int]] = []  # each gradient kept, with its version when its step used it
         self.measurement = None if against is None else Measurement(against.tolerance)
         self.grad_norms: list[float] = []
         self.rank_spread: float | None = None  # measured on the ranks by a run compared as it trains
@@ -276,11 +290,23 @@ class GradRecorder:
             self.grad_norms.append(math.sqrt(sum(float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2
                                                  for g in grads.values())))
         if self.measurement is None:
-            self.grads.append(snapshot(grads.items()))
+            self.grads.append(self._kept_or_copied(grads))
         else:
             self._measure("grad", len(self.grads), grads)
             self.grads.append({})
         return call
+
+    def _kept_or_copied(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The step's gradients as the recording holds them: the tensors themselves where the regime lets go of them
+        (an in-place write bumps a tensor's version, which :meth:`intact` reads), else plain CPU copies."""
+        if not (self._keeps and all(g.device.type == "cpu" for g in grads.values())):
+            return snapshot(grads.items())
+        self._kept += [(g, g._version) for g in grads.values()]
+        return grads
+
+    def intact(self) -> bool:
+        """Whether every gradient kept without a copy still holds what its step used."""
+        return all(g._version == version for g, version in self._kept)
 
     def _measure(self, kind: str, step: int | None, tensors: dict[str, Tensor]) -> None:
         """Compare with the reference's (``'grad'`` at ``step``, or a final ``'weight'`` or ``'buffer'``). Nothing is

@@ -16,6 +16,8 @@ import torch
 import equivcheck as ec
 from equivcheck.catalogue import run_catalogue
 from equivcheck.compare import Expected, tolerance_of
+from equivcheck.regimes import register_regime
+from equivcheck.regimes.local import FullBatch
 from equivcheck.training import train
 
 check_module = sys.modules["equivcheck.check"]  # the package's `check` is the function
@@ -145,3 +147,42 @@ def test_ranks_compare_as_they_train_and_leave_no_file_of_the_reference(streamed
     assert len([f for f in folders if "equivcheck-reference-" in f]) == 1  # one file for every rank of both runs
     gc.collect()
     assert not list(tmp_path.glob("equivcheck-reference-*"))  # gone with the reference
+
+
+training_module = sys.modules["equivcheck.training"]
+
+
+@register_regime
+@dataclasses.dataclass(frozen=True)
+class FullBatchThatScalesGradientsAfterItsStep(FullBatch):
+    """Full batch, but each gradient is halved in place after the step uses it, then let go: the numbers of full
+    batch, and a write to every tensor a recording that keeps them holds."""
+
+    name = "full_batch_scaling_gradients_after_its_step"
+    summary = "full batch that halves each gradient in place after its step (a test's)"
+
+    def train_step(self, model, optimizer, batch, objective):
+        loss = objective.sum(objective.forward(model, batch.inputs, batch.targets), batch.targets) / batch.items
+        objective.backward(loss)
+        optimizer.step()
+        for parameter in model.parameters():
+            parameter.grad.mul_(0.5)
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
+def test_full_batch_keeps_the_gradients_its_steps_used_and_a_write_after_the_step_means_copies(monkeypatch):
+    """A regime that lets go of its gradients after each step is recorded without copies; one that wrote to them
+    after the step is trained again, copying, and records what each step used."""
+    copies = []
+    snapshot = training_module.snapshot
+    monkeypatch.setattr(training_module, "snapshot",
+                        lambda named, *args, copy=True, **kw: copies.append(copy) or snapshot(named, *args, copy=copy, **kw))
+    full = train("mlp", "full_batch")
+    assert copies.count(True) == 0  # the gradients kept as they were; the final weights are never copied
+    scaled = train("mlp", FullBatchThatScalesGradientsAfterItsStep())
+    assert copies.count(True) == 3  # the kept gradients were written to: trained again, each step's copied
+    assert all(torch.equal(full.grads[step][name], scaled.grads[step][name])
+               for step in range(3) for name in full.grads[step])
+    train("mlp", "accumulate:chunks=2")
+    assert copies.count(True) == 6  # a regime that does not say it lets go of them is copied from the start

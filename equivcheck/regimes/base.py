@@ -41,6 +41,9 @@ class Regime:
     world_size: ClassVar[int] = 1  # ranks a step runs on; a distributed regime's own field overrides it
     syncs_per_step: ClassVar[int | None] = None  # gradient all-reduce rounds a faithful step makes per wrapper
     sync_collective: ClassVar[str] = "all-reduced"  # what a sync does to the gradients, as reports say it
+    # Sets every gradient to None after each optimizer step (finish_step) and writes to none after it: a recording
+    # may keep the very tensors each step used instead of copies (training.py checks that nothing wrote to them).
+    releases_gradients: ClassVar[bool] = False
     needs_split: ClassVar[bool] = False  # trains the case's trunk and head apart: the case must give split=
     # The harness may tell which global batch each optimizer step belongs to: batches are taken one at a time.
     # A whole loop may take them all at once (to build a DataLoader), and then nobody can tell.

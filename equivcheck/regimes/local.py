@@ -21,6 +21,7 @@ class FullBatch(Regime):
     max_norm: float = math.inf
     name = "full_batch"
     summary = "one forward and one backward on the global batch (the reference); max_norm=M clips before the step"
+    releases_gradients = True
 
     def __post_init__(self) -> None:
         expect_max_norm(self.max_norm)
