@@ -137,10 +137,6 @@ class Row:
             return True
         return (self.buggy.state, self.fixed.state) == self.bug.expected
 
-    @property
-    def skipped(self) -> bool:
-        return any(f is not None and f.state == "skipped" for f in (self.buggy, self.fixed))
-
 
 def modules(families: Iterable[str] | None = None) -> list[ModuleType]:
     """Every module of the field (a family's only, where given), imported, in the table's order."""

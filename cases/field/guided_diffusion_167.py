@@ -11,10 +11,10 @@ state restored, so the recomputation draws the same masks and leaves the global 
 """
 
 import torch
-import torch.nn.functional as F
 
 import equivcheck as ec
 from equivcheck.field import Bug
+from equivcheck_cases.field._checkpointed import train_step_through
 
 BUG = Bug("openai/guided-diffusion", "issue", 167, "checkpointing",
           "custom checkpoint Function recomputed blocks without restoring the RNG: new dropout masks")
@@ -53,19 +53,10 @@ class CheckpointFunction(torch.autograd.Function):
         return (None, None, None) + input_grads
 
 
-def forward(model, inputs, restores_rng):
-    """dropout_two_layers' (Linear, Tanh, Dropout) blocks, each checkpointed as guided-diffusion's blocks are."""
-    hidden = inputs
-    for block in (model[0:3], model[3:6]):
-        hidden = checkpoint(block, (hidden,), block.parameters(), True, restores_rng)
-    return model[6](hidden)
-
-
 def train_step(model, optimizer, batch, restores_rng=True):
-    inputs, targets = batch
-    F.cross_entropy(forward(model, inputs, restores_rng), targets).backward()
-    optimizer.step()
-    optimizer.zero_grad()
+    """Each block checkpointed as guided-diffusion's blocks are."""
+    train_step_through(lambda block, hidden: checkpoint(block, (hidden,), block.parameters(), True, restores_rng),
+                       model, optimizer, batch)
 
 
 def train_step_as_reported(model, optimizer, batch):

@@ -12,12 +12,11 @@ RNG state is stashed and restored whenever any dropout is non-zero (the sole cha
 import dataclasses
 from functools import partial
 
-import torch.nn.functional as F
-from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import equivcheck as ec
 from equivcheck.field import Bug
+from equivcheck_cases.field._checkpointed import train_step_through
 
 BUG = Bug("allenai/OLMo", "pull", 702, "checkpointing",
           "checkpoint function built with preserve_rng_state = (no dropout): RNG dropped when dropout was on")
@@ -46,27 +45,9 @@ def activation_checkpoint_function_as_reported(cfg: ModelConfig):
     return partial(checkpoint, preserve_rng_state=preserve_rng_state, use_reentrant=False)
 
 
-class OLMo(nn.Module):
-    """dropout_two_layers' model as OLMo runs it: its (Linear, Tanh, Dropout) blocks through the checkpoint function,
-    then the head. The weights stay the case's own (the model is viewed, not copied)."""
-
-    def __init__(self, model, checkpoint_fn):
-        super().__init__()
-        self.blocks, self.head = [model[0:3], model[3:6]], model[6]
-        self._activation_checkpoint_fn = checkpoint_fn
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = self._activation_checkpoint_fn(block, x)
-        return self.head(x)
-
-
 def train_step(model, optimizer, batch, make_checkpoint_fn=activation_checkpoint_function):
-    inputs, targets = batch
-    olmo = OLMo(model, make_checkpoint_fn(ModelConfig()))
-    F.cross_entropy(olmo(inputs), targets).backward()
-    optimizer.step()
-    optimizer.zero_grad()
+    """Every block's forward through the checkpoint function the config makes, as OLMo's blocks run."""
+    train_step_through(make_checkpoint_fn(ModelConfig()), model, optimizer, batch)
 
 
 def train_step_as_reported(model, optimizer, batch):

@@ -9,31 +9,22 @@ computed. The fix checkpoints with ``preserve_rng_state=True`` when dropout is a
 the stashed state and draws the same masks.
 """
 
-import torch.nn.functional as F
+from functools import partial
+
 from torch.utils.checkpoint import checkpoint
 
 import equivcheck as ec
 from equivcheck.field import Bug
+from equivcheck_cases.field._checkpointed import train_step_through
 
 BUG = Bug("allenai/OLMo-core", "pull", 828, "checkpointing",
           "checkpointed blocks recomputed with preserve_rng_state=False: dropout drew fresh masks in backward")
 
-# dropout_two_layers: Linear, Tanh, Dropout(0.5) twice, then the head; each (Linear, Tanh, Dropout) is a block.
-BLOCKS = (slice(0, 3), slice(3, 6))
-
-
-def forward(model, inputs, preserve_rng_state):
-    hidden = inputs
-    for block in BLOCKS:
-        hidden = checkpoint(model[block], hidden, use_reentrant=False, preserve_rng_state=preserve_rng_state)
-    return model[6](hidden)
-
 
 def train_step(model, optimizer, batch, preserve_rng_state=True):
-    inputs, targets = batch
-    F.cross_entropy(forward(model, inputs, preserve_rng_state), targets).backward()
-    optimizer.step()
-    optimizer.zero_grad()
+    """Each block wrapped as apply_activation_checkpointing wraps it."""
+    run_block = partial(checkpoint, use_reentrant=False, preserve_rng_state=preserve_rng_state)
+    train_step_through(run_block, model, optimizer, batch)
 
 
 def train_step_as_reported(model, optimizer, batch):
