@@ -1,12 +1,13 @@
 """What a check costs at real model sizes, side by side with torch alone training the same case.
 
 For each size (a GELU MLP of about 1M, 25M and 100M parameters, float32, AdamW, 3 steps of 16 samples) and
-each regime (``accumulate:chunks=4`` in process, ``ddp:world_size=2`` on ranks), two fresh processes:
+each regime (``accumulate:chunks=4`` in process, ``ddp:world_size=2`` on ranks), each side in fresh processes:
 
 - torch alone: the case's training as a team writes it (``scale_cases.train_alone``; under DDP, 2 gloo ranks),
   three times: the floor the figures are held to, a self-checked check's three trainings. Its time, and the
-  peak RSS (VmHWM) of each process that trained, ranks included. In process, also the regime's own floor: two
-  full-batch trainings and one accumulated over 4 micro-batches, the same work as the check's three runs;
+  peak RSS (VmHWM) of each process that trained, ranks included. In process, also the regime's own floor (two
+  full-batch trainings and one accumulated over 4 micro-batches, the same work as the check's three runs), and
+  that floor while the process holds as many touched bytes as the check's recording, each in a fresh process;
 - ``ec.check(case, [regime])`` with its defaults, after a warm-up check of the 1M case (imports, the warm
   pool's ranks): its time and its peak RSS, of the checking process and of each rank.
 
@@ -14,6 +15,7 @@ Printed as ratios, check over torch alone. Then one row for the 124M GPT-2-shape
 process (its RSS against a 16 GB runner). One intra-op thread on both sides, as equivcheck trains by default.
 
     python bench/bench_scale.py [--sizes 1m 25m 100m] [--regimes accumulate:chunks=4 ddp:world_size=2] [--no-gpt]
+                                [--busy] [--repeats N]
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -31,6 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import equivcheck as ec
+from bench_threads import busy_neighbour
 from scale_cases import CASES, MLP_SIZES, train_alone
 from timing import markdown_table, peak_resident_kib
 
@@ -98,27 +102,47 @@ def warm_up(rank: int = 0, world_size: int = 1) -> None:
     train_alone(CASES["scale_mlp_1m"], rank=rank, world_size=world_size)
 
 
-def alone_child(case: str, world_size: int) -> dict:
-    """Torch alone: three trainings, timed after a warm-up (in process, then the regime's own floor too); the peak
-    of each process that trained."""
+# Torch alone in one process, each in its own fresh process after the same warm-up as the check's: the micro-batches
+# of each training. "regime" is a check's own work (two full batch, one accumulated); "held" is that work while the
+# process holds as many touched bytes as the check's recording (on a virtual machine new memory costs more the more
+# the process holds: what holding the recording costs torch alone).
+FLOORS = {"trainings": (1,) * TRAININGS, "regime": (1, 1, CHUNKS), "held": (1, 1, CHUNKS)}
+
+
+def recording_bytes(case: str) -> int:
+    """What the check's reference recording holds: every step's gradients and the final weights (float32)."""
+    count = sum(p.numel() for p in CASES[case].model().parameters())
+    return count * (CASES[case].steps + 1) * 4
+
+
+def floor_child(case: str, work: str) -> dict:
+    """Torch alone in one process: ``FLOORS[work]``'s trainings, timed after a warm-up; the process's peak."""
     torch.set_num_threads(1)
-    if world_size == 1:
-        warm_up()
-        started = time.perf_counter()
-        for _ in range(TRAININGS):
-            train_alone(CASES[case])
-        seconds = time.perf_counter() - started
-        started = time.perf_counter()
-        for chunks in (1, 1, CHUNKS):
-            train_alone(CASES[case], chunks=chunks)
-        return {"seconds": seconds, "regime_seconds": time.perf_counter() - started, "peak_kib": peak_resident_kib(),
-                "rank_peaks_kib": []}
+    warm_up()
+    held = torch.ones(recording_bytes(case) // 4) if work == "held" else None  # noqa: F841 (held while it trains)
+    started = time.perf_counter()
+    for chunks in FLOORS[work]:
+        train_alone(CASES[case], chunks=chunks)
+    return {"seconds": time.perf_counter() - started, "peak_kib": peak_resident_kib(), "rank_peaks_kib": []}
+
+
+def ddp_child(case: str, world_size: int) -> dict:
+    """Torch alone on ``world_size`` gloo ranks: three trainings, timed after a warm-up; each rank's peak."""
     replies = mp.get_context("spawn").SimpleQueue()
     port = 29500 + os.getpid() % 1000
     mp.spawn(_alone_rank, args=(world_size, case, port, replies), nprocs=world_size)
     ranks = sorted(replies.get() for _ in range(world_size))
     return {"seconds": max(seconds for _, seconds, _ in ranks), "peak_kib": peak_resident_kib(),
             "rank_peaks_kib": sorted((peak for _, _, peak in ranks), reverse=True)}
+
+
+def alone_figures(case: str, world_size: int) -> dict:
+    """Torch alone's figures for a row: three trainings (on ranks under DDP); in process, also the regime's floor
+    and that floor holding a recording, each in a fresh process."""
+    if world_size > 1:
+        return in_fresh_process("ddp", case, str(world_size))
+    trainings, regime, held = (in_fresh_process("floor", case, work) for work in FLOORS)
+    return {**trainings, "regime_seconds": regime["seconds"], "held_seconds": held["seconds"]}
 
 
 def in_fresh_process(*args: str) -> dict:
@@ -138,13 +162,29 @@ def parameters(case: str) -> str:
     return f"{count / 1e6:.1f}M"
 
 
-def row(case: str, regime: str, notes: list[str]) -> tuple[str, ...]:
+def combined(runs: list[dict]) -> dict:
+    """Several fresh processes' figures as one: the median of each time, the greatest of each peak, every verdict."""
+    merged = dict(runs[-1])
+    for key in runs[0]:
+        if key.endswith("seconds"):
+            merged[key] = statistics.median(run[key] for run in runs)
+        elif key.endswith("_kib"):
+            merged[key] = (max(run[key] for run in runs) if key == "peak_kib" else
+                           [max(peaks) for peaks in zip(*(run[key] for run in runs))])
+    merged["verdicts"] = sorted({verdict for run in runs for verdict in run.get("verdicts", [])})
+    return merged
+
+
+def row(case: str, regime: str, notes: list[str], repeats: int) -> tuple[str, ...]:
+    """One table row; with ``repeats``, each side in that many fresh processes, in turn."""
     world_size = 2 if regime == DDP else 1
-    alone = in_fresh_process("alone", case, str(world_size))
-    check = in_fresh_process("check", case, regime)
+    pairs = [(alone_figures(case, world_size), in_fresh_process("check", case, regime)) for _ in range(repeats)]
+    alone, check = (combined([pair[side] for pair in pairs]) for side in (0, 1))
     notes += [f"{case} under {regime}: {note}" for note in check["notes"]]
-    own_floor = (f" (regime's floor {alone['regime_seconds']:.1f} s: {check['seconds'] / alone['regime_seconds']:.2f}x)"
-                 if "regime_seconds" in alone else "")
+    own_floor = "" if "regime_seconds" not in alone else (
+        f" (regime's floor {alone['regime_seconds']:.1f} s: {check['seconds'] / alone['regime_seconds']:.2f}x; "
+        f"that floor holding a recording's {recording_bytes(case) / 2**30:.1f} GB: {alone['held_seconds']:.1f} s, "
+        f"{check['seconds'] / alone['held_seconds']:.2f}x)")
     ranks = ("-" if not check["rank_peaks_kib"] else
              f"{gib(max(check['rank_peaks_kib']))} / {gib(max(alone['rank_peaks_kib']))} = "
              f"{max(check['rank_peaks_kib']) / max(alone['rank_peaks_kib']):.2f}x")
@@ -159,23 +199,30 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=list(MLP_SIZES), choices=list(MLP_SIZES))
     parser.add_argument("--regimes", nargs="+", default=[IN_PROCESS, DDP], choices=[IN_PROCESS, DDP])
     parser.add_argument("--no-gpt", action="store_true", help="leave out the 124M transformer's row")
+    parser.add_argument("--busy", action="store_true", help="beside a busy neighbour: a loop on every core")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="each side of a row in this many fresh processes, in turn: medians of the times")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         kind, case, extra = args.child
-        print(json.dumps(check_child(case, extra) if kind == "check" else alone_child(case, int(extra))))
+        children = {"check": check_child, "floor": floor_child, "ddp": lambda case, ranks: ddp_child(case, int(ranks))}
+        print(json.dumps(children[kind](case, extra)))
         return
+    beside = "; beside a loop on every core" if args.busy else ""
     print(f"torch {torch.__version__}, one intra-op thread a process; {os.cpu_count()} CPUs; load "
-          f"{os.getloadavg()[0]:.1f}\ncheck / torch alone: time (alone: {TRAININGS} trainings), peak RSS of the "
+          f"{os.getloadavg()[0]:.1f}{beside}; medians of {args.repeats} fresh processes a side\n"
+          f"check / torch alone: time (alone: {TRAININGS} trainings), peak RSS of the "
           "checking process (against one torch-alone process that trains; under DDP, its largest rank) and of the "
           "largest rank\n", flush=True)
     header = ("case", "parameters", "regime", "verdict", "time", "peak RSS, checking process", "peak RSS, ranks")
     rows, notes = [header], []
     cases = [f"scale_mlp_{size}" for size in args.sizes] + ([] if args.no_gpt else ["scale_gpt2_124m"])
-    for case in cases:
-        for regime in args.regimes if case.startswith("scale_mlp") else [IN_PROCESS]:
-            rows.append(row(case, regime, notes))
-            print("  ".join(rows[-1]), flush=True)
+    with busy_neighbour(args.busy):
+        for case in cases:
+            for regime in args.regimes if case.startswith("scale_mlp") else [IN_PROCESS]:
+                rows.append(row(case, regime, notes, args.repeats))
+                print("  ".join(rows[-1]), flush=True)
     print("\n" + markdown_table(rows) + "".join(f"\n- {note}" for note in notes))
 
 
