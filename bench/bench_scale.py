@@ -109,10 +109,15 @@ def warm_up(rank: int = 0, world_size: int = 1) -> None:
 FLOORS = {"trainings": (1,) * TRAININGS, "regime": (1, 1, CHUNKS), "held": (1, 1, CHUNKS)}
 
 
+def parameter_count(case: str) -> int:
+    """The case's model's parameters, counted on the meta device: no memory, no initialisation."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in CASES[case].model().parameters())
+
+
 def recording_bytes(case: str) -> int:
     """What the check's reference recording holds: every step's gradients and the final weights (float32)."""
-    count = sum(p.numel() for p in CASES[case].model().parameters())
-    return count * (CASES[case].steps + 1) * 4
+    return parameter_count(case) * (CASES[case].steps + 1) * 4
 
 
 def floor_child(case: str, work: str) -> dict:
@@ -158,8 +163,7 @@ def gib(kib: int) -> str:
 
 
 def parameters(case: str) -> str:
-    count = sum(p.numel() for p in CASES[case].model().parameters())
-    return f"{count / 1e6:.1f}M"
+    return f"{parameter_count(case) / 1e6:.1f}M"
 
 
 def combined(runs: list[dict]) -> dict:
