@@ -89,8 +89,10 @@ class Case:
     cpu_generator_only: str = ""  # why the verdicts hold on the CPU generator only (CUDA draws by launch shape)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name.strip() or any(c in self.name for c in " ,:="):
-            raise InvalidArgument.value("name", self.name, "a non-empty string without spaces, ',', ':' or '='")
+        if (not isinstance(self.name, str) or not self.name.strip() or any(c in self.name for c in " ,:=")
+                or not self.name.isprintable()):  # a control character would redraw the tables the name stands in
+            raise InvalidArgument.value("name", self.name,
+                                        "a non-empty string of printable characters without spaces, ',', ':' or '='")
         for argument in ("model", "data", "loss", "optimizer", "items"):
             expect_callable(argument, getattr(self, argument))
         if isinstance(self.model, nn.Module):
@@ -120,6 +122,17 @@ class Case:
             raise InvalidArgument.type("expect_mismatch", self.expect_mismatch, "a mapping of regime -> reason")
         if self.regimes is not None:
             object.__setattr__(self, "regimes", tuple(self.regimes))
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """The case's optimizer over ``model``'s parameters; a factory that returns no optimizer is told so here,
+        not by an AttributeError deep in a regime's step."""
+        optimizer = self.optimizer(ModelParameters(model))
+        if not all(callable(getattr(optimizer, method, None)) for method in ("step", "zero_grad")):
+            raise InvalidArgument(
+                f"optimizer={self.optimizer!r} of case {self.name!r} returned {optimizer!r} "
+                f"(type={type(optimizer).__name__}): expected an optimizer with step() and zero_grad(), such as a "
+                "torch.optim.Optimizer over the parameters it is given (does the factory return it?)")
+        return optimizer
 
     @property
     def samples(self) -> int:

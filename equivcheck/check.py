@@ -282,6 +282,7 @@ def iter_outcomes(plan: Plan, *, measure_memory: bool = True, runner: IsolatedRu
     the report. ``runner``: the forked child of several plans (:func:`isolated`); by default an isolated plan
     forks its own."""
     case, precision = plan.case, plan.precision
+    pool.remove_orphaned_folders_once()  # what checks killed with their ranks left in the temporary folder
     yield from (Outcome(case.name, spec, Verdict.SKIPPED, reason=f"does not fit this case: {why}")
                 for spec, why in plan.misfits)
     if not plan.specs:

@@ -1,7 +1,7 @@
 """The command line: ``equivcheck list``, ``run`` and ``catalogue``; exit codes as pytest users know them.
 
-Ctrl-C and SIGTERM stop a run where it stands: the verdicts finished so far are printed and written
-to the JSON file, the worker pools are stopped, and the exit code says the run was interrupted.
+Ctrl-C and SIGTERM stop a run where it stands: the verdicts finished so far are written to the results files
+and printed, the worker pools are stopped, and the exit code says the run was interrupted.
 """
 
 from __future__ import annotations
@@ -9,15 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import contextlib
-import dataclasses
 import os
 import shutil
 import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from typing import TextIO
+from collections.abc import Callable, Iterator, Sequence
 
 from . import catalogue as pitfall_catalogue
 from . import field, html_report
@@ -26,13 +24,14 @@ from . import terminal
 from .audit import audit
 from .check import Report, Status, Verdict, isolated, iter_outcomes, plan_all, regimes_for
 from .distributed import launcher
-from .errors import Interrupted, InvalidArgument
+from .errors import Interrupted, InvalidArgument, ResultsNotWritten
 from .dispatch import DEFAULT_TIMEOUT
 from .precision import PRECISIONS
 from .process_exit import exit_without_teardown
 from .progress import Progress
 from .regimes import REGIMES, spec_usage
 from .registry import all_cases, load_cases_from, resolve_case
+from .results_file import check_writable, write_whole
 
 
 EXIT_CODES = {Status.OK: 0, Status.NOT_AS_EXPECTED: 1, Status.ERROR: 3, Status.NOTHING_CHECKED: 5}
@@ -42,11 +41,16 @@ EXIT_HELP = """exit status:
   0    every verdict as expected
   1    a verdict not as expected (a mismatch, an unexpected match, a reference that disagrees with itself,
        a synchronisation count alone unless --allow-communication)
-  2    usage error (a bad option, regime spec or --cases-from file); nothing ran
+  2    usage error (a bad option, regime spec or --cases-from file); nothing ran. Also: a results file could
+       not be written (the others and the report are; the error names the path and the reason)
   3    a run errored (the code checked raised, a worker rank died or timed out, a run's process died of a
        signal) and nothing was found wrong
-  5    nothing was checked (every check skipped, for example nccl with no GPU)
-  130  interrupted by Ctrl-C (SIGINT); 143 stopped by SIGTERM: the verdicts finished so far are printed
+  5    nothing was checked (every check skipped, for example nccl with no GPU, or none planned)
+  130  interrupted by Ctrl-C (SIGINT); 143 stopped by SIGTERM: the verdicts finished so far are written and printed
+  141  the reader of the output went away (| head); every results file was written first
+
+Results files are written whole or not at all, before the report: a temporary file beside each, renamed into
+place; the file there before is kept until then.
 """
 
 
@@ -169,14 +173,31 @@ def _signal_name(stop: BaseException) -> str:
     return "SIGTERM" if isinstance(stop, Interrupted) else "SIGINT"
 
 
-def _open_output(path: str | None, option: str = "--json") -> TextIO | None:
-    """An output file, opened before anything runs: a path that cannot be written is a usage error."""
-    if path is None:
-        return None
-    try:
-        return open(path, "w")  # noqa: SIM115 (written and closed at the end of the run)
-    except OSError as error:
-        raise InvalidArgument.value(option, path, f"a file that can be written ({error.strerror})") from None
+def _check_outputs(*options: tuple[str, str | None]) -> None:
+    """Every results path checked before anything runs; nothing is opened or truncated until the results exist."""
+    for option, path in options:
+        if path is not None:
+            check_writable(option, path)
+
+
+def _write_results(*files: tuple[str | None, Callable[[], str]]) -> list[ResultsNotWritten]:
+    """Each results file written whole, before the terminal report: a reader that closes the pipe or a Ctrl-C while
+    it prints loses none of them. One that cannot be written keeps the others; it is told after the report."""
+    unwritten = []
+    for path, render_text in files:
+        if path is not None:
+            try:
+                write_whole(path, render_text())
+            except ResultsNotWritten as error:
+                unwritten.append(error)
+    return unwritten
+
+
+def _told(unwritten: list[ResultsNotWritten], code: int) -> int:
+    """Say which results files could not be written; the run then exits 2, unless it was interrupted."""
+    for error in unwritten:
+        print(f"equivcheck: error: {error}", file=sys.stderr)
+    return EXIT_USAGE if unwritten and code not in EXIT_INTERRUPTED.values() else code
 
 
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a writer whose reader went away
@@ -216,9 +237,8 @@ def _run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     plans = plan_all(args.case, args.regime, rtol=args.rtol, atol=args.atol, backend=args.backend,
                      timeout=args.timeout, dtype=args.dtype, threads=args.threads, isolate=args.isolate)
+    _check_outputs(("--json", args.json), ("--html", args.html), ("--markdown", args.markdown))
     runner = isolated(plans)  # one forked child for the whole matrix
-    output = _open_output(args.json)
-    html_output, markdown_output = _open_output(args.html, "--html"), _open_output(args.markdown, "--markdown")
     outcomes, interrupted = [], None
     progress = Progress(sum(len(p.specs) for p in plans), "checks")
     try:
@@ -239,6 +259,10 @@ def _run(args: argparse.Namespace) -> int:
     if launcher.active() and launcher.rank() != 0:
         return code  # every rank ran the same checks; rank 0 reports them
     rows = render.to_rows(report)
+    unwritten = _write_results(
+        (args.json, lambda: render.json_document(rows, interrupted)),
+        (args.markdown, lambda: render.render_markdown(rows)),
+        (args.html, lambda: html_report.render_html(rows, _metadata(args, plans), args.plots)))
     if report.outcomes:
         print(terminal.render_overview(rows, _width(), colour=_colour()) if sys.stdout.isatty()
               else render.render_overview(rows, _width()))
@@ -250,18 +274,13 @@ def _run(args: argparse.Namespace) -> int:
         print(render.render_skips(report))
     if report.failures:
         print("\n" + render.render_failures(report))
-    for opened, write in ((output, lambda f: f.write(render.json_document(rows, interrupted))),
-                          (markdown_output, lambda f: f.write(render.render_markdown(rows))),
-                          (html_output, lambda f: f.write(html_report.render_html(rows, _metadata(args, plans), args.plots)))):
-        if opened is not None:
-            with opened:
-                write(opened)
     print("\n" + render.render_summary(report, time.perf_counter() - started, interrupted))
+    failed = {error.path for error in unwritten}
     written = [f"{what} {path}" for what, path in (("JSON", args.json), ("HTML", args.html), ("Markdown", args.markdown))
-               if path]
+               if path and path not in failed]
     print("; ".join(([] if args.matrix or not report.ok else ["full matrix: equivcheck run --matrix"])
                     + (written or ["an HTML report with divergence plots: --html PATH"])))
-    return code
+    return _told(unwritten, code)
 
 
 def _width() -> int:
@@ -280,14 +299,11 @@ def _metadata(args: argparse.Namespace, plans: list) -> dict[str, str]:
 
 def _catalogue(args: argparse.Namespace) -> int:
     started = time.perf_counter()
-    output = _open_output(args.json)
+    _check_outputs(("--json", args.json))
     rows = pitfall_catalogue.run_catalogue(args.dtype or pitfall_catalogue.DEFAULT_DTYPES, isolate=args.isolate)
+    unwritten = _write_results((args.json, lambda: _json_text(pitfall_catalogue.to_rows(rows))))
     print(pitfall_catalogue.render_catalogue(rows))
     print(pitfall_catalogue.CATALOGUE_LEGEND)
-    if output is not None:
-        with output:
-            json.dump(pitfall_catalogue.to_rows(rows), output, indent=2)
-            output.write("\n")
     met = pitfall_catalogue.targets_met(rows)
     skipped = sorted({row.dtype for row in rows if row.skipped})
     status = "every target met" if met else f"{sum(bool(r.shortfalls) for r in rows)} rows miss a target"
@@ -295,7 +311,7 @@ def _catalogue(args: argparse.Namespace) -> int:
     print(f"\n{len(rows)} rows ({pitfalls} pitfalls x {len(rows) // max(pitfalls, 1)} "
           f"precisions); {status}" + (f"; skipped: {', '.join(skipped)}" if skipped else "")
           + f" in {time.perf_counter() - started:.1f} s")
-    return 0 if met else 1
+    return _told(unwritten, 0 if met else 1)
 
 
 def _audit(args: argparse.Namespace) -> int:
@@ -303,26 +319,20 @@ def _audit(args: argparse.Namespace) -> int:
     names = args.case or list(all_cases())
     for name in names:
         resolve_case(name)  # every name known before anything trains
-    output = _open_output(args.json)
+    _check_outputs(("--json", args.json))
     audits = [audit(name, isolate=args.isolate) for name in names]
+    unwritten = _write_results((args.json, lambda: _json_text([row for a in audits for row in a.to_rows()])))
     print("\n\n".join(a.describe() for a in audits))
-    if output is not None:
-        with output:
-            json.dump([row for a in audits for row in a.to_rows()], output, indent=2)
-            output.write("\n")
-    return 0
+    return _told(unwritten, 0)
 
 
 def _field(args: argparse.Namespace) -> int:
     """Exit 0 where every row holds (the bug caught as reported, equivalent as fixed), else 1."""
     started = time.perf_counter()
-    output = _open_output(args.json)
+    _check_outputs(("--json", args.json))
     rows = field.run_field(args.family)
+    unwritten = _write_results((args.json, lambda: _json_text(field.to_rows(rows))))
     print(field.render(rows))
-    if output is not None:
-        with output:
-            json.dump(field.to_rows(rows), output, indent=2)
-            output.write("\n")
     broken = [row for row in rows if not row.holds]
     for row in broken:
         print(f"\n{row.bug.reference} ({row.module}) does not hold: as reported {row.buggy.describe()}; "
@@ -330,4 +340,8 @@ def _field(args: argparse.Namespace) -> int:
     print(f"\n{field.totals(row.bug for row in rows)}; "
           + (f"{len(broken)} rows do not hold" if broken else "every row holds")
           + f" in {time.perf_counter() - started:.1f} s")
-    return 1 if broken else 0
+    return _told(unwritten, 1 if broken else 0)
+
+
+def _json_text(rows: list[dict]) -> str:
+    return json.dumps(rows, indent=2) + "\n"

@@ -2,12 +2,15 @@
 
 An element matches when ``|actual - expected| <= atol + rtol * |expected|`` (torch.testing's rule).
 Its *margin* is the left side over the right: below 1 it matches, and 1 / margin is the headroom.
+A complex tensor's real and imaginary parts are elements of their own, each judged at its own scale, as an
+optimizer steps them (``torch.view_as_real``): a change to one part alone is never hidden by the other's size.
 Every mismatched quantity is reported, not only the first.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterator, Mapping
 
@@ -35,11 +38,16 @@ class TensorDiff:
     max_rel: float
     rel_index: tuple[int, ...]
     margin: float
+    complex_parts: bool = False  # of complex tensors: each index ends in the part, 0 real and 1 imaginary
 
     @classmethod
     def of(cls, actual: Tensor, expected: Tensor, tol: Tolerance) -> TensorDiff:
         """Streamed over slices of :data:`CHUNK` elements, with no temporary of the tensor's size: one scan for
         a tensor within ``tol``, and the breakdown (mismatched elements, NaNs) only for one that is not."""
+        if expected.is_complex() or actual.is_complex():  # a real one's imaginary parts are 0
+            dtype = expected.dtype.to_complex()
+            diff = cls.of(as_real(actual.to(dtype)), as_real(expected.to(dtype)), tol)
+            return dataclasses.replace(diff, complex_parts=True)
         if not expected.numel():  # an empty parameter (a placeholder): nothing to differ
             return cls(0, 0, 0.0, (), 0.0, 0.0, (), 0.0)
         flat_actual, flat_expected = actual.to(expected.dtype).reshape(-1), expected.reshape(-1)
@@ -115,6 +123,12 @@ class _Scan:
                           _allowed(self.expected, abs_at, self.tol), greatest_rel[2], _index(rel_at, shape), margin)
 
 
+def as_real(tensor: Tensor) -> Tensor:
+    """``tensor``, or a complex one as its real and imaginary parts along a last dimension of 2 (a view): each part
+    an element of its own."""
+    return torch.view_as_real(tensor.resolve_conj()) if tensor.is_complex() else tensor
+
+
 def _greater(best: tuple[float, int], value: float, start: int) -> tuple[float, int]:
     """``(value, start)`` where ``value`` is greater than ``best``'s: on a tie the earlier slice keeps it."""
     return (value, start) if value > best[0] else best
@@ -159,14 +173,22 @@ class Mismatch:
     def describe(self, tol: Tolerance) -> str:
         d = self.diff
         where = "final" if self.first_step is None else f"from step {self.first_step} (worst at step {self.worst_step})"
-        index = lambda i: f" at index {i}" if i else ""  # noqa: E731
+        index = functools.partial(_at, parts=d.complex_parts)
+        counted = " (real and imaginary parts counted apart)" if d.complex_parts else ""
         return (
             f"{self.kind} of {self.name!r} mismatched {where}:\n"
-            f"  Mismatched elements: {d.mismatched} / {d.total} ({d.mismatched / d.total:.1%})\n"
+            f"  Mismatched elements: {d.mismatched} / {d.total} ({d.mismatched / d.total:.1%}){counted}\n"
             f"  Greatest absolute difference: {d.max_abs:.3g}{index(d.abs_index)} (up to {d.abs_allowed:.3g} allowed)\n"
             f"  Greatest relative difference: {d.max_rel:.3g}{index(d.rel_index)} (up to {tol.rtol:g} allowed)\n"
             f"  Margin: {d.margin:.3g} (error / allowed error)"
         )
+
+
+def _at(index: tuple[int, ...], parts: bool) -> str:
+    """Where an element is, said after a figure: a complex tensor's index ends in the part."""
+    if not parts:
+        return f" at index {index}" if index else ""
+    return f" in the {('real', 'imaginary')[index[-1]]} part" + _at(index[:-1], parts=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +228,7 @@ class Comparison:
 def tolerance_of(reference: RunResult, rtol: float | None = None, atol: float | None = None) -> Tolerance:
     """What a comparison with ``reference`` is judged at by default: its precision mode's tolerance (its weights'
     dtype where it names none), unless the call gives ``rtol`` and ``atol``."""
-    mode = PRECISIONS.get(reference.precision) or next(iter(reference.weights.values())).dtype
+    mode = PRECISIONS.get(reference.precision) or next(iter(reference.weights.values())).dtype.to_real()
     return Tolerance.resolve(mode, rtol, atol)
 
 
@@ -262,7 +284,7 @@ def _small_and_within(reference: RunResult, candidate: RunResult, tol: Tolerance
         return None
     joined: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
     for actual, expected in pairs:
-        if actual is None or actual.shape != expected.shape:
+        if actual is None or actual.shape != expected.shape or (actual.dtype != expected.dtype and actual.is_complex()):
             return None
         actuals, expecteds = joined.setdefault(expected.dtype, ([], []))
         actuals.append(actual.to(expected.dtype).reshape(-1))

@@ -7,11 +7,13 @@ value it got and what is allowed. A failed equivalence raises :class:`NotEquival
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
+import traceback
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 
 class EquivcheckError(Exception):
@@ -71,6 +73,8 @@ def expect_number(argument: str, value: object, *, minimum: float, maximum: floa
     return float(value)
 
 
+RAISE_TIMEOUT = ("if it is only slow, allow more: --timeout SECONDS (equivcheck run), timeout= (ec.check, "
+                 "check_step, check_loop), --equivcheck-timeout or @pytest.mark.equivcheck(timeout=...) (pytest)")
 MAX_TIMEOUT = 86_400.0  # seconds: a day bounds any job, and keeps select() and sleep() from overflowing
 MAX_SEED = 2**32 - 1  # numpy's seeds stop here
 
@@ -115,6 +119,30 @@ class RunDied(WorkerError):
     def __init__(self, message: str, *, remote_traceback: str = "", exit_code: int = 0) -> None:
         super().__init__(message, remote_traceback=remote_traceback)
         self.exit_code = exit_code
+
+
+class ResultsNotWritten(EquivcheckError, OSError):
+    """A results file (``--json``, ``--html``, ``--markdown``) could not be written; the one there before is kept."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"could not write {path}: {reason}")
+        self.path, self.reason = path, reason
+
+
+class CodeExited(EquivcheckError, RuntimeError):
+    """The code checked raised SystemExit (``sys.exit()``, ``exit()``, argparse giving up) while it ran: an error
+    of that code, told where it happened, never the end of the check or of the process running it."""
+
+
+@contextlib.contextmanager
+def exits_as_errors() -> Iterator[None]:
+    """Turn a SystemExit raised inside into :class:`CodeExited` naming the code and the line that raised it."""
+    try:
+        yield
+    except SystemExit as done:
+        frames = traceback.extract_tb(done.__traceback__)
+        place = f" at {frames[-1].filename}:{frames[-1].lineno} (in {frames[-1].name})" if frames else ""
+        raise CodeExited(f"the code checked raised SystemExit({done.code!r}){place}") from done
 
 
 class Unavailable(EquivcheckError):

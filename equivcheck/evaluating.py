@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
 from .case import Case
-from .errors import InvalidArgument, NonFinite
+from .errors import InvalidArgument, NonFinite, exits_as_errors
 from .precision import resolve_precision
 from .registry import get_case, load_cases_from
 from .import_paths import resolve
@@ -35,7 +35,7 @@ def evaluate(case: Case, fn: EvaluateFn, *, seed: int, device: torch.device | No
         model = build_model(case, precision, device).eval()
         batches = load_batches(case, precision, device)
     dataset = epoch_dataset(batches, case.epochs)
-    with default_dtype(precision.dtype), torch.no_grad():
+    with default_dtype(precision.dtype), torch.no_grad(), exits_as_errors():
         value = fn(model, dataset)
     return {"metrics": metrics_of(value), "samples": len(dataset)}
 

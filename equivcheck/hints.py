@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from .compare import Comparison, Mismatch
+from .compare import Comparison, Mismatch, as_real
 from .result import RunResult
 
 # A common factor must explain every gradient to this relative residual to count as "one factor".
@@ -129,8 +129,8 @@ def common_factor(reference: RunResult, candidate: RunResult) -> float | None:
     """The c != 1 with candidate == c * reference for every step-0 gradient, if there is one."""
     if not reference.grads or not candidate.grads or reference.grads[0].keys() != candidate.grads[0].keys():
         return None
-    ref = torch.cat([g.reshape(-1).double() for g in reference.grads[0].values()])
-    cand = torch.cat([candidate.grads[0][name].reshape(-1).double() for name in reference.grads[0]])
+    ref = torch.cat([as_real(g).reshape(-1).double() for g in reference.grads[0].values()])
+    cand = torch.cat([as_real(candidate.grads[0][name]).reshape(-1).double() for name in reference.grads[0]])
     norm = float(ref.dot(ref))
     if norm == 0.0 or ref.shape != cand.shape:
         return None

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from .errors import InvalidArgument, Unavailable, expect_tolerances
 from .kernels import DEFAULT, KernelPath, decide, needs_probe, path_named
@@ -64,8 +65,13 @@ class Precision:
 
         Autocast wraps the forward passes only, never backward or the optimizer step (as AMP asks),
         and every module's, so a regime that calls a part of the model (a trunk, a head) gets it too.
+        A complex parameter or buffer goes to the complex dtype of this mode's width, never to a real one.
         """
-        model = model.to(device=device or self.device, dtype=self.dtype)
+        device = device or self.device
+        if any(t.is_complex() for t in itertools.chain(model.parameters(), model.buffers())):
+            model = model._apply(functools.partial(_moved, device=device, dtype=self.dtype))
+        else:  # through the model's own ``to``, which a model may extend (a LightningModule notes its dtype there)
+            model = model.to(device=device, dtype=self.dtype)
         if self.autocast is not None:
             for module in model.modules():
                 module.forward = self.autocasting(module.forward)
@@ -95,6 +101,14 @@ class Precision:
 
 
 GRAD_SCALER_INIT = 2.0**8
+
+
+def _moved(tensor: Tensor, device: torch.device | str, dtype: torch.dtype) -> Tensor:
+    """``tensor`` on ``device``: a floating-point one in ``dtype``, a complex one in the complex dtype of that width
+    (``Module.to`` would cast it to ``dtype`` itself, dropping its imaginary part), any other in its own dtype."""
+    if tensor.is_complex():
+        return tensor.to(device=device, dtype=dtype.to_complex())
+    return tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
 
 
 SHADOW = "float64-shadow"  # the mode that measures a low-precision run's rounding (equivcheck.rounding)

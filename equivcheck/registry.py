@@ -5,7 +5,9 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import os
 import sys
+import sysconfig
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -88,22 +90,32 @@ def load_cases_from(source: str) -> None:
     """Import a module by name or a Python file by path, so that its ``register_case`` calls run.
 
     A source that cannot be imported (a syntax error, an exception, a missing package) is a usage
-    error naming the file and line, ``cases.py:3: ZeroDivisionError: division by zero``."""
+    error naming the file and line, ``cases.py:3: ZeroDivisionError: division by zero``. So is one that
+    exits while it is imported (a script's ``sys.exit(main())`` outside its main guard, argparse's
+    ``--help``) or raises KeyboardInterrupt: a gate whose cases never registered has checked nothing."""
     try:
         _import_source(source)
     except InvalidArgument:
         raise
-    except Exception as error:
+    except (Exception, SystemExit, KeyboardInterrupt) as error:
         raise InvalidArgument(f"cases_from={source!r} could not be imported: {_where(error)}") from error
 
 
-def _where(error: Exception) -> str:
+_STANDARD_LIBRARY = sysconfig.get_paths()["stdlib"] + os.sep
+
+
+def _where(error: BaseException) -> str:
     """``file:line: Type: message`` for the innermost frame of the failure (a syntax error's own place)."""
     if isinstance(error, SyntaxError) and error.filename:
         return f"{error.filename}:{error.lineno}: {type(error).__name__}: {error.msg}"
     frames = traceback.extract_tb(error.__traceback__)
     user = [f for f in frames if "importlib" not in f.filename and f.filename != __file__] or frames
+    if isinstance(error, SystemExit):  # the user's line that exits, not argparse's own exit inside the standard library
+        user = [f for f in user if not f.filename.startswith(_STANDARD_LIBRARY)] or user
     place = f"{user[-1].filename}:{user[-1].lineno}: " if user else ""
+    if isinstance(error, SystemExit):
+        return (f"{place}SystemExit({error.code!r}): the module exits while it is imported (a script's "
+                "sys.exit(...) outside `if __name__ == \"__main__\":`?), so no case it defines was registered")
     return f"{place}{type(error).__name__}: {error}"
 
 

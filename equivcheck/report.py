@@ -37,6 +37,18 @@ def cell(outcome: Outcome) -> str:
     return f"{label} {comparison.margin:.0e}"
 
 
+NAME_WIDTH = 60  # a case's name in a table: longer ones are cut, so one cannot push every column off screen
+
+
+def shown(name: str) -> str:
+    """A case's name as a table shows it: whole up to NAME_WIDTH characters, else its start and end around '...'
+    (the JSON rows keep it whole)."""
+    if len(name) <= NAME_WIDTH:
+        return name
+    half = (NAME_WIDTH - 3) // 2
+    return f"{name[:half]}...{name[-(NAME_WIDTH - 3 - half):]}"
+
+
 def render_matrix(report: Report, width: int = 120, *, cell=cell) -> str:
     return render_grid(((o.case, o.regime, cell(o)) for o in report.outcomes), width)
 
@@ -51,7 +63,7 @@ def render_grid(cells: Iterable[tuple[str, str, str]], width: int = 120) -> str:
     cells = {(case, regime): text for case, regime, text in cells}
     cases = list(dict.fromkeys(case for case, _ in cells))
     regimes = list(dict.fromkeys(regime for _, regime in cells))
-    case_width = max(len("case"), *(len(c) for c in cases)) if cases else len("case")
+    case_width = max(len("case"), *(len(shown(c)) for c in cases)) if cases else len("case")
     column_width = {r: max(len(r), *(len(cells.get((c, r), ".")) for c in cases)) for r in regimes}
     panels, used = [[]], case_width
     for regime in regimes:
@@ -61,7 +73,7 @@ def render_grid(cells: Iterable[tuple[str, str, str]], width: int = 120) -> str:
         panels[-1].append(regime)
         used += 2 + column_width[regime]
     return "\n\n".join(
-        render_columns([["case", *panel]] + [[c, *(cells.get((c, r), ".") for r in panel)]
+        render_columns([["case", *panel]] + [[shown(c), *(cells.get((c, r), ".") for r in panel)]
                                              for c in cases if any((c, r) in cells for r in panel)])
         for panel in panels
     )
@@ -112,7 +124,8 @@ def render_summary(report: Report, seconds: float, interrupted: str | None = Non
     if interrupted:
         status = f"interrupted by {interrupted}"
     elif report.status is Status.NOTHING_CHECKED:
-        status = "nothing was checked: every check was skipped" if report.outcomes else "nothing was checked"
+        status = ("nothing was checked: every check was skipped" if report.outcomes
+                  else "nothing was checked: no check was planned")
     else:
         status = "all as expected" if report.ok else f"{len(report.failures)} not as expected"
     return f"{len(report.outcomes)} checks: {tally}; {status} in {seconds:.1f} s"
@@ -138,7 +151,8 @@ def overview_table(rows: list[dict]) -> list[list[str]]:
         wrong = [f"{LABELS[Verdict(r['verdict'])]} {r['regime']} {_margin(r)}" for r in found
                  if r["verdict"] not in AS_EXPECTED]
         caught = [f"{r['regime']} {_margin(r)}" for r in found if r["verdict"] == Verdict.EXPECTED_MISMATCH.value]
-        table.append([case, ", ".join(f"{n} {label}" for label, n in counts.items()), "; ".join(wrong or caught) or "-"])
+        table.append([shown(case), ", ".join(f"{n} {label}" for label, n in counts.items()),
+                      "; ".join(wrong or caught) or "-"])
     return table
 
 

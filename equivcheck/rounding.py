@@ -28,8 +28,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from .case import Case, ModelParameters
-from .compare import Comparison, Tolerance, compare
+from .case import Case
+from .compare import Comparison, Tolerance, as_real, compare
 from .hints import diagnose
 from .precision import SCALED_SHADOW, SHADOW, Precision
 from .result import RunResult
@@ -96,17 +96,19 @@ def _noise_margin(reference: RunResult, candidate: RunResult, ref64: RunResult, 
                   tol: Tolerance) -> tuple[float, float, float]:
     """The greatest ``|candidate - reference| / (allowed + noise)`` over every element, where ``noise``
     is how far the two runs stray from their shadows on that quantity (that step's gradient of that
-    parameter, a final weight, the loss series); and each run's greatest noise."""
+    parameter, a final weight, the loss series); and each run's greatest noise. A complex quantity's real and
+    imaginary parts are elements of their own, as compare.py judges them."""
     margin = ref_noise = cand_noise = 0.0
     for (actual, expected, exact), (_, own, own_exact) in zip(_quantities(reference, candidate, ref64),
                                                               _quantities(candidate, candidate, cand64)):
         if not expected.numel():
             continue
-        expected = expected.double()
-        noise_ref = float((expected - exact.double()).abs().max())
-        noise_cand = float((own.double() - own_exact.double()).abs().max())
+        actual, expected, exact, own, own_exact = (as_real(t).double()
+                                                   for t in (actual, expected, exact, own, own_exact))
+        noise_ref = float((expected - exact).abs().max())
+        noise_cand = float((own - own_exact).abs().max())
         allowed = tol.atol + tol.rtol * expected.abs() + noise_ref + noise_cand
-        gap = (actual.double() - expected).abs()
+        gap = (actual - expected).abs()
         ratio = torch.where(gap == 0, 0.0, gap / allowed)  # equal is 0 even where nothing is allowed
         margin, ref_noise, cand_noise = (max(margin, float(ratio.max())), max(ref_noise, noise_ref),
                                          max(cand_noise, noise_cand))
@@ -134,7 +136,7 @@ def conditioning(case: Case, seed: int) -> str:
     """Why this case turns rounding into visible differences, as far as its model and optimizer show."""
     with seeded(seed):
         model = case.model()
-        optimizer = case.optimizer(ModelParameters(model))
+        optimizer = case.build_optimizer(model)
     causes = []
     for module in model.modules():
         if isinstance(module, nn.LayerNorm) and math.prod(module.normalized_shape) <= FEW_FEATURES:

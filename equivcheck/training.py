@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 from .case import Batch, Case, Objective
 from .closure import evaluate_closure
 from .compare import Expected, Measurement
-from .errors import InvalidArgument, NonFinite, Unavailable
+from .errors import InvalidArgument, NonFinite, Unavailable, exits_as_errors
 from .measure.activation import activation_meter
 from .measure.collectives import add_traffic
 from .measure.state import held_bytes, optimizer_state_bytes
@@ -60,7 +60,8 @@ def train(
     run = functools.partial(_train, case, regime, precision, seed=seed, measure_memory=measure_memory, threads=threads,
                             order=order, against=against)
     # None: something wrote to a gradient the recording kept after its step had used it: train again, copying each.
-    return run(keeps_gradients=regime.releases_gradients) or run(keeps_gradients=False)
+    with exits_as_errors():
+        return run(keeps_gradients=regime.releases_gradients) or run(keeps_gradients=False)
 
 
 def _train(case: Case, regime: Regime, precision: Precision, *, seed: int, measure_memory: bool, threads: int | None,
@@ -93,7 +94,7 @@ def _train(case: Case, regime: Regime, precision: Precision, *, seed: int, measu
         return None
     held = (held_bytes(model.parameters()), recorder.grad_bytes,
             optimizer_state_bytes(regime.local_optimizer(optimizer)))
-    named_buffers = [(n, b) for n, b in model.named_buffers() if b.is_floating_point()]
+    named_buffers = [(n, b) for n, b in model.named_buffers() if b.is_floating_point() or b.is_complex()]
     if against is None:
         # The final state is no copy: the model is done with once this returns, and nothing writes to it again.
         weights, buffers = (snapshot(named, regime.full_tensor, copy=False)
@@ -287,7 +288,7 @@ class GradRecorder:
         grads = {n: self._full_tensor(p.grad.detach() if p.grad is not None else torch.zeros_like(p))
                  for n, p in self._named}
         if self._norms:
-            self.grad_norms.append(math.sqrt(sum(float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2
+            self.grad_norms.append(math.sqrt(sum(float(torch.linalg.vector_norm(g, dtype=_wide(g))) ** 2
                                                  for g in grads.values())))
         if self.measurement is None:
             self.grads.append(self._kept_or_copied(grads))
@@ -356,6 +357,11 @@ def rank_spread(weights: dict[str, Tensor]) -> float:
     spread = torch.tensor([local], dtype=torch.float64, device=next(iter(weights.values())).device)
     dist.all_reduce(spread, op=dist.ReduceOp.MAX)
     return float(spread)
+
+
+def _wide(tensor: Tensor) -> torch.dtype:
+    """The float64 a norm sums in: complex128 for a complex tensor, whose norm torch takes only in a complex dtype."""
+    return torch.complex128 if tensor.is_complex() else torch.float64
 
 
 def snapshot(named, full_tensor: Callable[[Tensor], Tensor] = lambda t: t, *, copy: bool = True) -> dict[str, Tensor]:

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from .compare import Comparison, Mismatch, Tolerance, compare
+from .compare import Comparison, Mismatch, Tolerance, as_real, compare
 from .result import RunResult
 
 ORDERS = ("reversed", "rolled")  # the witnesses: each global batch's samples reversed, and rolled by half
@@ -67,10 +67,11 @@ def _at_rounding_level(reference: RunResult, name: str) -> Tensor:
     """The elements of parameter ``name`` whose reference gradient is at rounding level at every step."""
     level = None
     for step in reference.grads:
-        largest = max(float(g.abs().max()) for g in step.values() if g.numel())
-        small = step[name].abs() <= ROUNDING_LEVEL * torch.finfo(step[name].dtype).eps * largest
+        largest = max(float(as_real(g).abs().max()) for g in step.values() if g.numel())
+        grad = as_real(step[name])
+        small = grad.abs() <= ROUNDING_LEVEL * torch.finfo(grad.dtype).eps * largest
         level = small if level is None else level & small
-    return level if level is not None else torch.zeros(reference.weights[name].shape, dtype=torch.bool)
+    return level if level is not None else torch.zeros(as_real(reference.weights[name]).shape, dtype=torch.bool)
 
 
 def _mismatched(mismatch: Mismatch, reference: RunResult, candidate: RunResult, tol: Tolerance) -> Tensor:
@@ -78,7 +79,14 @@ def _mismatched(mismatch: Mismatch, reference: RunResult, candidate: RunResult, 
         expected, actual = reference.weights[mismatch.name], candidate.weights[mismatch.name]
     else:  # a gradient, at the mismatch's own worst step
         expected, actual = (run.grads[mismatch.worst_step][mismatch.name] for run in (reference, candidate))
-    return (actual.double() - expected.double()).abs() > tol.atol + tol.rtol * expected.double().abs()
+    actual, expected = _float64(actual), _float64(expected)
+    return (actual - expected).abs() > tol.atol + tol.rtol * expected.abs()
+
+
+def _float64(tensor: Tensor) -> Tensor:
+    """``tensor`` in float64, a complex one as its real and imaginary parts: elements of their own, as compare.py
+    judges them."""
+    return as_real(tensor).double()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,11 +174,12 @@ def _greatest_difference(mismatch: Mismatch, reference: RunResult, other: RunRes
     """The greatest absolute difference of ``mismatch``'s quantity between two runs, over its steps."""
     name = mismatch.name
     if mismatch.kind == "grad":
-        return max(float((a[name].double() - b[name].double()).abs().max()) for a, b in zip(reference.grads, other.grads))
+        return max(float((_float64(a[name]) - _float64(b[name])).abs().max())
+                   for a, b in zip(reference.grads, other.grads))
     if mismatch.kind == "loss":
         return max((abs(a - b) for a, b in zip(reference.losses, other.losses) if None not in (a, b)), default=0.0)
     field = "weights" if mismatch.kind == "weight" else "buffers"
-    return float((getattr(reference, field)[name].double() - getattr(other, field)[name].double()).abs().max())
+    return float((_float64(getattr(reference, field)[name]) - _float64(getattr(other, field)[name])).abs().max())
 
 
 def _noted(comparison: Comparison, note: str) -> Comparison:
@@ -191,8 +200,8 @@ def _margin_elsewhere(reference: RunResult, candidate: RunResult, comparison: Co
     for key, expected, actual in pairs:
         if key in judged or not expected.numel():
             continue
-        expected = expected.double()
-        gap = (actual.double() - expected).abs()
+        expected = _float64(expected)
+        gap = (_float64(actual) - expected).abs()
         margin = max(margin, float(torch.where(gap == 0, 0.0, gap / (tol.atol + tol.rtol * expected.abs())).max()))
     return margin
 
@@ -219,9 +228,9 @@ def _noise(mismatch: Mismatch, reference: RunResult, candidate: RunResult, witne
     noise = moved_most = gradient = strayed = margin = 0.0
     explained = True
     for expected, actual, seen, grads, true in _tensors(mismatch, reference, candidate, witnesses, initial):
-        expected, actual = expected.double(), actual.double()
+        expected, actual = _float64(expected), _float64(actual)
         allowed = tol.atol + tol.rtol * expected.abs()
-        apart = torch.stack([(w.double() - expected).abs() for w in seen]).amax(dim=0)
+        apart = torch.stack([(_float64(w) - expected).abs() for w in seen]).amax(dim=0)
         noisy = (apart > allowed) if level is None else level
         gap = (actual - expected).abs()
         matched = gap <= allowed
@@ -232,15 +241,16 @@ def _noise(mismatch: Mismatch, reference: RunResult, candidate: RunResult, witne
         if true is None:  # a buffer: the witnesses' spread is the scale, the difference what is judged
             scale, stray = float(apart[noisy].max()), gap
         else:
-            scale = max(float((run - true.double()).abs()[noisy].max()) for run in [expected, *(w.double() for w in seen)])
-            stray = (actual - true.double()).abs()
+            true = _float64(true)
+            scale = max(float((run - true).abs()[noisy].max()) for run in [expected, *(_float64(w) for w in seen)])
+            stray = (actual - true).abs()
         within = noisy & (stray <= WITNESS_FACTOR * scale)
         explained &= bool((matched | within).all())
         ratio = torch.where(noisy, stray / max(WITNESS_FACTOR * scale, tol.atol), gap / allowed)
         margin = max(margin, float(torch.where(gap == 0, 0.0, ratio).max()))
         noise, moved_most = max(noise, float(apart[noisy].max())), max(moved_most, scale)
         strayed = max(strayed, float(gap[noisy].max()))
-        gradient = max([gradient] + [float(g.double()[noisy].abs().max()) for g in grads])
+        gradient = max([gradient] + [float(_float64(g)[noisy].abs().max()) for g in grads])
         driven = noisy.reshape(-1) if not driven.numel() else driven | noisy.reshape(-1)
     if not driven.numel() or moved_most == 0:
         return None
@@ -267,6 +277,8 @@ def _name_elements(name: str, driven: Tensor, reference: RunResult, kind: str) -
     """``name[16:32]`` for a vector's contiguous runs of noise-driven elements, else how many of how many."""
     count, total = int(driven.sum()), driven.numel()
     shape = (reference.weights.get(name) if kind != "buffer" else reference.buffers.get(name))
+    if shape is not None and shape.is_complex() and count != total:
+        return f"'{name}' ({count} of {total} real and imaginary parts)"
     if shape is None or shape.dim() != 1 or count == total:
         return f"'{name}'" + ("" if count == total else f" ({count} of {total} elements)")
     runs, start = [], None

@@ -1,10 +1,9 @@
 """Controller: gathers the outcome rows of every test, on whichever process renders (the xdist
-controller, or the only process), and writes the matrix, the JSON rows, the HTML report and the
-Markdown summary at the end."""
+controller, or the only process), and writes the JSON rows, the HTML report and the Markdown summary at the
+end of the session, each whole or not at all (``equivcheck.results_file``), before the terminal summary
+prints the matrix. A file that cannot be written keeps the others and ends the session with exit 4."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 
@@ -18,6 +17,7 @@ class Controller:
         self.metadata = metadata or {}
         self.order: dict[str, int] = {}  # test id -> its place in the collection
         self.arrived: list[tuple[str, dict]] = []  # (test id, {"row": the CLI's JSON row, "cell": its text})
+        self.unwritten: list[str] = []  # why each results file that could not be written was not
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         self.order = {item.nodeid: i for i, item in enumerate(session.items)}
@@ -39,25 +39,45 @@ class Controller:
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         rows = self.rows
-        if not rows:
+        if rows:
+            from equivcheck.report import LEGEND, render_grid
+
+            terminalreporter.write_sep("=", "equivcheck")
+            terminalreporter.write_line(render_grid((r["row"]["case"], r["row"]["regime"], r["cell"]) for r in rows))
+            terminalreporter.write_line(LEGEND)
+        for reason in self.unwritten:
+            terminalreporter.write_line(f"ERROR: equivcheck: {reason}",
+                                        red=True)
+
+    @pytest.hookimpl(tryfirst=True)  # before the terminal reporter's summary, and before any other plugin's teardown
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        files = [(path, render) for path, render in ((self.json_path, self._json), (self.markdown_path, self._markdown),
+                                                      (self.html_path, self._html)) if path]
+        if not files:
             return
-        from equivcheck.report import LEGEND, render_grid
+        from equivcheck.errors import ResultsNotWritten
+        from equivcheck.results_file import write_whole
 
-        terminalreporter.write_sep("=", "equivcheck")
-        terminalreporter.write_line(render_grid((r["row"]["case"], r["row"]["regime"], r["cell"]) for r in rows))
-        terminalreporter.write_line(LEGEND)
-
-    def pytest_sessionfinish(self) -> None:
         rows = [r["row"] for r in self.rows]
-        if self.json_path:
-            from equivcheck.report import json_document
+        for path, render in files:
+            try:
+                write_whole(path, render(rows))
+            except ResultsNotWritten as error:
+                self.unwritten.append(str(error))
+        if self.unwritten:
+            session.exitstatus = pytest.ExitCode.USAGE_ERROR
 
-            Path(self.json_path).write_text(json_document(rows))
-        if self.markdown_path:
-            from equivcheck.report import render_markdown
+    def _json(self, rows: list[dict]) -> str:
+        from equivcheck.report import json_document
 
-            Path(self.markdown_path).write_text(render_markdown(rows, title="equivcheck (pytest)"))
-        if self.html_path:
-            from equivcheck.html_report import render_html, run_metadata
+        return json_document(rows)
 
-            Path(self.html_path).write_text(render_html(rows, run_metadata(**self.metadata), self.plots))
+    def _markdown(self, rows: list[dict]) -> str:
+        from equivcheck.report import render_markdown
+
+        return render_markdown(rows, title="equivcheck (pytest)")
+
+    def _html(self, rows: list[dict]) -> str:
+        from equivcheck.html_report import render_html, run_metadata
+
+        return render_html(rows, run_metadata(**self.metadata), self.plots)

@@ -33,7 +33,8 @@ def deadline(seconds: float | None, what: str) -> Iterator[None]:
                            "cannot interrupt a check (SIGALRM in the main thread is needed)")
 
     def expire(signum, frame):
-        raise CheckTimeout(f"{what} ran past timeout={seconds:g} s")
+        raise CheckTimeout(f"{what} ran past timeout={seconds:g} s; if it is only slow, allow more: "
+                           "--equivcheck-timeout SECONDS or @pytest.mark.equivcheck(timeout=...)")
 
     previous = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, seconds)

@@ -99,6 +99,11 @@ def test_usage_errors_exit_2(argv, message, capsys):
     ("x = (\n", "bad_cases.py:1: SyntaxError: '(' was never closed"),
     ("import equivcheck\nx = 1 / 0\n", "bad_cases.py:2: ZeroDivisionError: division by zero"),
     ("import no_such_package_xyz\n", "bad_cases.py:1: ModuleNotFoundError: No module named 'no_such_package_xyz'"),
+    # A team script with no main guard exits while it is imported (sys.exit(main()), argparse's --help): before,
+    # the command exited 0, printing nothing and writing no JSON.
+    ("import sys\ndef main():\n    return 0\nsys.exit(main())\n", "bad_cases.py:4: SystemExit(0): the module exits"),
+    ("import argparse\nargparse.ArgumentParser().parse_args(['--help'])\n", "bad_cases.py:2: SystemExit(0)"),
+    ("raise KeyboardInterrupt\n", "bad_cases.py:1: KeyboardInterrupt"),
 ])
 def test_a_cases_from_file_that_cannot_be_imported_exits_2_naming_file_and_line(tmp_path, capsys, source, message):
     bad = tmp_path / "bad_cases.py"

@@ -15,6 +15,7 @@ from torch import nn
 
 import equivcheck as ec
 from equivcheck import Verdict
+from equivcheck.distributed import forker as forkers
 from equivcheck.distributed import pool as pools
 from equivcheck.regimes.ddp import auto_backend
 
@@ -133,7 +134,8 @@ def test_a_faulty_rank_becomes_an_error_and_the_next_job_gets_a_fresh_pool(case,
     if case == "fault_raise":
         assert "injected fault on rank 1" in crashed.details and "Traceback" in crashed.details
         assert 'fault_cases.py", line' in crashed.details  # the rank's own frames, not the parent's
-    if case == "fault_hang":  # each hung rank's stack says where it stands
+    if case == "fault_hang":  # each hung rank's stack says where it stands, and the message how to allow more time
+        assert "allow more: --timeout SECONDS (equivcheck run), timeout= (ec.check" in crashed.reason
         rank1 = crashed.details.split("rank 1 stack when it timed out:")[1]
         assert "fault_cases.py" in rank1 and "in forward" in rank1
     deadline = time.monotonic() + 10
@@ -174,7 +176,7 @@ def forkers_of(parent: int) -> list[int]:
                 words = file.read().rstrip(b"\0").split(b"\0")
         except OSError:
             continue
-        if b"equivcheck.distributed" in words and words[-1] == str(parent).encode():
+        if forkers.FORKER_COMMAND.encode() in words and words[-1] == str(parent).encode():
             found.append(int(cmdline.split("/")[2]))
     return [pid for pid in found if alive(pid)]
 

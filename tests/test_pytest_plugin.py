@@ -215,12 +215,15 @@ def test_option_mistakes_are_usage_errors(pytester, args, message):
     ("x = (\n", "bad_cases.py:1: SyntaxError: '(' was never closed"),
     ("import equivcheck\nx = 1 / 0\n", "bad_cases.py:2: ZeroDivisionError: division by zero"),
     ("import no_such_package_xyz\n", "bad_cases.py:1: ModuleNotFoundError: No module named 'no_such_package_xyz'"),
+    # A team script with no main guard exits while it is imported: no case registered, never a green run.
+    ("import sys\ndef main():\n    return 0\nsys.exit(main())\n", "bad_cases.py:4: SystemExit(0): the module exits"),
+    ("raise KeyboardInterrupt\n", "bad_cases.py:1: KeyboardInterrupt"),
 ])
 def test_a_cases_from_file_that_cannot_be_imported_is_a_usage_error(pytester, source, message):
     pytester.makepyfile(bad_cases=source)
     result = pytester.runpytest("--equivcheck-cases-from", "bad_cases.py")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines([f"*equivcheck: cases_from='bad_cases.py' could not be imported: *{message}"])
+    result.stderr.fnmatch_lines([f"*equivcheck: cases_from='bad_cases.py' could not be imported: *{message}*"])
     assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
 
 

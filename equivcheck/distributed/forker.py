@@ -36,6 +36,10 @@ PRELOADED = ("torch", "torch.distributed", *TRAINING_IMPORTS, "equivcheck.distri
 FORKER_ENVIRONMENT = {"OMP_NUM_THREADS": "1"}
 STANDARD_STREAMS = (0, 1, 2)
 ORPHANED_EXIT = 1  # how a rank whose forker died leaves (process_exit.leave_with_parent); nobody is left to reap it
+# The forker's command. Not ``python -m``: that puts the working directory first on the import path, and a file lying
+# there (an ``opt_einsum.py``, which torch imports when it finds one) would run in the forker and so in every rank,
+# though the process that checks never imports it. The forker's path is its parent's (PYTHONPATH), nothing more.
+FORKER_COMMAND = "import sys; del sys.path[0]; from equivcheck.distributed.forker import main; main()"
 POLL_SECONDS = 0.05  # how often the forker reaps its ranks and looks whether its parent lives
 
 
@@ -50,10 +54,11 @@ class Forker:
         self._requests = 0  # every spawn names its request: an answer to an interrupted one is never taken
         self._ready = False
         self._gone = False  # the forker died: no exit of its ranks can be read any more
+        self.death = ""  # how the forker ended, once it is gone: ranks it forked left with it
         self._start_timeout = start_timeout
         try:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "equivcheck.distributed", str(forker_end.fileno()), str(os.getpid())],
+                [sys.executable, "-c", FORKER_COMMAND, str(forker_end.fileno()), str(os.getpid())],
                 env=os.environ | FORKER_ENVIRONMENT | {"PYTHONPATH": os.pathsep.join(search_path())},
                 pass_fds=[forker_end.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 start_new_session=True)  # a terminal's Ctrl-C reaches the parent only
@@ -88,10 +93,10 @@ class Forker:
                 self._conn.send(("spawn", self._requests, group, argv, env, path, cwd, streams))
                 socket.send_fds(self._socket, [b"f"], [fd, *streams])  # a rank writes where its pool writes
             except OSError:
-                self._retire()
+                self.retire()
                 raise WorkerError("the forker that starts the ranks is gone") from None
             except BaseException:  # interrupted inside the request: the forker may be waiting for the rest of it
-                self._retire()
+                self.retire()
                 raise
             while True:
                 message = self._read_in_time("fork a rank")
@@ -132,7 +137,7 @@ class Forker:
         try:
             return self._read(self._start_timeout)
         except TimeoutError:
-            self._retire()
+            self.retire()
             raise WorkerError(f"the forker that starts the ranks did not {what} within {self._start_timeout:g} s; "
                               "it was stopped") from None
 
@@ -144,8 +149,8 @@ class Forker:
             message = self._whole_message() if ready else None
         except (EOFError, OSError):
             self._gone = True
-            code = self._process.wait()
-            raise WorkerError(f"the forker that starts the ranks is gone ({exit_words(code)})") from None
+            self.death = exit_words(self._process.wait())
+            raise WorkerError(f"the forker that starts the ranks is gone ({self.death})") from None
         if message is None:
             raise TimeoutError
         if message[0] == "exit":
@@ -160,14 +165,15 @@ class Forker:
         except (EOFError, OSError):
             raise
         except BaseException:  # interrupted inside a message: the rest of it would be read as the next one
-            self._retire()
+            self.retire()
             raise
 
-    def _retire(self) -> None:
-        """Stop this forker for good; its ranks leave with it, and the next pool starts a new one."""
+    def retire(self) -> None:
+        """Stop this forker for good (SIGKILL: it may be stopped or stuck); its ranks leave with it, and the next
+        pool starts a new one."""
         self._gone = True
         self._process.kill()
-        self._process.wait()
+        self.death = f"stopped by equivcheck, {exit_words(self._process.wait())}"
 
     def _send(self, message: tuple) -> None:
         with self._lock:
@@ -207,6 +213,11 @@ class ForkedRank:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
+    def orphaned(self) -> str:
+        """Why this rank's exit cannot be known, where its forker is gone (ranks leave with it); else ''."""
+        death = self._forker.death
+        return f"the forker that starts and reaps the ranks is gone ({death}), and its ranks with it" if death else ""
+
 
 def search_path() -> list[str]:
     """This process's module search path, so that the forker and its ranks import modules where this one does."""
@@ -241,7 +252,19 @@ def shutdown_forker() -> None:
     _forker = None
 
 
-# The forker's side, run by ``python -m equivcheck.distributed``.
+# The forker's side, run by FORKER_COMMAND.
+
+def main() -> None:
+    """The forker's process: ``FORKER_COMMAND FD PARENT_PID``. A parent that stopped listening (its run ended
+    while the forker still imported torch) ends the forker quietly: the terminal they share gets no traceback."""
+    from ..process_exit import exit_without_teardown
+
+    try:
+        serve(int(sys.argv[1]), int(sys.argv[2]))
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    exit_without_teardown(0)
+
 
 def serve(fd: int, parent: int) -> None:
     """Import what a rank runs, then fork ranks on request and report each exit, until the parent is gone."""

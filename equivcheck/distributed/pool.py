@@ -26,16 +26,18 @@ import time
 from multiprocessing.connection import wait
 from typing import NamedTuple
 
-from ..errors import InvalidArgument, WorkerError
+from ..errors import RAISE_TIMEOUT, InvalidArgument, WorkerError
 from .capacity import ensure_room
 from ..process_exit import exit_words
 from .forker import ForkedRank, forker, search_path
+from .shared_reference import REFERENCE_PREFIX
 from .worker import INSIDE_RANK_VARIABLE, stack_file
 
 DEFAULT_TIMEOUT = 60.0  # seconds a job may take on its ranks
 START_TIMEOUT = 120.0  # seconds to start the ranks and join the process group
 WORKER_THREADS = 1  # torch threads per rank: ranks share the machine's cores
 DEATH_GRACE = 1.0  # seconds a rank's error waits for a peer's death to show: the death is the cause
+FORKER_ANSWER_SECONDS = 2.0  # how long closing a pool waits for the forker to report a killed rank before retiring it
 
 
 class Ticket(NamedTuple):
@@ -133,7 +135,7 @@ class WorkerPool:
                 raise WorkerError(
                     f"{what}: rank(s) {', '.join(map(str, pending))} of {self.world_size} gave no answer within "
                     f"{timeout:g} s (a hang, for example a collective the other ranks never joined); the pool "
-                    "was torn down",
+                    f"was torn down; {RAISE_TIMEOUT}",
                     remote_traceback=self._stacks(pending),
                 )
             for rank in sorted({waitables[w] for w in ready}):
@@ -187,7 +189,10 @@ class WorkerPool:
                 process.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 process.kill()
-                process.wait()
+                try:
+                    process.wait(FORKER_ANSWER_SECONDS)
+                except subprocess.TimeoutExpired:  # the forker does not answer (stopped, stuck): it goes, ranks with it
+                    self._forker.retire()
         self._forker.kill_group(self._folder)  # a rank forked for a start that was interrupted before it was known
         for conn in self._conns:
             conn.close()
@@ -225,22 +230,35 @@ def _exit_reason(process: ForkedRank) -> str:
         code = process.wait(1.0)
     except subprocess.TimeoutExpired:
         return "its connection closed while it still runs"
-    return exit_words(code)
+    return process.orphaned() or exit_words(code)
 
 
 LOOPBACK = "lo"
 FOLDER_PREFIX = "equivcheck-pool-"
+ORPHANED_PREFIXES = (FOLDER_PREFIX, REFERENCE_PREFIX)  # each followed by the pid of the process that made it
 _pools: dict[tuple[str, int], WorkerPool] = {}
 
 
 def remove_orphaned_folders() -> None:
-    """Remove the folders of pools whose process is gone. A parent killed together with its ranks (SIGKILL, or a
-    signal to the whole process group) runs no exit handler and leaves no rank to clean up; each folder names its
-    process, and one still running (another pytest-xdist worker's) keeps its own."""
-    for folder in glob.glob(os.path.join(tempfile.gettempdir(), f"{FOLDER_PREFIX}*")):
-        pid = os.path.basename(folder)[len(FOLDER_PREFIX):].partition("-")[0]
-        if pid.isdigit() and not _running(int(pid)):
-            shutil.rmtree(folder, ignore_errors=True)
+    """Remove the folders (a pool's, a shared reference's) of processes that are gone. A process killed together
+    with its ranks (SIGKILL, an OOM kill, a signal to every process) runs no exit handler and leaves no rank to
+    clean up; each folder names its process, and one still running (another pytest-xdist worker's) keeps its own."""
+    for prefix in ORPHANED_PREFIXES:
+        for folder in glob.glob(os.path.join(tempfile.gettempdir(), f"{prefix}*")):
+            pid = os.path.basename(folder)[len(prefix):].partition("-")[0]
+            if pid.isdigit() and not _running(int(pid)):
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+_swept = False
+
+
+def remove_orphaned_folders_once() -> None:
+    """:func:`remove_orphaned_folders` at a process's first check, whether or not it starts a pool."""
+    global _swept
+    if not _swept:
+        _swept = True
+        remove_orphaned_folders()
 
 
 def _running(pid: int) -> bool:

@@ -17,6 +17,7 @@ import torch
 from ..compare import Expected, Tolerance
 from ..result import RunResult
 
+REFERENCE_PREFIX = "equivcheck-reference-"
 _written: dict[int, str] = {}  # id of a reference alive in this process -> its file
 
 
@@ -24,7 +25,7 @@ def payload(against: Expected) -> dict:
     """What a job carries of ``against``: the file of its reference (written now, if not yet) and its tolerance."""
     reference = against.reference
     if id(reference) not in _written:
-        folder = tempfile.mkdtemp(prefix="equivcheck-reference-")
+        folder = tempfile.mkdtemp(prefix=f"{REFERENCE_PREFIX}{os.getpid()}-")  # whose it is, by name
         path = os.path.join(folder, "reference.pt")
         torch.save({"grads": list(reference.grads), "weights": reference.weights, "buffers": reference.buffers}, path)
         _written[id(reference)] = path

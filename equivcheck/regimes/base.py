@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from ..case import Batch, Case, ModelParameters, Objective
+from ..case import Batch, Case, Objective
 from ..errors import InvalidArgument, expect_int, expect_number
 from ..precision import Precision, Tolerance
 
@@ -86,7 +86,7 @@ class Regime:
 
     def build_optimizer(self, case: Case, model: nn.Module) -> Optimizer:
         """The optimizer this regime steps (a sharded optimizer would wrap the case's own here)."""
-        return case.optimizer(ModelParameters(model))
+        return case.build_optimizer(model)
 
     def local_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """The optimizer whose state this rank holds: ``optimizer`` itself, or a sharded one's own part."""

@@ -15,7 +15,7 @@ import sys
 from torch import nn
 from torch.optim import Optimizer
 
-from ..case import Case, ModelParameters
+from ..case import Case
 from .ddp import Ddp
 
 
@@ -45,7 +45,7 @@ class Zero(Ddp):
     summary = "DDP + ZeroRedundancyOptimizer: the case's optimizer, its state sharded over W ranks"
 
     def build_optimizer(self, case: Case, model: nn.Module) -> Optimizer:
-        return sharded_like(case.optimizer(ModelParameters(model)))
+        return sharded_like(case.build_optimizer(model))
 
     def local_optimizer(self, optimizer: Optimizer) -> Optimizer:
         return local_part(optimizer)
