@@ -113,7 +113,7 @@ bench-false-alarms: install
 
 # Mutation testing of the core modules (mutmut, an optional dev tool: the `mutation` extra; settings in
 # pyproject.toml), then the kill rate per module and every mutant not killed. All 2,617 take many hours on 2 cores
-# (one of check's _outcomes runs its 121 tests in up to 7 minutes): pick modules, e.g. MUTATE='equivcheck.seeding*',
+# (one of check's _outcomes runs its 121 tests in up to 7 minutes): pick modules, e.g. MUTATE='equivcheck.process.seeding*',
 # or a sample, e.g. MUTATE='equivcheck.*__mutmut_*[037]' (the mutants numbered ...0, ...3 or ...7: 3 in 10).
 MUTATE ?= equivcheck.*
 mutation: install

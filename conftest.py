@@ -56,7 +56,7 @@ def pytest_runtest_teardown(item, nextitem):
         return
     from mutmut.state import state
 
-    from equivcheck.distributed import pool
+    from equivcheck.runners.ranks import pool
 
     if not any(warm._jobs for warm in pool._pools.values()):
         return  # no rank trained anything in this test

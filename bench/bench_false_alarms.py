@@ -4,7 +4,7 @@ and pitfalls with a real effect must all be caught.
     python bench/bench_false_alarms.py [--in-process N] [--ddp N] [--attention N] [--attention-ddp N] [--pitfalls N]
                                        [--seed S] [--dtype MODE]
 
-Draws N in-process configurations (a case from ``equivcheck.hypothesis.cases()`` and a faithful
+Draws N in-process configurations (a case from ``equivcheck.strategies.cases()`` and a faithful
 in-process regime), N more on attention LMs (``attention_cases()``: causal masks, padding, tied heads, key
 biases, Adam without epsilon) in process and on DDP, and N DDP ones (world size 2 or 3, every faithful distributed regime), checks each
 and prints every verdict that is not ``equivalent``: a false alarm, since nothing drawn is a pitfall.
@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 
 import equivcheck as ec
 from equivcheck import Verdict
-from equivcheck.hypothesis import CaseSpec, attention_specs, case_specs, regime_specs
+from equivcheck.strategies import CaseSpec, attention_specs, case_specs, regime_specs
 from equivcheck.precision import PRECISIONS, SHADOW
 from equivcheck.regimes import REGIMES
 

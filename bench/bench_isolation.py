@@ -20,7 +20,7 @@ from pathlib import Path
 
 import equivcheck as ec
 from bench_threads import busy_neighbour
-from equivcheck import kernels
+from equivcheck.process import kernels
 from equivcheck.precision import resolve_precision
 from timing import ROOT, alternated_seconds, compile_sources
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import equivcheck as ec
 from timing import alternated_seconds, compile_sources, median_seconds
-from equivcheck.distributed.forker import shutdown_forker
-from equivcheck.distributed.pool import WorkerPool, pool_for, shutdown_pools
+from equivcheck.runners.ranks.forker import shutdown_forker
+from equivcheck.runners.ranks.pool import WorkerPool, pool_for, shutdown_pools
 
 
 def fresh_group_run(case: str, spec: str) -> None:

@@ -81,7 +81,7 @@ def fuzz_seconds(examples: int) -> tuple[float, int, int]:
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from equivcheck.hypothesis import cases, regime_specs
+    from equivcheck.strategies import cases, regime_specs
 
     ran = []
 

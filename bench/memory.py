@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import equivcheck as ec
-from equivcheck.savings import format_bytes
+from equivcheck.judge.memory import format_bytes
 from timing import alternated_times, median_seconds, peak_resident_kib
 
 REGIMES = ("full_batch", "sample_by_sample", "accumulate:chunks=4", "retained_graph:chunks=4",

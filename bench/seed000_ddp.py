@@ -12,8 +12,8 @@ import argparse
 
 import equivcheck as ec
 from timing import alternated_seconds
-from equivcheck.report import render_columns
-from equivcheck.savings import format_bytes
+from equivcheck.render.text import render_columns
+from equivcheck.judge.memory import format_bytes
 
 CASE = "seed000_ddp"
 PLAIN = "ddp:world_size=2"

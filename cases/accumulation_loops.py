@@ -7,7 +7,7 @@ padding repeats 3 samples, dropping the remainder loses 2.
 import dataclasses
 
 from equivcheck import register_case
-from equivcheck.catalogue import Entry, add_entry
+from equivcheck.suites.catalogue import Entry, add_entry
 
 from .mlp import mlp
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import equivcheck as ec
-from equivcheck.catalogue import Entry, add_entry
+from equivcheck.suites.catalogue import Entry, add_entry
 
 
 class Block(nn.Module):

@@ -9,7 +9,7 @@ import dataclasses
 
 import equivcheck as ec
 from equivcheck.regimes.pitfalls import clipping_optimizer
-from equivcheck.catalogue import Entry, add_entry
+from equivcheck.suites.catalogue import Entry, add_entry
 
 from .mlp import mlp
 

@@ -10,7 +10,7 @@ import dataclasses
 import torch
 
 import equivcheck as ec
-from equivcheck.catalogue import Entry, add_entry
+from equivcheck.suites.catalogue import Entry, add_entry
 
 from .mlp import mlp
 

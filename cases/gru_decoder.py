@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import equivcheck as ec
-from equivcheck.catalogue import Entry, add_entry
+from equivcheck.suites.catalogue import Entry, add_entry
 
 VOCAB, HIDDEN, LENGTH = 12, 10, 5
 

@@ -1,22 +1,23 @@
 """equivcheck: prove that a way of training gives the same gradients and weights as full-batch training."""
 
-__version__ = "0.1.0"  # the one place the version is written (pyproject reads it)
+from ._version import __version__
 
-from .audit import Audit, Finding, Sensitivity, audit
+from .suites.audit import Audit, Finding, Sensitivity, audit
 from .case import Batch, Case, Objective, default_optimizer
 from .check import Outcome, Report, Verdict, check, check_all, regimes_for
-from .compare import Comparison, Mismatch, Tolerance, compare
-from .hints import diagnose
+from .diff import Comparison, Mismatch
+from .judge.compare import compare
+from .judge.hints import diagnose
 from .errors import (BlindSpotWarning, EquivcheckError, InvalidArgument, MemoryNotSaved, NotEquivalent,
                      PrecisionWarning, Unavailable, WorkerError)
-from .precision import PRECISIONS, Precision
+from .precision import PRECISIONS, Precision, Tolerance
 from .regimes import DEFAULT_REGIMES, REGIMES, Regime, SummedLoss, parse_regime, register_regime
 from .registry import all_cases, builtin_cases, get_case, load_cases_from, register_case
 from .result import RunResult
-from .dispatch import run
+from .runners.dispatch import run
 from .evaluation import EvalReport, MetricDiff, check_eval
-from .seeding import DEFAULT_SEED
-from .step import check_loop, check_step
+from .process.seeding import DEFAULT_SEED
+from .team import check_loop, check_step
 
 __all__ = [
     "DEFAULT_REGIMES", "DEFAULT_SEED", "PRECISIONS", "REGIMES", "Audit", "Batch", "BlindSpotWarning", "Case",

@@ -14,22 +14,23 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import torch
 
 from .case import Case
-from .compare import Comparison, Expected, Tolerance, compare, tolerance_of
+from .diff import Comparison
+from .judge.compare import Expected, compare, tolerance_of
 from .errors import (InvalidArgument, MemoryNotSaved, NotEquivalent, PrecisionWarning, Unavailable, WorkerError,
                      expect_int, expect_number, expect_seed, expect_timeout, warn)
-from .distributed import launcher, pool
-from .hints import diagnose
-from .isolation import IsolatedRunner
-from .kernels import decisions
-from .dispatch import DEFAULT_TIMEOUT, Started, run, start
-from . import rounding, witness
-from .precision import PRECISIONS, Precision, resolve_precision
+from .runners.ranks import launcher, pool
+from .judge.hints import diagnose
+from .runners.isolation import IsolatedRunner
+from .process.kernels import decisions
+from .runners.dispatch import DEFAULT_TIMEOUT, Started, run, start
+from .judge import rounding, witness
+from .precision import PRECISIONS, Precision, Tolerance, resolve_precision
 from .regimes import DEFAULT_REGIMES, REGIMES, Regime, parse_regime
 from .registry import all_cases, resolve_case
 from .result import RunResult
-from .savings import MemoryUse
-from .training import initial_weights
-from .seeding import DEFAULT_SEED, default_dtype, seeded
+from .judge.memory import MemoryUse
+from .runners.train import initial_weights
+from .process.seeding import DEFAULT_SEED, default_dtype, seeded
 
 
 class Verdict(str, enum.Enum):

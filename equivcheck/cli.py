@@ -17,21 +17,22 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from . import catalogue as pitfall_catalogue
-from . import field, html_report
-from . import report as render
-from . import terminal
-from .audit import audit
+from .suites import catalogue as pitfall_catalogue
+from .suites import field
+from .render import html as html_report
+from .render import text as render
+from .render import terminal
+from .suites.audit import audit
 from .check import Report, Status, Verdict, isolated, iter_outcomes, plan_all, regimes_for
-from .distributed import launcher
+from .runners.ranks import launcher
 from .errors import Interrupted, InvalidArgument, ResultsNotWritten
-from .dispatch import DEFAULT_TIMEOUT
+from .runners.dispatch import DEFAULT_TIMEOUT
 from .precision import PRECISIONS
-from .process_exit import exit_without_teardown
-from .progress import Progress
+from .process.exit import exit_without_teardown
+from .render.progress import Progress
 from .regimes import REGIMES, spec_usage
 from .registry import all_cases, load_cases_from, resolve_case
-from .results_file import check_writable, write_whole
+from .render.files import check_writable, write_whole
 
 
 EXIT_CODES = {Status.OK: 0, Status.NOT_AS_EXPECTED: 1, Status.ERROR: 3, Status.NOTHING_CHECKED: 5}

@@ -22,17 +22,17 @@ import dataclasses
 import math
 
 from .case import Case
-from .compare import Tolerance
-from .dispatch import importable_source
-from .distributed import launcher, pool
+from .precision import Tolerance
+from .runners.dispatch import importable_source
+from .runners.ranks import launcher, pool
 from .errors import (BlindSpotWarning, InvalidArgument, NotEquivalent, Unavailable, expect_callable, expect_int,
                      expect_seed, expect_timeout, warn)
-from .evaluating import EvaluateFn, evaluate
+from .runners.evaluate import EvaluateFn, evaluate
 from .regimes.ddp import Ddp
-from .import_paths import import_path
+from .process.import_paths import import_path
 from .registry import resolve_case
-from .seeding import DEFAULT_SEED
-from . import intra_op
+from .process.seeding import DEFAULT_SEED
+from .process import threads as intra_op
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from .errors import InvalidArgument, Unavailable, expect_tolerances
-from .kernels import DEFAULT, KernelPath, decide, needs_probe, path_named
+from .process.kernels import DEFAULT, KernelPath, decide, needs_probe, path_named
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +111,7 @@ def _moved(tensor: Tensor, device: torch.device | str, dtype: torch.dtype) -> Te
     return tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
 
 
-SHADOW = "float64-shadow"  # the mode that measures a low-precision run's rounding (equivcheck.rounding)
+SHADOW = "float64-shadow"  # the mode that measures a low-precision run's rounding (equivcheck.judge.rounding)
 SCALED_SHADOW = "float64-shadow-scaled"  # the same for a mode with a GradScaler: the scaler's maths included
 PRECISIONS: dict[str, Precision] = {p.name: p for p in (
     Precision("float64", torch.float64, rtol=1e-7, atol=1e-7, description="the default; torch.testing's float64 tolerance"),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
 import os
@@ -11,18 +10,16 @@ import sysconfig
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import TypeVar
 
 from .case import Case
 from .errors import InvalidArgument
+from .process.import_paths import FILE_MODULE_PREFIX, SOURCE_ATTRIBUTE, import_file
 
 BUILTIN_PACKAGE = "equivcheck_cases"
-_FILE_MODULE_PREFIX = "equivcheck_user_cases_"
 _cases: dict[str, Case] = {}
 _sources: dict[str, tuple[str, str | None]] = {}  # case name -> (module name, file) it was registered from
 _builtins_loaded = False
-SOURCE_ATTRIBUTE = "__equivcheck_source__"  # set on modules loaded from a file path
 
 T = TypeVar("T", Case, Callable[[], Case])
 
@@ -54,7 +51,7 @@ def case_source(name: str) -> str:
             f"case={name!r} is not allowed here: worker processes import cases themselves, so expected a case "
             "registered with equivcheck.register_case at the top level of an importable module or .py file"
         )
-    importable = module not in ("__main__", "__mp_main__") and not module.startswith(_FILE_MODULE_PREFIX)
+    importable = module not in ("__main__", "__mp_main__") and not module.startswith(FILE_MODULE_PREFIX)
     return module if importable and importlib.util.find_spec(module) is not None else str(file)
 
 def all_cases() -> dict[str, Case]:
@@ -132,25 +129,6 @@ def _import_source(source: str) -> None:
         if error.name and source.startswith(error.name):
             raise InvalidArgument.value("cases_from", source, "an existing .py file or an importable module name") from None
         raise
-
-
-def import_file(file: str) -> ModuleType:
-    """The Python file ``file`` imported once per process under a name of its own (never ``__main__``, so a script's
-    ``if __name__ == "__main__":`` part does not run): how worker ranks find cases and a team's code in it."""
-    resolved = Path(file).resolve()
-    module_name = _FILE_MODULE_PREFIX + hashlib.sha1(str(resolved).encode()).hexdigest()[:12]
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    spec = importlib.util.spec_from_file_location(module_name, resolved)
-    module = importlib.util.module_from_spec(spec)
-    setattr(module, SOURCE_ATTRIBUTE, str(resolved))
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[module_name]
-        raise
-    return module
 
 
 def _load_builtins() -> None:

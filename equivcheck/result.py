@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from .compare import Measurement
+    from .diff import Measurement
 
 _TENSOR_MAPS = ("weights", "buffers")
 

@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterable
 import pytest
 
 import equivcheck as ec
-from equivcheck import report as render
+from equivcheck.render import text as render
 from equivcheck.registry import resolve_case
-from equivcheck.torch_support import import_what_training_imports
+from equivcheck.process.torch_imports import import_what_training_imports
 
 from .controller import PROPERTY
 from .deadline import deadline

@@ -1,6 +1,6 @@
 """Controller: gathers the outcome rows of every test, on whichever process renders (the xdist
 controller, or the only process), and writes the JSON rows, the HTML report and the Markdown summary at the
-end of the session, each whole or not at all (``equivcheck.results_file``), before the terminal summary
+end of the session, each whole or not at all (``equivcheck.render.files``), before the terminal summary
 prints the matrix. A file that cannot be written keeps the others and ends the session with exit 4."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Controller:
     def pytest_terminal_summary(self, terminalreporter) -> None:
         rows = self.rows
         if rows:
-            from equivcheck.report import LEGEND, render_grid
+            from equivcheck.render.text import LEGEND, render_grid
 
             terminalreporter.write_sep("=", "equivcheck")
             terminalreporter.write_line(render_grid((r["row"]["case"], r["row"]["regime"], r["cell"]) for r in rows))
@@ -56,7 +56,7 @@ class Controller:
         if not files:
             return
         from equivcheck.errors import ResultsNotWritten
-        from equivcheck.results_file import write_whole
+        from equivcheck.render.files import write_whole
 
         rows = [r["row"] for r in self.rows]
         for path, render in files:
@@ -68,16 +68,16 @@ class Controller:
             session.exitstatus = pytest.ExitCode.USAGE_ERROR
 
     def _json(self, rows: list[dict]) -> str:
-        from equivcheck.report import json_document
+        from equivcheck.render.text import json_document
 
         return json_document(rows)
 
     def _markdown(self, rows: list[dict]) -> str:
-        from equivcheck.report import render_markdown
+        from equivcheck.render.text import render_markdown
 
         return render_markdown(rows, title="equivcheck (pytest)")
 
     def _html(self, rows: list[dict]) -> str:
-        from equivcheck.html_report import render_html, run_metadata
+        from equivcheck.render.html import render_html, run_metadata
 
         return render_html(rows, run_metadata(**self.metadata), self.plots)

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 import equivcheck as ec
-from equivcheck import Verdict, catalogue
-from equivcheck.catalogue import (Entry, add_entry, catalogue_entries, render_catalogue, run_catalogue, targets_met,
-                                  to_rows)
+from equivcheck import Verdict
+from equivcheck.suites import catalogue
+from equivcheck.suites.catalogue import (Entry, add_entry, catalogue_entries, render_catalogue, run_catalogue,
+                                         targets_met, to_rows)
 from equivcheck.cli import main
 
 

@@ -10,8 +10,8 @@ from torch import nn
 import equivcheck as ec
 from equivcheck import Verdict
 from equivcheck.check import Status, plan, plan_all
-from equivcheck.dispatch import Started
-from equivcheck.savings import MemoryUse
+from equivcheck.runners.dispatch import Started
+from equivcheck.judge.memory import MemoryUse
 
 
 def test_faithful_accumulation_is_equivalent_and_its_buggy_twins_are_not():
@@ -218,7 +218,7 @@ def test_the_gate_fails_a_communication_verdict_unless_told_to_allow_it_and_neve
 
 def test_only_communication_problems_make_a_communication_verdict_and_only_gradients_a_note():
     from equivcheck.check import _failed, _only_gradients
-    from equivcheck.compare import Comparison, Mismatch, TensorDiff
+    from equivcheck.diff import Comparison, Mismatch, TensorDiff
 
     tol = ec.Tolerance(rtol=0.5, atol=0.25)
     counted = "communication: step 0 all-reduced gradients 3 time(s), expected 1"

@@ -10,9 +10,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import equivcheck as ec
-from equivcheck import Verdict, witness
-from equivcheck.compare import TensorDiff, Tolerance
-from equivcheck.rounding import _noise_margin
+from equivcheck import Verdict
+from equivcheck.judge import witness
+from equivcheck.diff import TensorDiff
+from equivcheck.precision import Tolerance
+from equivcheck.judge.rounding import _noise_margin
 
 COMPLEX_OF = {torch.float32: torch.complex64, torch.float64: torch.complex128}
 

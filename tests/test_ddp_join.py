@@ -10,8 +10,8 @@ from hypothesis import given, settings
 
 import equivcheck as ec
 from equivcheck import Verdict
-from equivcheck.distributed import pool as pools
-from equivcheck.hypothesis import regime_specs
+from equivcheck.runners.ranks import pool as pools
+from equivcheck.strategies import regime_specs
 from equivcheck.regimes.ddp_join import holders, micro_batches_of, steps_of
 from processes import alive
 

@@ -9,9 +9,9 @@ import torch
 
 import equivcheck as ec
 from equivcheck import Verdict
-from equivcheck.hints import unsynchronised_ranks
+from equivcheck.judge.hints import unsynchronised_ranks
 from equivcheck.regimes.ddp_partial import DataParallelDetachedPartial
-from equivcheck.training import train
+from equivcheck.runners.train import train
 
 CASE = "seed000_ddp"
 FAITHFUL = "ddp_detached_partial:world_size=2,chunks=3"

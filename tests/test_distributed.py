@@ -15,8 +15,8 @@ from torch import nn
 
 import equivcheck as ec
 from equivcheck import Verdict
-from equivcheck.distributed import forker as forkers
-from equivcheck.distributed import pool as pools
+from equivcheck.runners.ranks import forker as forkers
+from equivcheck.runners.ranks import pool as pools
 from equivcheck.regimes.ddp import auto_backend
 
 import fault_cases  # noqa: F401  (registers the fault_* cases; workers import it by name)
@@ -149,7 +149,7 @@ def test_a_faulty_rank_becomes_an_error_and_the_next_job_gets_a_fresh_pool(case,
 def test_workers_exit_when_their_parent_dies(tmp_path):
     script = textwrap.dedent("""
         import os, signal, sys
-        from equivcheck.distributed.pool import pool_for
+        from equivcheck.runners.ranks.pool import pool_for
         print(*pool_for("gloo", 2).pids, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)  # no atexit, no cleanup: the ranks are on their own
     """)
@@ -226,8 +226,8 @@ def test_unregistered_case_cannot_cross_to_workers():
 def test_the_cli_stops_its_ranks_before_it_exits():
     script = textwrap.dedent("""
         from equivcheck.cli import main
-        from equivcheck.distributed.pool import pool_for
-        from equivcheck.process_exit import exit_without_teardown
+        from equivcheck.runners.ranks.pool import pool_for
+        from equivcheck.process.exit import exit_without_teardown
         code = main(["run", "--case", "mlp", "--regime", "ddp:world_size=2"])
         print(*pool_for("gloo", 2).pids, flush=True)
         exit_without_teardown(code)

@@ -21,9 +21,9 @@ import pytest
 
 import equivcheck as ec
 from equivcheck import Verdict
-from equivcheck.distributed import capacity
-from equivcheck.distributed import forker as forkers
-from equivcheck.distributed import pool as pools
+from equivcheck.runners.ranks import capacity
+from equivcheck.runners.ranks import forker as forkers
+from equivcheck.runners.ranks import pool as pools
 
 import fault_cases  # noqa: F401  (registers the fault_* cases; workers import it by name)
 from processes import alive
@@ -352,7 +352,7 @@ class ClosedPipe:
 
 def test_a_rank_whose_parent_stopped_listening_leaves_quietly():
     """A broken pipe while replying ends the rank's loop; a traceback of it would land on the user's terminal."""
-    from equivcheck.distributed.worker import reply
+    from equivcheck.runners.ranks.worker import reply
 
     assert reply(ClosedPipe(), 3, lambda: {"result": 1}) is False
     assert reply(ClosedPipe(), 3, lambda: 1 / 0) is False  # the error reply meets the same closed pipe

@@ -1,4 +1,4 @@
-"""The field (equivcheck/field.py, cases/field/): every publicly reported bug caught as reported and equivalent as
+"""The field (equivcheck/suites/field.py, cases/field/): every publicly reported bug caught as reported and equivalent as
 fixed, each module citing its report; the runner's own guards; the README's totals as the command prints them."""
 
 import json
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import equivcheck as ec
-from equivcheck import field
-from equivcheck.field import Bug, Finding
+from equivcheck.suites import field
+from equivcheck.suites.field import Bug, Finding
 
 MODULES = field.modules()
 README = Path(__file__).resolve().parent.parent / "README.md"

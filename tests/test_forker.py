@@ -8,8 +8,8 @@ import pytest
 
 import equivcheck as ec
 from equivcheck import Verdict
-from equivcheck.distributed import forker as forkers
-from equivcheck.distributed import pool as pools
+from equivcheck.runners.ranks import forker as forkers
+from equivcheck.runners.ranks import pool as pools
 
 CASE_MODULE = '''
 import dataclasses, os

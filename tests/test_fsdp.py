@@ -6,9 +6,9 @@ import pytest
 
 import equivcheck as ec
 from equivcheck import Verdict
-from equivcheck import report as render
+from equivcheck.render import text as render
 from equivcheck.errors import InvalidArgument
-from equivcheck.hypothesis import CaseSpec
+from equivcheck.strategies import CaseSpec
 
 FSDP_SPECS = ["fsdp:world_size=2", "fsdp_no_sync:world_size=2,chunks=3",
               "fsdp_no_sync:world_size=2,chunks=3,reshard_after_forward=0"]

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import equivcheck as ec
 from equivcheck import Verdict
-from equivcheck.hypothesis import OPTIMIZERS, batch_sizes, case_specs, cases, chunkings, regime_specs, world_sizes
+from equivcheck.strategies import OPTIMIZERS, batch_sizes, case_specs, cases, chunkings, regime_specs, world_sizes
 
 FAITHFUL = ["full_batch", "sample_by_sample", "accumulate", "retained_graph", "detached_partial"]
 

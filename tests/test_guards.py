@@ -19,7 +19,7 @@ from torch import nn
 
 import equivcheck as ec
 from equivcheck import Verdict
-from equivcheck.seeding import seeded
+from equivcheck.process.seeding import seeded
 
 
 def numpy_data():

@@ -22,9 +22,11 @@ import pytest
 import torch
 
 import equivcheck as ec
-from equivcheck import Verdict, isolation, kernels
+from equivcheck import Verdict
+from equivcheck.runners import isolation
+from equivcheck.process import kernels
 from equivcheck.check import Status, isolated, iter_outcomes, plan
-from equivcheck.catalogue import Entry, run_catalogue
+from equivcheck.suites.catalogue import Entry, run_catalogue
 from equivcheck.errors import RunDied
 from equivcheck.precision import registered_name, resolve_precision
 
@@ -110,7 +112,7 @@ def test_the_child_sees_this_process_as_it_is_now_and_leaves_nothing_behind():
 
 def _forkers() -> set[int]:
     """This process's forker, started by earlier distributed tests in the same worker: not a run's child."""
-    from equivcheck.distributed import forker
+    from equivcheck.runners.ranks import forker
 
     return {forker._forker._process.pid} if forker._forker is not None and forker._forker.alive else set()
 
@@ -294,7 +296,7 @@ def test_a_hung_probe_is_a_path_that_does_not_work(monkeypatch, fresh_decisions)
 
 CATALOGUE_WITH_FAULTY_KERNELS = textwrap.dedent("""
     import os, signal, sys, torch
-    from equivcheck import kernels
+    from equivcheck.process import kernels
     def probe(precision):
         if torch._C._get_mkldnn_enabled():
             os.kill(os.getpid(), signal.SIGILL)

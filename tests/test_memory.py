@@ -13,10 +13,11 @@ import pytest
 import torch
 
 import equivcheck as ec
+from equivcheck.process import seeding
 from equivcheck.cli import main
 from equivcheck.measure.activation import SAVED_TENSORS, SavedTensorMeter
-from equivcheck.training import build_model, load_batches
-from equivcheck.savings import SAVES_NOTHING
+from equivcheck.runners.train import build_model, load_batches
+from equivcheck.judge.memory import SAVES_NOTHING
 
 BATCH_12 = ["mlp", "cnn", "tokens", "gru_decoder", "seed000_embedding_head", "batchnorm_cnn"]
 SPLIT = ["mlp", "cnn", "tokens", "gru_decoder", "seed000_embedding_head"]
@@ -37,7 +38,7 @@ def ratio(case, spec):
 def graph_of(case_name, forward):
     """What the meter sees for ``forward(case, model, batch)`` on a case's first global batch: (peak, output bytes)."""
     case = ec.get_case(case_name)
-    with ec.seeding.seeded(), ec.seeding.default_dtype(case.dtype):
+    with seeding.seeded(), seeding.default_dtype(case.dtype):
         model = build_model(case)
         batch = load_batches(case)[0]
         with SavedTensorMeter([*model.parameters(), batch.inputs, batch.targets]) as meter:
@@ -107,7 +108,7 @@ def test_every_saved_storage_is_released_when_the_graph_goes():
     case = ec.get_case("gru_decoder")
     for spec in ("full_batch", "retained_graph:chunks=3", "summed_loss:chunks=3", "detached_partial:chunks=3"):
         regime = ec.parse_regime(spec)
-        with ec.seeding.seeded(), ec.seeding.default_dtype(case.dtype):
+        with seeding.seeded(), seeding.default_dtype(case.dtype):
             model = build_model(case)
             batch = load_batches(case)[0]
             optimizer = case.optimizer(model.parameters())

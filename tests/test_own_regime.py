@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from equivcheck import InvalidArgument, Verdict, check
-from equivcheck.catalogue import Entry, run_catalogue, targets_met
+from equivcheck.suites.catalogue import Entry, run_catalogue, targets_met
 from equivcheck.regimes import Chunked, accumulate, register_regime
 
 import own_regime  # noqa: F401  (registers the regimes and their case; the ranks import it by name)

@@ -9,8 +9,8 @@ from torch import nn
 
 import equivcheck as ec
 from equivcheck import Verdict
-from equivcheck import report as render
-from equivcheck.html_report import render_html, run_metadata
+from equivcheck.render import text as render
+from equivcheck.render.html import render_html, run_metadata
 from equivcheck.regimes.pipeline import stage_bounds
 
 PIPELINE_SPECS = ["pipeline:stages=2,microbatches=4", "pipeline:stages=2,microbatches=4,schedule=1f1b",

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-EXIT = {"teardown skipped": "from equivcheck.process_exit import exit_without_teardown as leave",
+EXIT = {"teardown skipped": "from equivcheck.process.exit import exit_without_teardown as leave",
         "bare os._exit": "from os import _exit as leave"}  # the twin: what skipping teardown alone loses
 
 

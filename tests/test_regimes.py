@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import equivcheck as ec
+from equivcheck.process import seeding
 from equivcheck import Verdict
 from equivcheck.regimes import Accumulate, DetachedPartial
 
@@ -26,9 +27,9 @@ def test_specs_parse_to_frozen_dataclasses():
 
 def test_uneven_chunks_keep_every_sample_once_in_order():
     from equivcheck.regimes import chunk_pairs
-    from equivcheck.training import load_batches
+    from equivcheck.runners.train import load_batches
 
-    with ec.seeding.seeded():
+    with seeding.seeded():
         batch = load_batches(ec.get_case("mlp"))[0]
     pairs = chunk_pairs(batch, 5)
     assert [len(x) for x, _ in pairs] == [3, 3, 2, 2, 2] and all(len(x) == len(y) for x, y in pairs)

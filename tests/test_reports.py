@@ -12,11 +12,11 @@ import sys
 import pytest
 
 import equivcheck as ec
-from equivcheck import report as render
-from equivcheck import terminal
+from equivcheck.render import text as render
+from equivcheck.render import terminal
 from equivcheck.cli import main
-from equivcheck.html_report import PLOTS_MISSING, render_html, run_metadata
-from equivcheck.progress import Progress
+from equivcheck.render.html import PLOTS_MISSING, render_html, run_metadata
+from equivcheck.render.progress import Progress
 
 FAILING = ["run", "--case", "mlp", "--case", "naive_scaling_uneven_chunks", "--regime", "accumulate:chunks=5",
            "--regime", "naive_accumulate:chunks=5"]

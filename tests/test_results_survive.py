@@ -18,12 +18,13 @@ import pytest
 
 import equivcheck as ec
 from equivcheck import Verdict
-from equivcheck import report as render
+from equivcheck.render import text as render
 from equivcheck.check import Status
 from equivcheck.cli import main
-from equivcheck.distributed import forker as forkers
-from equivcheck.distributed import pool as pools
-from equivcheck.results_file import write_whole
+from equivcheck.runners.ranks import forker as forkers
+from equivcheck.runners.ranks import pool as pools
+from equivcheck.process.import_paths import import_file
+from equivcheck.render.files import write_whole
 from processes import alive
 
 SMALL_RUN = ["run", "--case", "mlp", "--regime", "accumulate:chunks=2"]
@@ -62,7 +63,8 @@ def test_ctrl_c_while_the_report_prints_keeps_every_file(tmp_path, monkeypatch, 
 
 KILLED_WHILE_WRITING = """
 import os, signal, sys
-from equivcheck import cli, report
+from equivcheck import cli
+from equivcheck.render import text as report
 
 def killed(*args, **kwargs):  # the CI job is cancelled while the results are being written
     os.kill(os.getpid(), signal.SIGKILL)
@@ -90,7 +92,7 @@ def test_a_file_is_whole_or_the_one_before_it_whatever_step_the_write_dies_at(tm
     out.write_text("the last good results\n")
     script = textwrap.dedent(f"""
         import io, os, signal, sys
-        from equivcheck import results_file
+        from equivcheck.render import files as results_file
 
         def killed(*args, **kwargs):
             os.kill(os.getpid(), signal.SIGKILL)
@@ -160,7 +162,7 @@ CASE = ec.register_case(dataclasses.replace(ec.get_case("mlp"), name="exits_in_l
 @pytest.fixture
 def exiting_case(tmp_path, isolated_registry):
     (tmp_path / "exiting_case.py").write_text(EXITS)
-    return ec.registry.import_file(str(tmp_path / "exiting_case.py")).CASE
+    return import_file(str(tmp_path / "exiting_case.py")).CASE
 
 
 @pytest.mark.parametrize("isolate", [True, False])
@@ -221,7 +223,7 @@ def test_no_helper_runs_a_file_lying_in_the_working_directory(tmp_path):
 STOPS_ITS_FORKER = """
 import os, signal, sys
 import equivcheck as ec
-from equivcheck.distributed import forker
+from equivcheck.runners.ranks import forker
 
 ec.check("mlp", ["ddp:world_size=2"]).assert_equivalent()
 print(forker._forker._process.pid, flush=True)
@@ -288,7 +290,7 @@ def test_a_later_check_sweeps_what_a_killed_one_left_in_the_temporary_folder():
 def test_a_forker_whose_parent_stopped_listening_leaves_quietly():
     """A run that ends while its forker still imports torch (Ctrl-C early, a usage error met on the way): before,
     the forker's "ready" met a closed pipe and printed a BrokenPipeError traceback onto the shared terminal."""
-    done = subprocess.run([sys.executable, "-c", "from equivcheck.distributed import forker\n"
+    done = subprocess.run([sys.executable, "-c", "from equivcheck.runners.ranks import forker\n"
                                                  "forker.forker(60.0).close()"], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0 and done.stderr == ""

@@ -12,10 +12,11 @@ from torch import nn
 
 import equivcheck as ec
 from equivcheck import Verdict
-from equivcheck.compare import Comparison, Tolerance
+from equivcheck.diff import Comparison
+from equivcheck.precision import Tolerance
 from equivcheck.precision import PRECISIONS, SCALED_SHADOW, SHADOW
-from equivcheck import rounding, witness
-from equivcheck.rounding import _noise_margin, _start_gap, applies, judge, shadow_of
+from equivcheck.judge import rounding, witness
+from equivcheck.judge.rounding import _noise_margin, _start_gap, applies, judge, shadow_of
 
 
 def layernorm_over_two():

@@ -14,7 +14,7 @@ import pytest
 import torch.nn.functional as F
 
 import equivcheck as ec
-from equivcheck.import_paths import import_path
+from equivcheck.process.import_paths import import_path
 
 
 def scaled_step(model, optimizer, batch, scale=1.0):

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import equivcheck as ec
-from equivcheck.catalogue import run_catalogue
-from equivcheck.compare import Expected, tolerance_of
+from equivcheck.suites.catalogue import run_catalogue
+from equivcheck.judge.compare import Expected, tolerance_of
 from equivcheck.regimes import register_regime
 from equivcheck.regimes.local import FullBatch
-from equivcheck.training import train
+from equivcheck.runners.train import train
 
 check_module = sys.modules["equivcheck.check"]  # the package's `check` is the function
 
@@ -149,7 +149,7 @@ def test_ranks_compare_as_they_train_and_leave_no_file_of_the_reference(streamed
     assert not list(tmp_path.glob("equivcheck-reference-*"))  # gone with the reference
 
 
-training_module = sys.modules["equivcheck.training"]
+training_module = sys.modules["equivcheck.runners.train"]
 
 
 @register_regime

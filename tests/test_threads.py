@@ -6,7 +6,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import equivcheck as ec
-from equivcheck import intra_op
+from equivcheck.process import threads as intra_op
 
 
 def full_batch_step(model, optimizer, batch):

@@ -1,4 +1,4 @@
-"""Rounding witnessed without a higher precision (equivcheck/witness.py): an attention key bias's true gradient is
+"""Rounding witnessed without a higher precision (equivcheck/judge/witness.py): an attention key bias's true gradient is
 zero, Adam without epsilon turns its rounding noise into whole-size updates, and only a witness tells that from a
 bug. Each guard has its test: the witness removed, the witness too loose, a bug on the key bias's own parameter.
 """
@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import equivcheck as ec
-from equivcheck import Verdict, witness
-from equivcheck.hypothesis import CaseSpec
+from equivcheck import Verdict
+from equivcheck.judge import witness
+from equivcheck.strategies import CaseSpec
 
 # A causal attention LM (dim 16, 2 heads, in-projection bias on), float64, Adam without epsilon: the issue's
 # configuration, accumulate:chunks=19 over a batch of 31 for 4 steps.
@@ -118,7 +119,7 @@ def test_a_chaotic_reference_judges_by_its_own_spread_and_says_what_it_cannot_se
 
 def test_the_attention_strategy_draws_what_the_issue_names():
     from hypothesis import given, settings
-    from equivcheck.hypothesis import attention_specs
+    from equivcheck.strategies import attention_specs
 
     seen = set()
 
@@ -146,7 +147,7 @@ def test_a_loss_that_differs_is_never_rounding_on_a_parameter_the_loss_does_not_
 def test_drawn_attention_lms_are_equivalent_under_every_faithful_in_process_regime():
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
-    from equivcheck.hypothesis import attention_cases, regime_specs
+    from equivcheck.strategies import attention_cases, regime_specs
 
     @settings(max_examples=40, derandomize=True, database=None, deadline=None,
               suppress_health_check=list(HealthCheck))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import equivcheck as ec
-from equivcheck import report as render
+from equivcheck.render import text as render
 from equivcheck import Verdict
 
 

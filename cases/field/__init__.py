@@ -1,4 +1,4 @@
-"""The field: publicly reported training bugs, one module each, run by ``equivcheck field`` (equivcheck/field.py).
+"""The field: publicly reported training bugs, one module each, run by ``equivcheck field`` (equivcheck/suites/field.py).
 
 Each module cites its report, reproduces the code as it was and as it was fixed on a tiny model, and checks
 both through equivcheck's public API. The modules register their cases when imported; this package imports none

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("huggingface/accelerate", "pull", 2790, "fsdp",
           "sync_each_batch set sync_gradients, which also gates the optimizer: a step every micro-batch")

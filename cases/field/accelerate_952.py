@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("huggingface/accelerate", "issue", 952, "evaluation",
           "gather_for_metrics sliced the last batch to len % total_batch_size: remainder 0 dropped it all",

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("huggingface/accelerate", "issue", 963, "accumulation",
           "prepared scheduler stepped on every micro-batch, the optimizer only when gradients synced",

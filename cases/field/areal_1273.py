@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("areal-project/AReaL", "pull", 1273, "pipeline",
           "loss already weighted w_i / W_total, divided again by num_microbatches in the pipeline schedule")

@@ -8,7 +8,7 @@ the last accumulation step's gradient, where one process steps on the sum over a
 gradients when the stage uses static metadata (no inference forward or backward ran, so nothing is stale).
 """
 
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("NVIDIA-NeMo/Automodel", "pull", 3530, "pipeline",
           "PP stages rebuilt between accumulation steps: param.grad = None wiped the accumulated grads",

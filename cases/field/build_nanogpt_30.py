@@ -11,7 +11,7 @@ its first micro-batch's gradients plus its own later ones, not the global batch'
 import torch.nn.functional as F
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("karpathy/build-nanogpt", "pull", 30, "ddp",
           "require_backward_grad_sync set after the forward: the first micro-step all-reduced, not the last")

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("mosaicml/composer", "pull", 2218, "evaluation",
           "eval metrics updated with DistributedSampler's padded duplicates: N + padding samples counted")

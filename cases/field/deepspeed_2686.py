@@ -7,7 +7,7 @@ the scale the norm DeepSpeed reported was half the true one; one process unscale
 and only then updates it. The fix (pull #2695) keeps the scale from before the update and divides the norm by it.
 """
 
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("deepspeedai/DeepSpeed", "issue", 2686, "zero",
           "ZeRO step divided the scaled grad norm by the loss scale just updated, not the one backward used",

@@ -12,7 +12,7 @@ Scaled down to float64 (the arithmetic does not depend on bf16), the stage-0 eng
 import torch.nn.functional as F
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("deepspeedai/DeepSpeed", "issue", 7837, "zero",
           "bf16 ZeRO-0: grads divided by a loss scale never applied, and not zeroed between steps",

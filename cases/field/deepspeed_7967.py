@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("deepspeedai/DeepSpeed", "pull", 7967, "zero",
           "ZeRO-1/2 CPU offload: micro-steps after the first dropped, not added to the fp32 buffer")

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("deepspeedai/DeepSpeed", "pull", 7981, "zero",
           "ZeRO-1/2 CPU offload, GA=1 with several backward() per step: only the last backward kept")

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("deepspeedai/DeepSpeed", "issue", 8152, "pipeline",
           "every pipeline stage divided its output grad by GAS: earlier stages got 1/GAS^2, 1/GAS^3, ...",

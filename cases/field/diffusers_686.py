@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 from equivcheck_cases.field._references import clipped_once
 
 BUG = Bug("huggingface/diffusers", "pull", 686, "accumulation",

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("modelscope/FunASR", "pull", 3472, "ddp",
           "no_sync() around every micro-batch but the first: the step's gradients never all-reduced whole")

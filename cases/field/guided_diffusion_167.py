@@ -13,7 +13,7 @@ state restored, so the recomputation draws the same masks and leaves the global 
 import torch
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 from equivcheck_cases.field._checkpointed import train_step_through
 
 BUG = Bug("openai/guided-diffusion", "issue", 167, "checkpointing",

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("ORNL/HydraGNN", "pull", 116, "ddp",
           "epoch loss divided by the whole dataset's sample count on every DDP rank: W times too small")

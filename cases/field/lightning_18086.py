@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 from equivcheck_cases.field._lightning import manual_training_step
 
 BUG = Bug("Lightning-AI/pytorch-lightning", "issue", 18086, "ddp",

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("Lightning-AI/pytorch-lightning", "issue", 21859, "evaluation",
           "sync_dist epoch mean: the integer batch-size total mean-synced, floored", fixed_by="pull #21839")

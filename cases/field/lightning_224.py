@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("Lightning-AI/pytorch-lightning", "issue", 224, "ddp",
           "DistributedSampler.set_epoch never called: every epoch trained on the first epoch's order",

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("NVIDIA/Megatron-LM", "pull", 3023, "fsdp",
           "1/DP applied to the accumulated grad shard, not the new reduced bucket: the factor compounds")

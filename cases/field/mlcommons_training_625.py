@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("mlcommons/training", "pull", 625, "ddp",
           "DistributedSampler seeded per rank: the shards overlap and some samples are never seen")

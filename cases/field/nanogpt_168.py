@@ -10,7 +10,7 @@ before its backward (equal micro-batches: the mean of the means is the global me
 import torch.nn.functional as F
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("karpathy/nanoGPT", "issue", 168, "accumulation",
           "micro-batch mean losses backpropagated without / accumulation steps", fixed_by="commit 553f949")

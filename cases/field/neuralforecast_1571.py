@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("Nixtla/neuralforecast", "pull", 1571, "evaluation",
           "validation loss: per-rank means averaged with equal weights over uneven shards")

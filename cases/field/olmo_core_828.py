@@ -14,7 +14,7 @@ from functools import partial
 from torch.utils.checkpoint import checkpoint
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 from equivcheck_cases.field._checkpointed import train_step_through
 
 BUG = Bug("allenai/OLMo-core", "pull", 828, "checkpointing",

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("allenai/open-instruct", "pull", 1498, "zero",
           "engine.backward() per micro-batch with GAS=1: every backward a boundary, last micro-batch kept")

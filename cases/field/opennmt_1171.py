@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("OpenNMT/OpenNMT-py", "pull", 1171, "accumulation",
           "truncated BPTT re-initialised the decoder state at every truncation instead of carrying it")

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("pytorch/pytorch", "pull", 167178, "fsdp",
           "gradient_divide_factor skipped when the FSDP2 shard group had 1 rank: grads world-size x too large",

@@ -13,7 +13,7 @@ import contextlib
 
 import torch.nn.functional as F
 
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("pytorch/pytorch", "pull", 187732, "ddp",
           "static_graph=True with no_sync() accumulation: internal assert, then gradients never all-reduced",

@@ -8,7 +8,7 @@ routed experts trip it), where one process steps with the gradient of the whole 
 reducer, records which parameters were used on every backward, syncing or not, so all of them are reduced.
 """
 
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("pytorch/pytorch", "issue", 69031, "ddp",
           "find_unused_parameters with no_sync(): parameters used only in earlier micro-batches never reduced",

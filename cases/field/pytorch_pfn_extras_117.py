@@ -14,7 +14,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("pfnet/pytorch-pfn-extras", "pull", 117, "checkpointing",
           "checkpoint() reran BatchNorm in backward: running statistics updated twice a step")

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("kohya-ss/sd-scripts", "issue", 924, "ddp",
           "forward and backward through the unwrapped DDP .module: gradients never all-reduced",

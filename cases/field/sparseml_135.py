@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("neuralmagic/sparseml", "pull", 135, "ddp",
           "per-rank mean loss multiplied by the world size although DDP averages gradients")

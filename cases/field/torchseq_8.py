@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("tomhosking/torchseq", "issue", 8, "accumulation",
           "steps only once accumulated samples reach optim_batch_size: the epoch's leftover batches never step")

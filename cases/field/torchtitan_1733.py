@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("pytorch/torchtitan", "issue", 1733, "pipeline",
           "scale_grads=True with accumulation over step() calls: accumulated grads divided again each call",

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("pytorch/torchtitan", "pull", 4194, "pipeline",
           "PP loss divided by global_valid_tokens after the schedule's backward: grads N times too big")

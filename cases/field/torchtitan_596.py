@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 from equivcheck_cases.field._references import clipped_once
 
 BUG = Bug("pytorch/torchtitan", "issue", 596, "pipeline",

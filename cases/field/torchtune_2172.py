@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("meta-pytorch/torchtune", "pull", 2172, "ddp",
           "gradients scaled by 1 / global token count, missing the world size the all-reduce divides by")

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("huggingface/transformers", "pull", 16865, "evaluation",
           "eval metrics over the gathered last batch, padded repeats included")

@@ -12,7 +12,7 @@ backpropagates its summed token loss divided by that count, with no further divi
 import torch.nn.functional as F
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("huggingface/transformers", "pull", 34191, "accumulation",
           "mean of per-micro-batch token means / K instead of the token sum / the window's real tokens")

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("huggingface/transformers", "issue", 34242, "ddp",
           "token loss divided by each rank's own token count; DDP then averages the per-rank means",

@@ -12,7 +12,7 @@ by K again (exact for equal micro-batches).
 import torch.nn.functional as F
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("huggingface/transformers", "pull", 35438, "accumulation",
           "model's loss ignores num_items_in_batch, so the Trainer divided by neither it nor K")

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("huggingface/transformers", "pull", 39659, "accumulation",
           "the epoch's last, shorter accumulation window divided by the full gradient_accumulation_steps")

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 
 BUG = Bug("huggingface/trl", "issue", 7010, "evaluation",
           "per-rank metric mean passed to gather_for_metrics: the padded duplicates stayed in the logged mean")

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import equivcheck as ec
-from equivcheck.field import Bug
+from equivcheck.suites.field import Bug
 from equivcheck_cases.field._references import clipped_once
 
 BUG = Bug("ByteDance-Seed/VeOmni", "issue", 184, "fsdp",

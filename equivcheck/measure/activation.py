@@ -25,7 +25,7 @@ from contextlib import AbstractContextManager
 import torch
 from torch import Tensor, nn
 
-from ..torch_support import is_dtensor
+from ..process.torch_imports import is_dtensor
 
 SAVED_TENSORS = "saved_tensors"
 CUDA_ALLOCATOR = "cuda_allocator"

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from ..torch_support import fsdp2, is_fsdp_module
+from ..process.torch_imports import fsdp2, is_fsdp_module
 
 
 # A comm hook as DDP takes it, (state, bucket) -> a future of the reduced bucket, and what makes one per wrapper.

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ..torch_support import is_dtensor
+from ..process.torch_imports import is_dtensor
 
 
 def held_bytes(tensors: Iterable[Tensor | None]) -> int:

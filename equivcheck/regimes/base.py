@@ -35,9 +35,9 @@ class Regime:
     summary: ClassVar[str]
     pitfall: ClassVar[bool] = False
     # Where PyTorch itself refuses the regime in general (it crashes), why: kept to show the crash, and
-    # never drawn by equivcheck.hypothesis as a regime that must stay equivalent.
+    # never drawn by equivcheck.strategies as a regime that must stay equivalent.
     trap: ClassVar[str] = ""
-    distributed: ClassVar[bool] = False  # runs on every rank of a process group (see equivcheck.distributed)
+    distributed: ClassVar[bool] = False  # runs on every rank of a process group (see equivcheck.runners.ranks)
     world_size: ClassVar[int] = 1  # ranks a step runs on; a distributed regime's own field overrides it
     syncs_per_step: ClassVar[int | None] = None  # gradient all-reduce rounds a faithful step makes per wrapper
     sync_collective: ClassVar[str] = "all-reduced"  # what a sync does to the gradients, as reports say it

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..case import Batch, Case, Objective
 from ..errors import InvalidArgument, expect_int, expect_number
 from ..measure.collectives import attach_counter
-from ..torch_support import is_dtensor
+from ..process.torch_imports import is_dtensor
 from .base import CommunicationCounter, Regime, finish_step
 from .local import FullBatch
 from .loop import backward_chunks

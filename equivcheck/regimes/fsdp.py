@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from ..case import Objective
-from ..torch_support import fsdp2, fsdp2_missing
+from ..process.torch_imports import fsdp2, fsdp2_missing
 from .ddp import Accumulating, Ddp, Distributed
 
 

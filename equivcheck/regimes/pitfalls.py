@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from ..case import Batch, Objective, default_optimizer
 from ..errors import InvalidArgument, expect_number
-from ..seeding import DEFAULT_SEED, seeded
+from ..process.seeding import DEFAULT_SEED, seeded
 from .base import Chunked, Regime, finish_step
 from .loop import accumulate, backward_chunks, global_mean_part, meddling_part
 

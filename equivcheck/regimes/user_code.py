@@ -26,7 +26,7 @@ from torch.utils.data import TensorDataset
 
 from ..case import Batch, Objective
 from ..errors import InvalidArgument, expect_callable, expect_int
-from ..import_paths import resolve
+from ..process.import_paths import resolve
 from ..measure.collectives import StepTraffic, uncounted
 from .base import Regime
 from .ddp import DdpOptions, Distributed

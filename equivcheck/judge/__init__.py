@@ -1,0 +1,1 @@
+"""Judging a run against the reference: comparison, rounding, witness, hints, the memory verdict."""

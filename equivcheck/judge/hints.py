@@ -1,0 +1,151 @@
+"""Diagnosis: one line naming the likely pitfall behind a pattern of mismatches.
+
+Each known pitfall leaves a recognisable trace in what differs first: ranks whose gradients differ
+when their optimizers step (gradients never all-reduced), the step count (stepping per
+micro-batch), one factor across every gradient (loss scaling), the running statistics (BatchNorm),
+the step-0 loss (a forward that differs: dropout masks, batch statistics, mean / K), gradients of the
+early layers only (a cut backward: a detached hidden state), or every gradient while the loss is
+equal (the sum of micro-batch gradients altered: zero_grad, clipping or unscaling per micro-batch).
+The rules run in that order and the first that fits speaks; a hint says "likely", never "is".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..diff import Comparison, Mismatch, as_real
+from ..result import RunResult
+
+# A common factor must explain every gradient to this relative residual to count as "one factor".
+FACTOR_RESIDUAL = 1e-3
+
+
+def diagnose(reference: RunResult, candidate: RunResult, comparison: Comparison) -> Comparison:
+    """``comparison`` with its hint: kept where one is set already (the float64 shadows' of a low-precision
+    run speak first), else the first rule's that fits a failed comparison, else none."""
+    if comparison.ok or comparison.hint:
+        return comparison
+    return dataclasses.replace(comparison, hint=_hint(reference, candidate, comparison.mismatches,
+                                                      comparison.tolerance.atol))
+
+
+def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch, ...], atol: float) -> str:
+    """The one line for a comparison that failed, or "" where no rule fits."""
+    first_grads = {m.name for m in mismatches if m.kind == "grad" and m.first_step == 0}
+    unsynchronised = unsynchronised_ranks(candidate, atol)
+    if unsynchronised is not None:
+        step, ranks, spread = unsynchronised
+        some = (f" (at step 0 only {', '.join(sorted(first_grads))} differ from the reference's)"
+                if first_grads and len(first_grads) < len(reference.grads[0]) else "")
+        return (f"gradients were not all-reduced: at step {step} rank{'s' if len(ranks) > 1 else ''} "
+                f"{', '.join(map(str, ranks))} held gradients up to {spread:.3g} away from rank 0's when the optimizer "
+                f"stepped{some}; likely a module reached around its DDP wrapper (model.module), a backward() inside "
+                "the wrapped module's own forward, or no_sync() still on for the last micro-batch")
+    kinds = {m.kind for m in mismatches}
+    loss_first = next((m.first_step for m in mismatches if m.kind == "loss"), None)
+
+    if reference.optimizer_steps != candidate.optimizer_steps:
+        return _step_count(reference.optimizer_steps, candidate.optimizer_steps, candidate.steps_per_batch)
+    if kinds == {"loss"}:
+        return ("only the reported losses differ; every gradient and weight matches: the step likely returns a logged "
+                "or approximate loss (say the last micro-batch's loss x K) instead of the global batch's mean; "
+                "return that mean or None, or check with compare_losses=False")
+    factor = common_factor(reference, candidate) if first_grads else None
+    if factor is not None:
+        clipping = (", or gradient clipping that engages in only one of the two (clip_grad_norm_ scales every "
+                    "gradient by one factor below 1): give the reference the same clipping") if factor < 1 else ""
+        return (f"every gradient is {factor:.6g} x the reference's from step 0: likely loss scaling "
+                f"(sum vs mean, a missing or extra / K, or gradients left scaled by a GradScaler){clipping}")
+    if "buffer" in kinds:
+        names = ", ".join(sorted(m.name for m in mismatches if m.kind == "buffer"))
+        return (f"running statistics differ ({names}): likely BatchNorm seeing other batch statistics per "
+                "micro-batch or rank; use a layer without batch statistics, or SyncBatchNorm under DDP")
+    if loss_first == 0:
+        return ("the step-0 loss already differs though every run starts from the same weights: the forward or the "
+                "loss weighting differs; likely micro-batch mean / K with uneven chunks or token counts, dropout "
+                "masks drawn differently per micro-batch, or batch statistics")
+    if first_grads and len(first_grads) < len(reference.grads[0]):
+        exact = sorted(set(reference.grads[0]) - first_grads)
+        return (f"at step 0 only some gradients differ ({', '.join(sorted(first_grads))}) while "
+                f"{', '.join(exact)} match: the backward pass was cut upstream; likely a detach between per-token or "
+                "per-chunk backward calls (an RNN hidden state detached = truncated BPTT)")
+    if first_grads and not _losses_compared(reference, candidate):
+        return ("every gradient differs from step 0 (no losses were reported, so the forward cannot be told apart "
+                "from the backward): likely the loss weighting (a mean of micro-batch means over uneven micro-batches "
+                "or token counts), or zero_grad, clipping or GradScaler unscale_ inside the accumulation loop")
+    if first_grads:
+        return ("same loss but every gradient differs from step 0: the micro-batch gradients were altered before "
+                "being summed; likely zero_grad, gradient clipping or GradScaler unscale_ inside the accumulation loop")
+    steps = [m.first_step for m in mismatches if m.first_step is not None]
+    tail = _epoch_tail(reference.batch_samples, min(steps)) if steps else ""
+    if tail:
+        return tail
+    if steps:
+        return (f"everything matches at step 0 and diverges from step {min(steps)}: state carried between steps "
+                "differs, or a difference that clipping hid while the gradient norm stayed above max_norm (a "
+                "missing / K clips to the same gradient); likely the RNG stream (dropout), optimizer state, a "
+                "learning-rate schedule, or a scaling bug under clipping")
+    return ""
+
+
+def _epoch_tail(samples: tuple[int, ...], first: int) -> str:
+    """Where the first divergent step is an epoch's smaller last batch, or the step right after one."""
+    full = max(samples, default=0)
+    if first < len(samples) and samples[first] < full:
+        return (f"every step matches until step {first}, an epoch's last, smaller global batch ({samples[first]} of "
+                f"{full} samples): likely that batch weighted as a full one (each micro-batch's mean / K over fewer "
+                "micro-batches, or a loss sum over the configured batch size instead of the batch's own count)")
+    if 0 < first < len(samples) and samples[first - 1] < full:
+        return (f"every step matches until step {first}, the first after an epoch's last, smaller global batch (step "
+                f"{first - 1}, which matches): likely that partial window's gradients left in .grad into the next "
+                "epoch (a step after the epoch without optimizer.zero_grad())")
+    return ""
+
+
+def _losses_compared(reference: RunResult, candidate: RunResult) -> bool:
+    return any(r is not None and c is not None for r, c in zip(reference.losses, candidate.losses))
+
+
+def _step_count(expected: int, taken: int, pattern: tuple[int, ...] | None) -> str:
+    """What the step counts say, with the steps each global batch took where the run could tell."""
+    if pattern and len(set(pattern)) == 1:
+        per = f" ({pattern[0]} per global batch)"
+    else:
+        per = f" (per global batch: {', '.join(map(str, pattern))})" if pattern else ""
+    if taken == 0:
+        return (f"0 optimizer steps where the reference took {expected}: the code checked never called "
+                "optimizer.step() (or a GradScaler skipped every step on non-finite gradients)")
+    if taken < expected:
+        return (f"{taken} optimizer steps where the reference took {expected}{per}: some global batches were never "
+                "stepped; likely a step under a condition that misses (an off-by-one in `(i + 1) % K == 0`, a "
+                "partial last window)")
+    return (f"{taken} optimizer steps where the reference took {expected}{per}: likely optimizer.step() "
+            "(or GradScaler.step) per micro-batch instead of once per global batch")
+
+
+def common_factor(reference: RunResult, candidate: RunResult) -> float | None:
+    """The c != 1 with candidate == c * reference for every step-0 gradient, if there is one."""
+    if not reference.grads or not candidate.grads or reference.grads[0].keys() != candidate.grads[0].keys():
+        return None
+    ref = torch.cat([as_real(g).reshape(-1).double() for g in reference.grads[0].values()])
+    cand = torch.cat([as_real(candidate.grads[0][name]).reshape(-1).double() for name in reference.grads[0]])
+    norm = float(ref.dot(ref))
+    if norm == 0.0 or ref.shape != cand.shape:
+        return None
+    factor = float(cand.dot(ref)) / norm
+    residual = float((cand - factor * ref).norm()) / (abs(factor) * norm ** 0.5 or 1.0)
+    if residual > FACTOR_RESIDUAL or abs(factor - 1.0) < 10 * FACTOR_RESIDUAL:
+        return None
+    return factor
+
+
+def unsynchronised_ranks(result: RunResult, atol: float) -> tuple[int, tuple[int, ...], float] | None:
+    """The first step at which some ranks' gradients differed from rank 0's by more than ``atol``, those
+    ranks, and the greatest difference; None where every rank held the same gradients (or one ran)."""
+    for step, spreads in enumerate(result.rank_grad_spread or ()):
+        ranks = tuple(rank for rank, spread in enumerate(spreads) if spread > atol)
+        if ranks:
+            return step, ranks, max(spreads)
+    return None

@@ -1,0 +1,295 @@
+"""Rounding witnessed without a higher precision: the reference again, its samples in another order.
+
+The mean over a global batch's items does not depend on the order its samples come in, so the reference
+trained on each batch's samples reversed (and rolled by half) differs from the reference by rounding alone;
+where it differs beyond the tolerance, rounding alone moves those elements that far. That happens where a
+parameter's true gradient is zero: softmax ignores a constant added to every score of a row, so a key bias's
+gradient is zero in exact arithmetic, and what autograd computes is noise whose sign and size follow the
+summation order; an adaptive optimizer divides by that noise's running RMS and makes whole-size updates of
+it. A convolution's bias before a BatchNorm is the same. A float64 shadow cannot tell: its noise is amplified
+just the same.
+
+The judgement, quantity by quantity (a step's gradient of a parameter, a final weight or buffer):
+
+- an element is *noise-driven* where its reference gradient is at rounding level at every step (a buffer's,
+  where a witness moves it beyond the tolerance);
+- a candidate's mismatched element is rounding where it is noise-driven and the candidate moved it from its true
+  value (a zero gradient; a weight where it started) no more than ``WITNESS_FACTOR`` times the furthest the
+  reference or a witness did: rounding moves such an element, and nothing else may (a buffer, whose true value
+  is unknown: its difference within that many times the witnesses' greatest);
+- every other mismatch stands, with the witness's figure beside it.
+
+A mismatch in the loss is never judged so (a parameter whose gradient is zero changes nothing the loss sees),
+and a witness counts only where its losses match the reference's: one whose losses differ is not neutral (a
+forward that draws randomness per sample, as dropout does, pairs other draws with other samples), so it
+judges nothing and the verdict stands, saying why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from ..diff import Comparison, Mismatch, as_real
+from ..precision import Tolerance
+from .compare import compare
+from ..result import RunResult
+
+ORDERS = ("reversed", "rolled")  # the witnesses: each global batch's samples reversed, and rolled by half
+# How much further than the reference and its witnesses a candidate may move a noise-driven element. Three runs'
+# noise is a sample, not a bound: Adam moves such an element by up to its learning rate a step, further where the
+# noise keeps its sign (per-sample sums flip it less than reordering does). Measured over 2,000 drawn attention
+# LMs (bench_false_alarms.py --attention 2000): 2 false alarms at 2, 1 at 3, which is of another kind (docs).
+WITNESS_FACTOR = 3.0
+
+
+# A gradient element at most this many machine epsilons of the step's greatest gradient is at rounding level: a
+# true gradient of zero computes to about eps times the terms it sums (1e-16 of the rest in float64 here, 2e-8 in
+# float32), a real one, however small, far above.
+ROUNDING_LEVEL = 64
+
+
+def applies(comparison: Comparison, reference: RunResult, candidate: RunResult) -> bool:
+    """Whether the witnesses could explain ``comparison``: numbers only, not the loss (a parameter whose gradient
+    is zero changes nothing the loss sees), and every mismatched weight or gradient mismatched somewhere its
+    reference gradient is at rounding level at every step. Otherwise the verdict stands without witness runs."""
+    if not comparison.mismatches or comparison.problems or comparison.tolerance.source:
+        return False
+    if (comparison.first_divergent_step or 0) >= 1:  # equal at step 0, apart later: perhaps amplified rounding
+        return True
+    return all(m.kind == "buffer" or (m.kind in ("grad", "weight") and bool(
+        (_mismatched(m, reference, candidate, comparison.tolerance) & _at_rounding_level(reference, m.name)).any()))
+        for m in comparison.mismatches)
+
+
+def _at_rounding_level(reference: RunResult, name: str) -> Tensor:
+    """The elements of parameter ``name`` whose reference gradient is at rounding level at every step."""
+    level = None
+    for step in reference.grads:
+        largest = max(float(as_real(g).abs().max()) for g in step.values() if g.numel())
+        grad = as_real(step[name])
+        small = grad.abs() <= ROUNDING_LEVEL * torch.finfo(grad.dtype).eps * largest
+        level = small if level is None else level & small
+    return level if level is not None else torch.zeros(as_real(reference.weights[name]).shape, dtype=torch.bool)
+
+
+def _mismatched(mismatch: Mismatch, reference: RunResult, candidate: RunResult, tol: Tolerance) -> Tensor:
+    if mismatch.kind == "weight":
+        expected, actual = reference.weights[mismatch.name], candidate.weights[mismatch.name]
+    else:  # a gradient, at the mismatch's own worst step
+        expected, actual = (run.grads[mismatch.worst_step][mismatch.name] for run in (reference, candidate))
+    actual, expected = _float64(actual), _float64(expected)
+    return (actual - expected).abs() > tol.atol + tol.rtol * expected.abs()
+
+
+def _float64(tensor: Tensor) -> Tensor:
+    """``tensor`` in float64, a complex one as its real and imaginary parts: elements of their own, as compare.py
+    judges them."""
+    return as_real(tensor).double()
+
+
+@dataclasses.dataclass(frozen=True)
+class Noise:
+    """What the witnesses show on one mismatched quantity."""
+
+    mismatch: Mismatch
+    driven: str  # the noise-driven elements, named: "attn.in_proj_bias[16:32]"
+    noise: float  # the greatest difference a witness shows on them
+    moved: float  # how far the runs (reference, witnesses) moved them from their true value: rounding, amplified
+    gradient: float  # the reference's greatest gradient there: rounding level where the true gradient is zero
+    strayed: float  # the candidate's greatest difference there
+    explained: bool  # every mismatched element is noise-driven and within WITNESS_FACTOR * noise
+    margin: float  # the greatest |candidate - reference| / (allowed + WITNESS_FACTOR * noise where noise-driven)
+
+    def describe(self) -> str:
+        zero = "" if self.mismatch.kind == "buffer" else f"true gradient zero (the reference's is {self.gradient:.2g}), "
+        return (f"{self.mismatch.kind} of {self.driven}: {zero}the reference in another sample order differs there by "
+                f"up to {self.noise:.3g}, rounding moved it up to {self.moved:.3g} from its true value, and the "
+                f"candidate differs by {self.strayed:.3g}")
+
+
+def judge(comparison: Comparison, reference: RunResult, candidate: RunResult,
+          witnesses: Callable[[], Sequence[RunResult]], initial: Callable[[], dict[str, Tensor]],
+          cause: Callable[[], str]) -> Comparison:
+    """``comparison`` (failed, :func:`applies`) judged by the witnesses: equivalent with a note naming every
+    noise-driven parameter where rounding explains every mismatch, else the mismatches rounding does not
+    explain, with a note on those it does."""
+    try:
+        runs = witnesses()
+    except Exception as error:  # the verdict stands; say why it could not be weighed
+        return _noted(comparison, f"the witness runs failed: {type(error).__name__}: {error}")
+    neutral = [run for run in runs if _losses_match(reference, run, comparison.tolerance)]
+    if not neutral:
+        return _diverging(comparison, reference, candidate, runs, cause)
+    noises = {m: _noise(m, reference, candidate, neutral, initial(), comparison.tolerance) for m in comparison.mismatches}
+    explained = [n for n in noises.values() if n is not None and n.explained]
+    if not explained:
+        return _diverging(comparison, reference, candidate, runs, cause)
+    note = f"ill-conditioned: {cause()}: " + "; ".join(n.describe() for n in explained) + (
+        f" (before this witness: {comparison.note})" if comparison.note else "")
+    standing = tuple(m for m in comparison.mismatches if not (noises[m] and noises[m].explained))
+    if standing:
+        return dataclasses.replace(comparison, mismatches=standing, note=note)
+    margin = max([n.margin for n in explained] + [_margin_elsewhere(reference, candidate, comparison)])
+    return Comparison(comparison.tolerance, (), (), comparison.max_abs, comparison.max_rel, margin, note=note)
+
+
+def _diverging(comparison: Comparison, reference: RunResult, candidate: RunResult, witnesses: Sequence[RunResult],
+               cause: Callable[[], str]) -> Comparison:
+    """The reference may itself be chaotic: where a witness starts equal to it (step 0 within the tolerance: the
+    same weights, only the summation order differs) and ends apart beyond the tolerance, rounding alone is
+    amplified to that size. The candidate is then judged against that spread: equivalent where every mismatched
+    quantity differs from the reference by at most ``WITNESS_FACTOR`` times the furthest a witness does, said as
+    such (differences smaller than that spread cannot be seen at all). A witness apart from step 0 on (dropout's
+    draws paired with other samples) is no witness: the verdict stands."""
+    tol = comparison.tolerance
+    witnessed = [compare(reference, w, tolerance=tol) for w in witnesses]
+    diverging = [w for w, seen in zip(witnesses, witnessed) if _apart_later(seen)]
+    if any(seen.first_divergent_step == 0 for seen in witnessed):
+        return _noted(comparison, "no witness: the reference's losses change with the order of its samples from the "
+                                  "first step (randomness drawn per sample?), so rounding could not be told from the maths")
+    if not diverging or (comparison.first_divergent_step or 0) < 1:
+        return comparison
+    ratios = []
+    for mismatch in comparison.mismatches:
+        spread = max(_greatest_difference(mismatch, reference, w) for w in diverging)
+        ratios.append(_greatest_difference(mismatch, reference, candidate) / (WITNESS_FACTOR * spread)
+                      if spread else float("inf"))
+    spread_margin = max(compare(reference, w, tolerance=tol).margin for w in diverging)
+    note = (f"chaotic: {cause()}: the reference itself, its samples in another order, starts equal and ends apart "
+            f"(margin {spread_margin:.3g} against {tol}): differences within {WITNESS_FACTOR:g} times that spread "
+            "are rounding, and a difference smaller than it cannot be seen")
+    if max(ratios) > 1:
+        return _noted(comparison, note + f"; the candidate differs by up to {max(ratios):.3g} times that")
+    return Comparison(tol, (), (), comparison.max_abs, comparison.max_rel, max(ratios), note=note)
+
+
+def _apart_later(witnessed: Comparison) -> bool:
+    return (not witnessed.ok and not witnessed.problems and witnessed.first_divergent_step != 0
+            and not any(m.kind == "loss" and m.step_margins and m.step_margins[0] > 1 for m in witnessed.mismatches))
+
+
+def _greatest_difference(mismatch: Mismatch, reference: RunResult, other: RunResult) -> float:
+    """The greatest absolute difference of ``mismatch``'s quantity between two runs, over its steps."""
+    name = mismatch.name
+    if mismatch.kind == "grad":
+        return max(float((_float64(a[name]) - _float64(b[name])).abs().max())
+                   for a, b in zip(reference.grads, other.grads))
+    if mismatch.kind == "loss":
+        return max((abs(a - b) for a, b in zip(reference.losses, other.losses) if None not in (a, b)), default=0.0)
+    field = "weights" if mismatch.kind == "weight" else "buffers"
+    return float((_float64(getattr(reference, field)[name]) - _float64(getattr(other, field)[name])).abs().max())
+
+
+def _noted(comparison: Comparison, note: str) -> Comparison:
+    return dataclasses.replace(comparison, note="; ".join(filter(None, (comparison.note, note))))
+
+
+def _margin_elsewhere(reference: RunResult, candidate: RunResult, comparison: Comparison) -> float:
+    """The greatest margin over every quantity that matched (the judged ones excepted), so that the verdict's
+    margin is the whole comparison's."""
+    judged = {(m.kind, m.name) for m in comparison.mismatches}
+    tol, margin = comparison.tolerance, 0.0
+    pairs = [(("grad", n), ref[n], cand[n]) for ref, cand in zip(reference.grads, candidate.grads) for n in ref]
+    pairs += [(("weight", n), t, candidate.weights[n]) for n, t in reference.weights.items()]
+    pairs += [(("buffer", n), t, candidate.buffers[n]) for n, t in reference.buffers.items()]
+    losses = [(r, c) for r, c in zip(reference.losses, candidate.losses) if None not in (r, c)]
+    if losses:
+        pairs.append((("loss", "loss"), *(torch.tensor(series, dtype=torch.float64) for series in zip(*losses))))
+    for key, expected, actual in pairs:
+        if key in judged or not expected.numel():
+            continue
+        expected = _float64(expected)
+        gap = (_float64(actual) - expected).abs()
+        margin = max(margin, float(torch.where(gap == 0, 0.0, gap / (tol.atol + tol.rtol * expected.abs())).max()))
+    return margin
+
+
+def _losses_match(reference: RunResult, witness: RunResult, tol: Tolerance) -> bool:
+    losses = [(r, w) for r, w in zip(reference.losses, witness.losses) if None not in (r, w)]
+    return all(abs(w - r) <= tol.atol + tol.rtol * abs(r) for r, w in losses)
+
+
+def _noise(mismatch: Mismatch, reference: RunResult, candidate: RunResult, witnesses: list[RunResult],
+           initial: dict[str, Tensor], tol: Tolerance) -> Noise | None:
+    """The evidence on ``mismatch``'s quantity, over each of its steps; None where nothing of it is noise-driven.
+
+    Where: a parameter's elements whose reference gradient is at rounding level at every step, whatever sign the
+    noise took in one order or another (a buffer's: those a witness moves beyond the tolerance). How far: the
+    true value of such an element is known (its gradient is zero; its weight stays where it started), so what
+    the reference and each witness moved it from there is rounding, amplified. The candidate's own movement
+    there must stay within ``WITNESS_FACTOR`` times the greatest of theirs (a buffer's difference, within that
+    many times the witnesses' greatest difference)."""
+    if mismatch.kind == "loss":  # the loss sees every parameter that matters: never noise on one that does not
+        return None
+    level = None if mismatch.kind == "buffer" else _at_rounding_level(reference, mismatch.name)
+    driven = torch.zeros(0, dtype=torch.bool)
+    noise = moved_most = gradient = strayed = margin = 0.0
+    explained = True
+    for expected, actual, seen, grads, true in _tensors(mismatch, reference, candidate, witnesses, initial):
+        expected, actual = _float64(expected), _float64(actual)
+        allowed = tol.atol + tol.rtol * expected.abs()
+        apart = torch.stack([(_float64(w) - expected).abs() for w in seen]).amax(dim=0)
+        noisy = (apart > allowed) if level is None else level
+        gap = (actual - expected).abs()
+        matched = gap <= allowed
+        if not noisy.any():
+            explained &= bool(matched.all())
+            margin = max(margin, float(torch.where(gap == 0, 0.0, gap / allowed).max()))
+            continue
+        if true is None:  # a buffer: the witnesses' spread is the scale, the difference what is judged
+            scale, stray = float(apart[noisy].max()), gap
+        else:
+            true = _float64(true)
+            scale = max(float((run - true).abs()[noisy].max()) for run in [expected, *(_float64(w) for w in seen)])
+            stray = (actual - true).abs()
+        within = noisy & (stray <= WITNESS_FACTOR * scale)
+        explained &= bool((matched | within).all())
+        ratio = torch.where(noisy, stray / max(WITNESS_FACTOR * scale, tol.atol), gap / allowed)
+        margin = max(margin, float(torch.where(gap == 0, 0.0, ratio).max()))
+        noise, moved_most = max(noise, float(apart[noisy].max())), max(moved_most, scale)
+        strayed = max(strayed, float(gap[noisy].max()))
+        gradient = max([gradient] + [float(_float64(g)[noisy].abs().max()) for g in grads])
+        driven = noisy.reshape(-1) if not driven.numel() else driven | noisy.reshape(-1)
+    if not driven.numel() or moved_most == 0:
+        return None
+    return Noise(mismatch, _name_elements(mismatch.name, driven, reference, mismatch.kind), noise, moved_most,
+                 gradient, strayed, explained, margin)
+
+
+def _tensors(mismatch: Mismatch, reference: RunResult, candidate: RunResult, witnesses: list[RunResult],
+             initial: dict[str, Tensor]) -> Iterator[tuple[Tensor, Tensor, list[Tensor], list[Tensor], Tensor | None]]:
+    """(reference's, candidate's, each witness's, the reference's gradients, the true value where rounding cannot
+    have moved it: zero for a gradient, the start for a weight, unknown for a buffer) of the quantity at each step."""
+    name = mismatch.name
+    if mismatch.kind == "grad":
+        for step, (ref, cand) in enumerate(zip(reference.grads, candidate.grads)):
+            yield ref[name], cand[name], [w.grads[step][name] for w in witnesses], [ref[name]], torch.zeros(())
+    else:
+        field = "weights" if mismatch.kind == "weight" else "buffers"
+        yield (getattr(reference, field)[name], getattr(candidate, field)[name],
+               [getattr(w, field)[name] for w in witnesses], [step[name] for step in reference.grads if name in step],
+               initial.get(name) if mismatch.kind == "weight" else None)
+
+
+def _name_elements(name: str, driven: Tensor, reference: RunResult, kind: str) -> str:
+    """``name[16:32]`` for a vector's contiguous runs of noise-driven elements, else how many of how many."""
+    count, total = int(driven.sum()), driven.numel()
+    shape = (reference.weights.get(name) if kind != "buffer" else reference.buffers.get(name))
+    if shape is not None and shape.is_complex() and count != total:
+        return f"'{name}' ({count} of {total} real and imaginary parts)"
+    if shape is None or shape.dim() != 1 or count == total:
+        return f"'{name}'" + ("" if count == total else f" ({count} of {total} elements)")
+    runs, start = [], None
+    for index, flag in enumerate([*driven.tolist(), False]):
+        if flag and start is None:
+            start = index
+        elif not flag and start is not None:
+            runs.append(f"{start}:{index}")
+            start = None
+    return f"'{name}'[{', '.join(runs)}]"
+
+

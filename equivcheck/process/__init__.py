@@ -1,0 +1,1 @@
+"""What a process needs to train reproducibly: seeds, threads, kernels, torch's lazy imports, import paths, exit."""

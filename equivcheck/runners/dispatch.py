@@ -1,0 +1,137 @@
+"""Where a run goes: ``run`` trains a case under a regime in this process, on the warm pool's worker
+ranks, or in a launcher's process group, and returns one RunResult whichever it was."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from ..case import Case
+from .ranks import launcher, pool, shared_reference
+from ..errors import InvalidArgument, Unavailable, expect_timeout
+from .isolation import IsolatedRunner, can_isolate
+from ..precision import Precision, registered_name, resolve_precision
+from ..regimes import Regime, parse_regime, regime_source
+from ..registry import all_cases, case_source, resolve_case
+from ..result import RunResult
+from .train import train
+from ..process.seeding import DEFAULT_SEED
+from ..process import threads as intra_op
+
+DEFAULT_TIMEOUT = pool.DEFAULT_TIMEOUT
+
+
+def run(case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED, timeout: float = DEFAULT_TIMEOUT,
+        isolate: bool = False, **options) -> RunResult:
+    """Train ``case`` for its steps under ``regime`` from the seeded start and return what it produced.
+
+    Raises :class:`Unavailable` when this machine cannot run the regime (no GPUs for nccl or
+    DataParallel), :class:`WorkerError` when a worker rank raises, hangs past ``timeout`` or dies.
+    ``isolate=True`` trains an in-process run in a forked child: a run that kills its process raises
+    :class:`RunDied` here instead of ending this process.
+    """
+    if not isolate:
+        return start(case, regime, seed=seed, timeout=timeout, **options).result()
+    case, regime = resolve_case(case), parse_regime(regime)
+    runner = IsolatedRunner([(case, [regime])])
+    try:
+        return start(case, regime, seed=seed, timeout=timeout, runner=runner, **options).result()
+    finally:
+        runner.close()
+
+
+class Started:
+    """A run begun: ``result()`` gives its RunResult (raising what the run raised); ``abandon()`` gives it up.
+
+    A run on the warm pool is on its ranks from :func:`start` on, so the parent can work meanwhile (the
+    reference in this process); one abandoned there closes its pool, whose reply must answer nothing later.
+    A run that could not start raises its error from ``result()``, where a run's errors are read."""
+
+    def __init__(self, finish: Callable[[], RunResult], abandon: Callable[[], None] = lambda: None) -> None:
+        self._finish, self._abandon, self.done = finish, abandon, False
+
+    def result(self) -> RunResult:
+        self.done = True
+        return self._finish()
+
+    def abandon(self) -> None:
+        if not self.done:
+            self.done = True
+            self._abandon()
+
+    @classmethod
+    def failed(cls, error: Exception) -> Started:
+        def reraise() -> RunResult:
+            raise error
+        return cls(reraise)
+
+
+def start(case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED, timeout: float = DEFAULT_TIMEOUT,
+          runner: IsolatedRunner | None = None, **options) -> Started:
+    """Begin a run: a warm-pool job is sent to its ranks now; a run in this process (or in a launcher's
+    group, where every rank must run it together) happens when its result is asked for, in ``runner``'s
+    forked child where one is given and the run can leave this process (isolation.py)."""
+    case = resolve_case(case)
+    regime = parse_regime(regime)
+    expect_timeout(timeout)
+    regime.validate(case)
+    precision = resolve_precision(options.get("dtype"), default=case.dtype)
+    reason = regime.unavailable() or regime.unavailable_in(precision)
+    if reason is not None:
+        raise Unavailable(reason)
+    # Resolved here, where the user's choice is visible: ranks train with the parent's count.
+    options["threads"] = intra_op.resolve(options.get("threads"))
+    against = options.pop("against", None)  # a forked child has no reference: its run comes back recorded whole
+    if not regime.distributed:
+        if runner is not None and can_isolate(regime, precision.device, options["threads"]):
+            return Started(lambda: runner.train(case, regime, seed=seed, **options))
+        return Started(lambda: train(case, regime, seed=seed, against=against, **options))
+    source = importable_source(case)
+    if isinstance(options.get("dtype"), Precision):  # workers look precision modes up by name
+        options["dtype"] = registered_name(options["dtype"])
+    if against is not None:  # the ranks compare with the reference as they train, from a file they map
+        options["against"] = shared_reference.payload(against)
+    job = {"case": case.name, "source": source, "regime": str(regime),
+           "regime_source": regime_source(regime), "seed": seed, "options": options}
+    backend = regime.resolved_backend
+    if launcher.active():
+        return Started(lambda: _assembled(launcher.run_job(backend, regime.world_size, job)))
+    in_flight = pool.submit_job(backend, regime.world_size, job, timeout)
+    return Started(lambda: _assembled(in_flight()), in_flight.abandon)
+
+
+def _assembled(replies: list[dict]) -> RunResult:
+    """One RunResult of the ranks' replies: rank 0's, with the step losses and how far the ranks stood apart (measured
+    on the ranks where they compared with the reference as they trained, and kept no tensor to send)."""
+    results = [RunResult.from_plain(reply) for reply in replies]
+    # Each rank returns its share of the step's loss (None: a step that returns none).
+    losses = tuple(None if None in shares else sum(shares) for shares in zip(*(r.losses for r in results)))
+    if results[0].measured is not None:
+        return dataclasses.replace(results[0], losses=losses)
+    return dataclasses.replace(results[0], losses=losses, rank_spread=_spread(results),
+                               rank_grad_spread=_grad_spread(results))
+
+
+def importable_source(case: Case) -> str:
+    """Where worker ranks import ``case`` from: it must be the case registered under its name."""
+    if all_cases().get(case.name) is not case:
+        raise InvalidArgument(
+            f"case={case.name!r} is not allowed here: worker processes import cases themselves, so distributed "
+            "checks need a case registered with equivcheck.register_case at the top level of a module or file"
+        )
+    return case_source(case.name)
+
+
+def _spread(results: list[RunResult]) -> float:
+    """How far the ranks' final weights ended apart: DDP keeps replicas identical, so 0."""
+    first = results[0].weights
+    return max((float((r.weights[n] - first[n]).abs().max()) for r in results[1:] for n in first), default=0.0)
+
+
+def _grad_spread(results: list[RunResult]) -> tuple[tuple[float, ...], ...]:
+    """Per step, how far each rank's gradients were from rank 0's when its optimizer stepped: all-reduced
+    gradients are the same on every rank, so a rank that differs was never synchronised with rank 0."""
+    def apart(grads: dict, first: dict) -> float:
+        return max((float((grads[n] - first[n]).abs().max()) for n in first), default=0.0)
+
+    return tuple(tuple(apart(grads, step[0]) for grads in step) for step in zip(*(r.grads for r in results)))

@@ -1,0 +1,256 @@
+"""Runs on a supervised child: a run that kills its process is an ``error`` verdict, not the end of the check.
+
+A kernel can kill the process that calls it (oneDNN's AMX bf16 path dies of SIGILL on some virtual CPUs, an
+extension segfaults, code calls ``os._exit``), and no Python handler outlives that. So a check trains its
+in-process runs in a child forked from this process on its first run: the child holds the case as this
+process has it (model and data functions, closures, a step defined in a test: nothing is pickled), trains
+one run per request and sends the result back as plain bytes. A child that dies is reported with how it
+exited and the Python frames faulthandler wrote as it died; the next run forks a fresh child.
+
+Forking copies this process's page tables (about 11 ms for a 300 MB process here), so one child serves a
+whole check rather than one run. Runs on CUDA stay in this process: a CUDA context does not survive a fork,
+and a GPU kernel's fault reaches Python as an exception, which is already an ``error`` verdict.
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import os
+import pickle
+import re
+import signal
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Iterable, Sequence
+from multiprocessing.connection import Connection, Pipe
+
+import torch
+
+from ..case import Case
+from ..errors import RunDied
+from ..process.exit import exit_words, leave_with_parent
+from ..regimes import Regime
+from ..result import RunResult
+from ..process.torch_imports import import_what_training_imports
+
+FRAMES_LIMIT = 20_000  # characters of faulthandler's dump kept in an error's details
+
+
+def can_isolate(regime: Regime, device: str, threads: int) -> bool:
+    """Whether a run of ``regime`` on ``device`` with ``threads`` intra-op threads can train in a forked child:
+    CPU runs on one thread (the default), in a process that can fork and has no CUDA context (a child cannot use
+    its parent's). OpenMP's thread pool does not survive a fork either: a child of a process that has run a
+    parallel region hangs at its own first one, so a run on several threads trains in this process."""
+    return (hasattr(os, "fork") and device == "cpu" and regime.device().type == "cpu" and threads == 1
+            and not torch.cuda.is_initialized())
+
+
+class IsolatedRunner:
+    """Trains runs in a forked child, started on the first run and again after a child died.
+
+    It is made with the runs it may be asked for, as (case, regimes) pairs, and a request names one by
+    position: a case defined in a test, or a regime holding a team's step (a closure, a lambda), never needs
+    pickling. A command that checks many cases gives one runner all of its plans: one child serves them all,
+    warm, as this process would have been."""
+
+    def __init__(self, runs: Iterable[tuple[Case, Iterable[Regime]]]) -> None:
+        self._runs = [(case, regime) for case, regimes in runs for regime in regimes]
+        self._child: _Child | None = None
+
+    def train(self, case: Case, regime: Regime, **options) -> RunResult:
+        """``training.train(case, regime, **options)``, in the child. Raises what the run raised, or
+        :class:`RunDied` naming how the child ended when it died before answering."""
+        index = self._index(case, regime)
+        if index is None:  # a run the child was not forked with: the next child knows it
+            self._runs.append((case, regime))
+            index = len(self._runs) - 1
+            self.close()
+        if self._child is None:
+            self._child = _Child(self._runs)
+        child = self._child
+        try:
+            return child.train(index, options)
+        except BaseException:
+            if not child.alive:  # it died, or was stopped mid-run (Ctrl-C): the next run forks a fresh child
+                self._child = None
+            raise
+
+    def _index(self, case: Case, regime: Regime) -> int | None:
+        return next((i for i, (c, r) in enumerate(self._runs) if c is case and r == regime), None)
+
+    def close(self) -> None:
+        if self._child is not None:
+            self._child.close()
+            self._child = None
+
+
+class _Child:
+    def __init__(self, runs: Sequence[tuple[Case, Regime]]) -> None:
+        import_what_training_imports()  # once in this process, not once per child
+        self._crash_log = tempfile.TemporaryFile()  # faulthandler's last words, read after a death
+        receiving, sending = Pipe(duplex=False)
+        requests_in, self._requests = Pipe(duplex=False)
+        for stream in (sys.stdout, sys.stderr):  # buffered output would be written twice, once by each process
+            stream.flush()
+        parent = os.getpid()
+        reap_exited()
+        with warnings.catch_warnings():  # Python 3.12 warns on forking a threaded process; the child runs no thread's work
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:
+            receiving.close()
+            self._requests.close()
+            _serve(runs, requests_in, sending, self._crash_log.fileno(), parent)
+        sending.close()
+        requests_in.close()
+        self.pid, self._replies, self.alive = pid, receiving, True
+
+    def train(self, index: int, options: dict) -> RunResult:
+        try:
+            self._requests.send_bytes(pickle.dumps((index, options)))
+            status, payload = receive(self._replies)
+        except (EOFError, OSError):
+            raise self._death() from None
+        except BaseException:  # interrupted: the child may still be training, and its reply would answer nothing
+            self.kill()
+            raise
+        if status == "ok":
+            return RunResult.from_plain(payload)
+        raise payload
+
+    def _death(self) -> RunDied:
+        """The child is gone: how it ended, and where Python stood when it did."""
+        self.alive = False
+        _, status = os.waitpid(self.pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        frames = os.pread(self._crash_log.fileno(), FRAMES_LIMIT, 0).decode(errors="replace").strip()
+        self._close_files()
+        where = _innermost_frame(frames)
+        return RunDied(f"the run's process died ({exit_words(code)})" + (f" in {where}" if where else ""),
+                       remote_traceback=frames, exit_code=code)
+
+    def kill(self) -> None:
+        if self.alive:
+            self.alive = False
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+            self._close_files()
+
+    def close(self) -> None:
+        """Ask the child to leave: it reads EOF and exits. It is reaped later (its exit takes milliseconds that
+        nobody needs to wait for), at the next fork or when this process exits."""
+        if self.alive:
+            self.alive = False
+            self._close_files()
+            _exiting.append(self.pid)
+
+    def _close_files(self) -> None:
+        for closing in (self._requests, self._replies, self._crash_log):
+            closing.close()
+
+
+_exiting: list[int] = []  # children asked to leave, not yet reaped
+EXIT_SECONDS = 5.0  # how long this process's exit waits for them before killing them
+
+
+def reap_exited() -> None:
+    """Reap the children that have left since they were asked to."""
+    for pid in list(_exiting):
+        if os.waitpid(pid, os.WNOHANG)[0]:
+            _exiting.remove(pid)
+
+
+@atexit.register
+def wait_for_exited() -> None:
+    """No child outlives this process: each one asked to leave gets a few seconds, then SIGKILL."""
+    deadline = time.monotonic() + EXIT_SECONDS
+    while _exiting and time.monotonic() < deadline:
+        reap_exited()
+        time.sleep(0.005)
+    for pid in _exiting:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    _exiting.clear()
+
+
+def _serve(runs: Sequence[tuple[Case, Regime]], requests: Connection, replies: Connection, crash_log: int,
+           parent: int) -> None:
+    """The child: train each requested run and answer it, until the parent closes its end. Never returns."""
+    from .train import train
+
+    code = 0
+    try:
+        faulthandler.enable(file=crash_log, all_threads=False)
+        # A terminal's Ctrl-C is the parent's to handle (it kills this child); SIGTERM ends the child at once,
+        # where the parent's handler would raise inside a run and print a traceback.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        leave_with_parent(parent)
+        while True:
+            try:
+                index, options = pickle.loads(requests.recv_bytes())
+            except EOFError:
+                break
+            try:
+                case, regime = runs[index]
+                reply = ("ok", train(case, regime, **options).to_plain())
+            except Exception as error:
+                reply = ("raised", _portable(error))
+            send(replies, reply)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+
+def _innermost_frame(frames: str) -> str:
+    """``forward (model.py:12)``: the frame faulthandler names first (most recent call first), or ''."""
+    found = re.search(r'File "([^"]+)", line (\d+) in (\S+)', frames)
+    return f"{found[3]} ({os.path.basename(found[1])}:{found[2]})" if found else ""
+
+
+def _portable(error: Exception) -> Exception:
+    """``error`` with its traceback attached, as the parent can unpickle it: the same type where it pickles
+    (an Unavailable stays a skip, an InvalidArgument a usage error), else a RuntimeError naming it."""
+    error.remote_traceback = getattr(error, "remote_traceback", "") or traceback.format_exc()
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        portable = RuntimeError(f"{type(error).__name__}: {error}")
+        portable.remote_traceback = error.remote_traceback
+        return portable
+
+
+def send(conn: Connection, value: object) -> None:
+    """Pickle ``value`` with its large buffers (numpy arrays) sent beside the pickle, not copied into it."""
+    buffers: list[pickle.PickleBuffer] = []
+    head = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+    raws = [b.raw() for b in buffers]
+    conn.send_bytes(pickle.dumps((head, [raw.nbytes for raw in raws])))
+    for raw in raws:
+        conn.send_bytes(raw)
+
+
+def receive(conn: Connection) -> object:
+    """What :func:`send` sent; each buffer is read straight into memory the result then owns."""
+    head, sizes = pickle.loads(conn.recv_bytes())
+    buffers = []
+    for size in sizes:
+        buffer = bytearray(size)
+        if size:
+            conn.recv_bytes_into(buffer)
+        else:
+            conn.recv_bytes()
+        buffers.append(buffer)
+    return pickle.loads(head, buffers=buffers)

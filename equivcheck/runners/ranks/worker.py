@@ -1,0 +1,103 @@
+"""The worker rank: join the pool's process group once, then train the jobs the pool sends.
+
+A job is plain data (case name, where to import it from, regime spec, seed); the reply is plain
+data too (numpy arrays, never shared-memory tensors, which break once their sender exits).
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import importlib
+import os
+import shutil
+import signal
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from ...errors import InvalidArgument
+from ..evaluate import evaluation_job
+from ...process.exit import leave_with_parent
+from ...regimes import parse_regime
+from ...registry import get_case, load_cases_from
+from ..train import train
+from . import shared_reference
+
+
+def train_job(job: dict) -> dict:
+    """Train one job in this process (inside an initialised process group) and return plain data.
+
+    The case's module and the regime's are imported first: they register the names the job uses."""
+    load_cases_from(job["source"])
+    importlib.import_module(job["regime_source"])
+    options = dict(job["options"])
+    if "against" in options:  # compared with the parent's reference as it trains: a reply of differences alone
+        options["against"] = shared_reference.expected(options["against"])
+    result = train(get_case(job["case"]), parse_regime(job["regime"]), seed=job["seed"], **options)
+    return result.to_plain()
+
+
+def answer(job: dict) -> dict:
+    """The reply to a job: an evaluation (``kind='evaluate'``, see equivcheck.runners.evaluate), else a training run."""
+    return evaluation_job(job) if job.get("kind") == "evaluate" else train_job(job)
+
+
+INSIDE_RANK_VARIABLE = "EQUIVCHECK_INSIDE_RANK"  # set in every rank: ranks never start pools of their own
+
+
+def worker_main(rank: int, world_size: int, backend: str, store: str, conn: Connection, parent: int,
+                threads: int, start_timeout: float) -> None:
+    os.environ[INSIDE_RANK_VARIABLE] = str(rank)
+    # A parent killed without its cleanup leaves its pool's folder to the ranks to remove.
+    leave_with_parent(parent, lambda: shutil.rmtree(os.path.dirname(store), ignore_errors=True))
+    # On SIGUSR1 (sent by the pool when a job times out) dump this rank's stack where the pool can read it.
+    stacks = open(stack_file(os.path.dirname(store), rank), "w")  # noqa: SIM115 (lives as long as the rank)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    torch.set_num_threads(threads)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=start_timeout))
+    except Exception:
+        conn.send((0, "error", traceback.format_exc()))
+        return
+    conn.send((0, "ready", None))
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:  # the parent is gone without stopping its pool: its folder is left to the ranks
+            shutil.rmtree(os.path.dirname(store), ignore_errors=True)
+            break
+        if message is None:
+            break
+        number, job = message  # every reply names the job it answers
+        if not reply(conn, number, lambda: answer(job)):
+            break
+    dist.destroy_process_group()
+
+
+def reply(conn: Connection, number: int, work: Callable[[], dict]) -> bool:
+    """Send the answer to job ``number``: its result, a usage error or a traceback. False when the parent
+    has stopped listening (Ctrl-C, SIGTERM): the rank then leaves quietly, never printing a traceback of
+    its own broken pipe onto the terminal the parent shares."""
+    try:
+        try:
+            conn.send((number, "ok", work()))
+        except (BrokenPipeError, ConnectionResetError):
+            raise
+        except InvalidArgument as error:  # a usage error, wherever it surfaced
+            conn.send((number, "usage", str(error)))
+        except Exception:
+            conn.send((number, "error", traceback.format_exc()))
+    except (BrokenPipeError, ConnectionResetError):
+        return False
+    return True
+
+
+def stack_file(folder: str, rank: int) -> str:
+    return os.path.join(folder, f"rank{rank}.stack")

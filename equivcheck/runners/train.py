@@ -1,0 +1,371 @@
+"""Training: a case under one regime, in this process, from the seeded start, recording everything.
+
+On a worker rank this is what each rank runs; :mod:`equivcheck.runners.dispatch` decides where a run goes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from ..case import Batch, Case, Objective
+from .closure import evaluate_closure
+from ..judge.compare import Expected
+from ..diff import Measurement
+from ..errors import InvalidArgument, NonFinite, Unavailable, exits_as_errors
+from ..measure.activation import activation_meter
+from ..measure.collectives import add_traffic
+from ..measure.state import held_bytes, optimizer_state_bytes
+from ..precision import Precision, resolve_precision
+from ..regimes import CommunicationCounter, Regime, parse_regime
+from ..registry import resolve_case
+from ..result import RunResult
+from ..process.seeding import DEFAULT_SEED, default_dtype, seeded
+from ..process import threads as intra_op
+
+
+def train(
+    case: Case | str,
+    regime: Regime | str,
+    *,
+    seed: int = DEFAULT_SEED,
+    dtype: str | torch.dtype | Precision | None = None,
+    measure_memory: bool = True,
+    threads: int | None = None,
+    order: str = "given",
+    against: Expected | None = None,
+) -> RunResult:
+    """Train ``case`` for its steps under ``regime`` in precision ``dtype`` (default: the case's dtype)
+    and return what it produced, with its peak activation memory unless ``measure_memory`` is off;
+    with ``threads`` intra-op threads (default: one, unless the user chose: see ``threads.py``); with each
+    global batch's samples in ``order`` (``'given'``; ``'reversed'`` or ``'rolled'``: a witness, witness.py). ``against``
+    compares the run with a reference as it trains, keeping the differences and none of its tensors: what a check
+    needs of a run, in a recording's memory less (compare.py)."""
+    case = resolve_case(case)
+    regime = parse_regime(regime)
+    precision = resolve_precision(dtype, default=case.dtype)
+    regime.validate(case)
+    missing = precision.unavailable()
+    if missing:
+        raise Unavailable(f"dtype={precision.name!r} cannot run here: {missing}")
+    precision = precision.with_kernels()  # decided by a check before its runs; probed here for a lone run
+    run = functools.partial(_train, case, regime, precision, seed=seed, measure_memory=measure_memory, threads=threads,
+                            order=order, against=against)
+    # None: something wrote to a gradient the recording kept after its step had used it: train again, copying each.
+    with exits_as_errors():
+        return run(keeps_gradients=regime.releases_gradients) or run(keeps_gradients=False)
+
+
+def _train(case: Case, regime: Regime, precision: Precision, *, seed: int, measure_memory: bool, threads: int | None,
+           order: str, against: Expected | None, keeps_gradients: bool) -> RunResult | None:
+    started = time.perf_counter()
+    device = regime.device() if regime.device().type != "cpu" else torch.device(precision.device)
+    with intra_op.using(intra_op.resolve(threads)), seeded(seed), default_dtype(precision.dtype), \
+            precision.kernel_path.applied():
+        with default_dtype(precision.draw_dtype or precision.dtype):
+            model = build_model(case, precision, device)
+            batches = [reordered(batch, order) for batch in load_batches(case, precision, device)]
+        objective = Objective(case, precision)
+        counted = objective.counted_by_its_loss(model, batches[0])
+        if counted is not case:  # a per-token loss without items=: every batch counts its tokens
+            case, objective = counted, Objective(counted, precision)
+            batches = [dataclasses.replace(batch, count=case.items) for batch in batches]
+        module = regime.wrap(model, objective)  # first: a sharding wrapper replaces the parameters the optimizer holds
+        optimizer = regime.build_optimizer(case, model)
+        counter = regime.count_communication(module)
+        counts_syncs = counter is not None and counter.counts_syncs  # a pipeline counts traffic, but no sync
+        data = [t for batch in batches for t in (batch.inputs, batch.targets)]
+        with GradRecorder(model, optimizer, counter, regime.full_tensor, against, norms=regime.clips_at() is not None,
+                          keeps=keeps_gradients) as recorder, \
+                activation_meter(model, data, enabled=measure_memory) as memory:
+            watched = StepWatch(batches, recorder)
+            losses = tuple(None if loss is None else float(loss)
+                           for loss in regime.train(module, optimizer, watched if regime.steps_observable else batches,
+                                                    objective))
+    if not recorder.intact():
+        return None
+    held = (held_bytes(model.parameters()), recorder.grad_bytes,
+            optimizer_state_bytes(regime.local_optimizer(optimizer)))
+    named_buffers = [(n, b) for n, b in model.named_buffers() if b.is_floating_point() or b.is_complex()]
+    if against is None:
+        # The final state is no copy: the model is done with once this returns, and nothing writes to it again.
+        weights, buffers = (snapshot(named, regime.full_tensor, copy=False)
+                            for named in (model.named_parameters(), named_buffers))
+        ensure_finite(str(regime), losses, recorder.grads, weights)
+    else:
+        weights = buffers = {}
+        recorder.measure_final(model.named_parameters(), named_buffers)
+        ensure_finite(str(regime), losses, (), {})
+    return RunResult(
+        case=case.name,
+        regime=str(regime),
+        losses=losses,
+        grads=tuple(recorder.grads),
+        weights=weights,
+        buffers=buffers,
+        seconds=time.perf_counter() - started,
+        syncs=tuple(recorder.syncs) if counts_syncs else None,
+        sync_bytes=tuple(recorder.sync_bytes) if counts_syncs else None,
+        collectives=None if counter is None else tuple(recorder.collectives),
+        sync_wrappers=counter.wrappers if counts_syncs else None,
+        steps_per_batch=watched.steps_per_batch(len(recorder.grads)) if regime.steps_observable else None,
+        precision=precision.name,
+        peak_activation_bytes=memory.peak,
+        memory_method=memory.method,
+        loss_dtypes=tuple(sorted(str(dtype) for dtype in objective.loss_dtypes)),
+        batch_samples=tuple(len(batch) for batch in batches),
+        state_bytes=held,
+        grad_norms=tuple(recorder.grad_norms),
+        rank_spread=recorder.rank_spread,
+        measured=recorder.measurement,
+    )
+
+
+def ensure_finite(regime: str, losses: Sequence[float | None], grads: Sequence[dict[str, Tensor]],
+                  weights: dict[str, Tensor]) -> None:
+    """A NaN or an infinity is an error of its own: it compares unequal even to itself, and would
+    otherwise read as a reference that disagrees with itself, or as a regime's mismatch."""
+    for step, loss in enumerate(losses):
+        if loss is not None and not math.isfinite(loss):
+            raise NonFinite(f"non-finite loss ({loss}) at step {step} under {regime}")
+    for step, named in enumerate(grads):
+        for name, grad in named.items():
+            if not finite(grad):
+                raise NonFinite(f"non-finite gradient of {name!r} at step {step} under {regime}")
+    for name, weight in weights.items():
+        if not finite(weight):
+            raise NonFinite(f"non-finite weight {name!r} after the last step under {regime}")
+
+
+def finite(tensor: Tensor) -> bool:
+    """Whether every element is finite, in one reduction and no temporary of the tensor's size: a NaN
+    anywhere makes the minimum and the maximum NaN, an infinity is one of them."""
+    if not tensor.numel() or not (tensor.is_floating_point() or tensor.is_complex()):
+        return True
+    if tensor.is_complex():  # no order: element by element
+        return bool(torch.isfinite(tensor).all())
+    low, high = torch.aminmax(tensor)
+    return math.isfinite(float(low)) and math.isfinite(float(high))
+
+
+def build_model(case: Case, precision: Precision | None = None, device: torch.device | None = None) -> nn.Module:
+    precision = precision or resolve_precision(None, default=case.dtype)
+    model = case.model()
+    if not isinstance(model, nn.Module):
+        raise InvalidArgument.type("model", model, "a factory returning a torch.nn.Module")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise InvalidArgument(f"model of case {case.name!r} has no trainable parameters: expected at least one")
+    return precision.prepare(model, device).train()
+
+
+def initial_weights(case: Case, precision: Precision, seed: int) -> dict[str, Tensor]:
+    """The weights every run of ``case`` starts from, built as :func:`train` builds them: where a run moved an
+    element whose true gradient is zero, it moved by rounding alone (witness.py)."""
+    with seeded(seed), default_dtype(precision.draw_dtype or precision.dtype):
+        model = build_model(case, precision, torch.device(precision.device))
+    return {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
+
+
+SAMPLE_ORDERS = ("given", "reversed", "rolled")
+
+
+def reordered(batch: Batch, order: str) -> Batch:
+    """``batch`` with its samples in ``order``: as given, reversed, or rolled by half. The mean over a global batch's
+    items does not depend on the order of its samples, so only the summation order (rounding) changes."""
+    if order not in SAMPLE_ORDERS:
+        raise InvalidArgument.value("order", order, " or ".join(map(repr, SAMPLE_ORDERS)))
+    if order == "given":
+        return batch
+    index = torch.arange(len(batch) - 1, -1, -1) if order == "reversed" else torch.arange(len(batch)).roll(len(batch) // 2)
+    return dataclasses.replace(batch, inputs=batch.inputs[index], targets=batch.targets[index])
+
+
+def load_batches(case: Case, precision: Precision | None = None, device: torch.device | None = None) -> list[Batch]:
+    """The case's data cut into ``steps`` global batches (the last one smaller where the case keeps a
+    smaller last batch), repeated for each epoch; wrong sizes are errors, never truncated."""
+    precision = precision or resolve_precision(None, default=case.dtype)
+    data = case.data()
+    if not (isinstance(data, tuple) and len(data) == 2 and all(isinstance(t, Tensor) for t in data)):
+        raise InvalidArgument.type("data", data, "a factory returning a tuple (inputs, targets) of tensors")
+    inputs, targets = data
+    if len(inputs) != len(targets):
+        raise InvalidArgument(
+            f"data of case {case.name!r}: inputs hold {len(inputs)} samples and targets {len(targets)}: "
+            "expected the same number on dim 0"
+        )
+    first_of_last = case.samples - case.batch_size + 1 if case.last_batch == "keep" else case.samples
+    if not first_of_last <= len(inputs) <= case.samples:
+        raise InvalidArgument(f"data of case {case.name!r} holds {len(inputs)} samples: {_expected_samples(case, len(inputs))}")
+    device = device or torch.device(precision.device)
+    inputs, targets = (t.to(device=device, dtype=precision.dtype) if t.is_floating_point()
+                       else t.to(device) for t in (inputs, targets))
+    epoch = [Batch(inputs[i : i + case.batch_size], targets[i : i + case.batch_size], case.items)
+             for i in range(0, len(inputs), case.batch_size)]
+    return epoch * case.epochs  # every epoch goes over the same batches in the same order
+
+
+def _expected_samples(case: Case, held: int) -> str:
+    """What a case's data must hold, with the figures (nothing is ever truncated or padded)."""
+    if case.last_batch == "exact":
+        return (f"expected exactly steps * batch_size = {case.steps} * {case.batch_size} = {case.samples} "
+                "(nothing is truncated or padded); last_batch='keep' allows a smaller last global batch")
+    return (f"with last_batch='keep', expected {case.samples - case.batch_size + 1} to {case.samples}: "
+            f"steps={case.steps} global batches of batch_size={case.batch_size}, the last one holding the "
+            f"remainder; {held} samples make {math.ceil(held / case.batch_size)} global batches: declare "
+            f"steps={math.ceil(held / case.batch_size)} (steps counts the last, smaller batch too)")
+
+
+class StepWatch(list):
+    """The global batches, noting how many optimizer steps had been taken when each was handed out, so a
+    report can say which batch took how many (a step per micro-batch in the last one only: 1, 1, 4)."""
+
+    def __init__(self, batches: list[Batch], recorder: GradRecorder) -> None:
+        super().__init__(batches)
+        self._recorder, self._marks = recorder, []
+
+    def __iter__(self):
+        for batch in super().__iter__():
+            self._marks.append(len(self._recorder.grads))
+            yield batch
+
+    def steps_per_batch(self, total: int) -> tuple[int, ...] | None:
+        """Steps taken per global batch, or None where the batches were not taken once each, in turn."""
+        if len(self._marks) != len(self):
+            return None
+        bounds = [*self._marks, total]
+        return tuple(after - before for before, after in zip(bounds, bounds[1:]))
+
+
+class GradRecorder:
+    """Snapshot every parameter's gradient as each ``optimizer.step`` uses it, whoever calls it, and,
+    under a parallel wrapper, what was communicated from the end of the previous step to the end of this
+    one (ZeRO broadcasts parameters inside its step; what follows the last step, join's closing rounds,
+    counts in the last). A step given a closure has its closure run first (see :mod:`equivcheck.runners.closure`):
+    its backward belongs to the step. ``against``: each gradient is compared with the reference's as the step
+    takes it, and none is kept; ``norms``: each step's global gradient norm is noted (a clipping regime's);
+    ``keeps``: the recording keeps the CPU gradients the step used, not copies (a regime that lets go of them after
+    each step: ``Regime.releases_gradients``), and :meth:`intact` says whether anything wrote to them since."""
+
+    def __init__(self, model: nn.Module, optimizer: Optimizer, counter: CommunicationCounter | None = None,
+                 full_tensor: Callable[[Tensor], Tensor] = lambda t: t, against: Expected | None = None,
+                 norms: bool = False, keeps: bool = False) -> None:
+        self._named = list(model.named_parameters())
+        self._full_tensor = full_tensor
+        self._optimizer = optimizer
+        self._counter = counter
+        self._against, self._norms, self._keeps = against, norms, keeps
+        self._kept: list[tuple[Tensor, int]] = []  # each gradient kept, with its version when its step used it
+        self.measurement = None if against is None else Measurement(against.tolerance)
+        self.grad_norms: list[float] = []
+        self.rank_spread: float | None = None  # measured on the ranks by a run compared as it trains
+        self.grads: list[dict[str, Tensor]] = []
+        self.syncs: list[int] = []
+        self.sync_bytes: list[int] = []
+        self.collectives: list[dict[str, tuple[int, int]]] = []
+        self.grad_bytes = 0  # the gradient bytes this rank held at the last step
+
+    def __enter__(self) -> GradRecorder:
+        self._exits = contextlib.ExitStack()
+        self._exits.callback(self._optimizer.register_step_pre_hook(self._before_step).remove)
+        if self._counter is not None:
+            self._exits.enter_context(self._counter.counting())
+            self._exits.callback(self._optimizer.register_step_post_hook(self._after_step).remove)
+            self._exits.callback(self._count_the_tail)  # runs first: the counting is still on
+        return self
+
+    def _before_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        call = evaluate_closure(args, kwargs)
+        self.grad_bytes = held_bytes(p.grad for _, p in self._named)
+        # A parameter that took no part in the step has no gradient: mathematically a zero one.
+        grads = {n: self._full_tensor(p.grad.detach() if p.grad is not None else torch.zeros_like(p))
+                 for n, p in self._named}
+        if self._norms:
+            self.grad_norms.append(math.sqrt(sum(float(torch.linalg.vector_norm(g, dtype=_wide(g))) ** 2
+                                                 for g in grads.values())))
+        if self.measurement is None:
+            self.grads.append(self._kept_or_copied(grads))
+        else:
+            self._measure("grad", len(self.grads), grads)
+            self.grads.append({})
+        return call
+
+    def _kept_or_copied(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The step's gradients as the recording holds them: the tensors themselves where the regime lets go of them
+        (an in-place write bumps a tensor's version, which :meth:`intact` reads), else plain CPU copies."""
+        if not (self._keeps and all(g.device.type == "cpu" for g in grads.values())):
+            return snapshot(grads.items())
+        self._kept += [(g, g._version) for g in grads.values()]
+        return grads
+
+    def intact(self) -> bool:
+        """Whether every gradient kept without a copy still holds what its step used."""
+        return all(g._version == version for g, version in self._kept)
+
+    def _measure(self, kind: str, step: int | None, tensors: dict[str, Tensor]) -> None:
+        """Compare with the reference's (``'grad'`` at ``step``, or a final ``'weight'`` or ``'buffer'``). Nothing is
+        read for finiteness: within tolerance of the reference's (which is finite) is finite, and a run beyond it is
+        trained again, recorded, for its breakdown (check.py), where the error is raised as a recorded run raises it."""
+        reference = self._against.reference
+        if kind == "grad":
+            self.measurement.add(kind, step, tensors, reference.grads[step] if step < len(reference.grads) else {})
+        else:
+            self.measurement.add_final(kind, tensors, reference.weights if kind == "weight" else reference.buffers)
+
+    def measure_final(self, parameters, buffers) -> None:
+        """The final weights and buffers compared with the reference's (a run compared as it trains), and, on ranks,
+        how far each rank's weights ended from rank 0's."""
+        weights = {n: self._full_tensor(t.detach()) for n, t in parameters}
+        self._measure("weight", None, weights)
+        self._measure("buffer", None, {n: self._full_tensor(t.detach()) for n, t in buffers})
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self.rank_spread = rank_spread(weights)
+
+    def _after_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
+        syncs, sent = self._counter.take()
+        self.syncs.append(syncs)
+        self.sync_bytes.append(sent)
+        self.collectives.append(dict(self._counter.last_step))
+
+    def _count_the_tail(self) -> None:
+        """What was communicated after the last step (join's closing rounds) belongs to the last step."""
+        self._counter.take()
+        if self.collectives:
+            add_traffic(self.collectives[-1], self._counter.last_step)
+
+    def __exit__(self, *exc: object) -> None:
+        self._exits.close()
+
+
+
+def rank_spread(weights: dict[str, Tensor]) -> float:
+    """The greatest difference of any rank's final weights from rank 0's (DDP keeps replicas identical: 0), rank 0's
+    broadcast one tensor at a time; after training, so no regime's communication count sees it."""
+    local = 0.0
+    for weight in weights.values():
+        theirs = weight.clone() if dist.get_rank() == 0 else torch.empty_like(weight)
+        dist.broadcast(theirs, 0)
+        if weight.numel():
+            local = max(local, float((weight - theirs).abs().max()))
+    spread = torch.tensor([local], dtype=torch.float64, device=next(iter(weights.values())).device)
+    dist.all_reduce(spread, op=dist.ReduceOp.MAX)
+    return float(spread)
+
+
+def _wide(tensor: Tensor) -> torch.dtype:
+    """The float64 a norm sums in: complex128 for a complex tensor, whose norm torch takes only in a complex dtype."""
+    return torch.complex128 if tensor.is_complex() else torch.float64
+
+
+def snapshot(named, full_tensor: Callable[[Tensor], Tensor] = lambda t: t, *, copy: bool = True) -> dict[str, Tensor]:
+    """Plain CPU tensors of the whole tensors (gathered by ``full_tensor`` where a wrapper shards them), whatever
+    device the run used: copies, unless ``copy=False`` says nothing will write to the originals again."""
+    return {name: full_tensor(tensor.detach()).to("cpu", copy=copy) for name, tensor in named}

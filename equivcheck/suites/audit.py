@@ -1,0 +1,295 @@
+"""Sensitivity audit: can this case catch what it is meant to catch?
+
+A check that passes proves something only if the case could have failed. ``audit(case)`` runs every
+applicable built-in pitfall regime against the case and reports, per class of bug, ``catches`` with
+the greatest margin, or ``blind`` with the reason measured from the case itself (every micro-batch
+holds the same number of items; the reference's gradient norm never reaches the clipping threshold),
+or ``not applicable`` (the model has no BatchNorm). ``warn_blind_spots`` is its cheap half, run by
+``check_step`` and ``check_loop``: only what the data shows, no training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from ..case import Batch, Case
+from ..check import Outcome, check
+from ..runners.dispatch import run
+from ..errors import BlindSpotWarning, RunDied, warn
+from ..registry import all_cases, resolve_case
+from ..regimes import chunk_pairs
+from ..regimes.ddp import shard
+from ..regimes.pitfalls import clipping_optimizer
+from ..process.seeding import DEFAULT_SEED, seeded
+from ..runners.train import load_batches
+
+MAX_CHUNKS = 8  # micro-batch counts tried: 2 .. 8 (and every divisor of the batch size, for equal micro-batches)
+WORLD_SIZE = 2  # the DDP classes are audited on 2 ranks of the warm pool
+
+
+class Sensitivity(enum.Enum):
+    CATCHES = "catches"
+    BLIND = "blind"
+    NOT_APPLICABLE = "not applicable"
+    NOT_RUN = "not run"
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One class of bug: whether the case shows it, and the evidence (a regime and its margin, or a reason)."""
+
+    pitfall: str
+    sensitivity: Sensitivity
+    evidence: str
+    regime: str | None = None
+    margin: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Audit:
+    case: str
+    findings: tuple[Finding, ...]
+
+    @property
+    def blind(self) -> tuple[Finding, ...]:
+        return tuple(f for f in self.findings if f.sensitivity is Sensitivity.BLIND)
+
+    def finding(self, pitfall: str) -> Finding:
+        return next(f for f in self.findings if f.pitfall == pitfall)
+
+    def describe(self) -> str:
+        width = max(len(f.pitfall) for f in self.findings)
+        lines = [f"audit of {self.case}: can it catch each class of bug?"]
+        lines += [f"  {f.pitfall:<{width}}  {f.sensitivity.value:<14}  {f.evidence}" for f in self.findings]
+        return "\n".join(lines)
+
+    def to_rows(self) -> list[dict]:
+        return [{"case": self.case, "pitfall": f.pitfall, "sensitivity": f.sensitivity.value,
+                 "evidence": f.evidence, "regime": f.regime, "margin": f.margin} for f in self.findings]
+
+
+# --- what the data shows, before anything trains ---------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The case's global batches and their item counts, as the regimes will cut them."""
+
+    case: Case
+    batches: list[Batch]
+
+    @classmethod
+    def of(cls, case: Case, seed: int) -> Shape:
+        with seeded(seed):
+            return cls(case, load_batches(case))
+
+    def items_per_sample(self) -> set[int]:
+        return {int(self.case.items(b.targets[i : i + 1])) for b in self.batches for i in range(len(b))}
+
+    def uneven_chunkings(self) -> list[int]:
+        """Micro-batch counts that cut the global batch into micro-batches of different sizes."""
+        return [k for k in range(2, min(self.case.batch_size, MAX_CHUNKS) + 1) if self.case.batch_size % k]
+
+    def equal_chunkings(self) -> list[int]:
+        """Micro-batch counts that cut the global batch into micro-batches of the same number of samples."""
+        return [k for k in range(2, self.case.batch_size + 1) if self.case.batch_size % k == 0][:MAX_CHUNKS]
+
+    def unequal_items(self, chunks: int) -> bool:
+        return any(len({int(self.case.items(t)) for _, t in chunk_pairs(b, chunks)}) > 1 for b in self.batches)
+
+    def shard_items(self, world_size: int) -> str:
+        """The item counts of the ranks' shards, as one figure where every shard of every batch agrees."""
+        counts = sorted({shard(b, r, world_size).items for b in self.batches for r in range(world_size)})
+        return ", ".join(map(str, counts))
+
+
+def _uniform_items_reason(shape: Shape) -> str | None:
+    counts = shape.items_per_sample()
+    if len(counts) == 1:
+        return f"every sample holds the same number of items ({counts.pop()})"
+    return None
+
+
+def warn_blind_spots(case: Case | str, *, seed: int = DEFAULT_SEED, isolate: bool = False) -> None:
+    """Warn where the case cannot show a bug a team's step could plausibly have: a normalisation bug
+    when every sample holds the same number of items; a clipping bug when the declared ``max_norm``
+    never engages in the reference (one full-batch run, only where clipping is declared, isolated as the
+    check's runs are: a reference that dies is the check's error to report, not this warning's)."""
+    case = resolve_case(case)
+    reason = _uniform_items_reason(Shape.of(case, seed))
+    if reason is not None:
+        warn(BlindSpotWarning(
+            f"case {case.name!r} cannot catch a per-micro-batch or per-rank mean (token normalisation): {reason}, "
+            f"so a step that splits each batch of {case.batch_size} into equal micro-batches or shards averages "
+            "exactly like full batch. Give samples different item counts (padding, masks) to catch it; "
+            "ec.audit(case) lists every class of bug the case can and cannot show"))
+    if case.max_norm is not None:
+        try:
+            norm = max(_norm(step) for step in run(case, "full_batch", seed=seed, isolate=isolate).grads)
+        except RunDied:
+            return
+        if norm < case.max_norm:
+            warn(BlindSpotWarning(
+                f"case {case.name!r} cannot catch a clipping bug: the reference's gradient norm (up to {norm:.2g}) "
+                f"never reaches max_norm ({case.max_norm:g}), so clipping never engages; scale the loss or the data "
+                "up, or check at a lower max_norm"))
+
+
+# --- the audit: every applicable pitfall regime, run ------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """A class of bug: the (pitfall spec, faithful twin spec) pairs that would show it on this case, or why
+    none can. A pitfall is judged against its twin, not full batch: BatchNorm in the model must not make
+    every accumulation pitfall look caught."""
+
+    pitfall: str
+    pairs: Sequence[tuple[str, str]]
+    blind_reason: Callable[[], str]  # measured from the case: why no spec shows an effect
+    not_applicable: str | None = None
+    distributed: bool = False
+
+
+def _probes(shape: Shape, model: nn.Module) -> list[Probe]:
+    case, batch = shape.case, shape.case.batch_size
+    uneven, equal = shape.uneven_chunkings(), shape.equal_chunkings()
+    tried = lambda ks: ", ".join(map(str, ks)) or "none"  # noqa: E731
+    bn = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    dropout = [n for n, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
+    small = f"batch_size {batch} cannot be cut into micro-batches" if batch < 2 else None
+
+    def tokens_reason() -> str:
+        uniform = _uniform_items_reason(shape)
+        if uniform:
+            return uniform
+        return f"micro-batches of equal size hold equal item counts for every K tried ({tried(equal)})"
+
+    return [
+        Probe("micro-batch mean / K, uneven micro-batches", [(f"naive_accumulate:chunks={k}", f"accumulate:chunks={k}") for k in uneven],
+              lambda: (f"every chunking tried splits batch_size {batch} evenly" if not uneven else
+                       f"no uneven chunking tried (K = {tried(uneven)}) shows an effect"), small),
+        Probe("token normalisation across micro-batches",
+              [(f"naive_accumulate:chunks={k}", f"accumulate:chunks={k}") for k in equal if shape.unequal_items(k)],
+              tokens_reason, small),
+        Probe("per-rank mean loss under DDP (token or shard imbalance)",
+              [(f"ddp_mean_loss:world_size={WORLD_SIZE}", f"ddp:world_size={WORLD_SIZE}")],
+              lambda: f"every rank's shard holds the same number of items ({shape.shard_items(WORLD_SIZE)}) on {WORLD_SIZE} ranks",
+              f"batch_size {batch} cannot be sharded over {WORLD_SIZE} ranks" if batch < WORLD_SIZE else None, True),
+        Probe("sampler pads micro-batches by repeating samples",
+              [(f"sampler_pad:chunks={k}", f"accumulate:chunks={k}") for k in uneven],
+              lambda: f"every chunking tried splits batch_size {batch} evenly: nothing to pad", small),
+        Probe("sampler drops the remainder (drop_last)", [(f"sampler_drop:chunks={k}", f"accumulate:chunks={k}") for k in uneven],
+              lambda: f"every chunking tried splits batch_size {batch} evenly: nothing to drop", small),
+        Probe("zero_grad inside the accumulation loop", [("zero_grad_inside:chunks=2", "accumulate:chunks=2")],
+              lambda: "the last micro-batch's gradient alone equals the whole batch's here", small),
+        Probe("optimizer.step per micro-batch", [("step_per_micro_batch:chunks=2", "accumulate:chunks=2")],
+              lambda: "stepping per micro-batch leaves the weights where one step does here", small),
+        Probe("GradScaler unscale_ per micro-batch",
+              [("scaler_unscale_per_micro_batch:chunks=2", "scaler_accumulate:chunks=2")],
+              lambda: "unscaling partial sums changes nothing measurable here", small),
+        Probe("BatchNorm statistics per micro-batch", [("accumulate:chunks=2", "full_batch")],
+              lambda: f"BatchNorm ({', '.join(bn)}) sees the same statistics per micro-batch here",
+              small or (None if bn else "the model has no BatchNorm")),
+        Probe("dropout masks drawn per micro-batch", [("accumulate:chunks=2", "full_batch")],
+              lambda: (f"dropout ({', '.join(dropout)}) draws each micro-batch's masks in the global batch's "
+                       "order: one dropout layer on CPU"),
+              small or (None if dropout else "the model has no active dropout")),
+    ]
+
+
+def audit(case: Case | str, *, seed: int = DEFAULT_SEED, timeout: float | None = None, isolate: bool = False) -> Audit:
+    """Run every applicable built-in pitfall regime on ``case`` and say, per class of bug, whether the
+    case catches it (with the greatest margin) or is blind to it (with the reason measured from it).
+    ``isolate``: as for :func:`check`, the runs train in a forked child."""
+    case = resolve_case(case)
+    shape = Shape.of(case, seed)
+    with seeded(seed):
+        model = case.model()
+    probes = _probes(shape, model)
+    registered = all_cases().get(case.name) is case
+    options = {"seed": seed, "isolate": isolate} | ({"timeout": timeout} if timeout is not None else {})
+    wanted = {pair for p in probes if p.not_applicable is None and (registered or not p.distributed) for pair in p.pairs}
+    outcomes = _against_twins(case, wanted, options)
+    findings = [_finding(p, outcomes, registered) for p in probes]
+    findings.append(_clipping(case, options))
+    findings.append(_epoch_end(case))
+    return Audit(case.name, tuple(findings))
+
+
+def _against_twins(case: Case, pairs: Iterable[tuple[str, str]], options: dict) -> dict[tuple[str, str], Outcome]:
+    """Each pitfall checked against its twin: one check per twin, the twin run as the reference."""
+    by_twin: dict[str, list[str]] = {}
+    for pitfall, twin in sorted(pairs):
+        by_twin.setdefault(twin, []).append(pitfall)
+    return {(o.regime, twin): o for twin, pitfalls in by_twin.items()
+            for o in check(case, pitfalls, reference=twin, **options).outcomes}
+
+
+def _finding(probe: Probe, outcomes: dict[tuple[str, str], Outcome], registered: bool) -> Finding:
+    if probe.not_applicable is not None:
+        return Finding(probe.pitfall, Sensitivity.NOT_APPLICABLE, probe.not_applicable)
+    if probe.distributed and not registered:
+        return Finding(probe.pitfall, Sensitivity.NOT_RUN,
+                       "the case is not registered (ec.register_case): DDP ranks import cases by name")
+    if not probe.pairs:
+        return Finding(probe.pitfall, Sensitivity.BLIND, probe.blind_reason())
+    return _strongest(probe.pitfall, [outcomes[pair] for pair in probe.pairs], probe.blind_reason)
+
+
+def _strongest(pitfall: str, outcomes: Iterable[Outcome], blind_reason: Callable[[], str]) -> Finding:
+    """The outcome with the greatest margin decides: above 1 the case catches the class."""
+    outcomes = list(outcomes)
+    measured = [o for o in outcomes if o.comparison is not None]
+    if not measured:
+        first = outcomes[0]
+        return Finding(pitfall, Sensitivity.NOT_RUN, f"{first.regime}: {first.verdict.value}: {first.reason}")
+    best = max(measured, key=lambda o: o.comparison.margin)
+    margin = best.comparison.margin
+    if not best.comparison.ok:
+        return Finding(pitfall, Sensitivity.CATCHES, f"{best.regime}: margin {margin:.2g}", best.regime, margin)
+    return Finding(pitfall, Sensitivity.BLIND, f"{blind_reason()} (greatest margin {margin:.2g})", best.regime, margin)
+
+
+def _epoch_end(case: Case) -> Finding:
+    """The end-of-epoch bugs (the last, smaller window still divided by K; a tail never stepped; its gradients
+    leaking into the next epoch) live in a team's loop: no built-in regime has them, but a case can only show
+    them with a smaller last batch, or more than one epoch."""
+    pitfall = "end of epoch: the last, smaller window"
+    if case.last_batch == "exact" and case.epochs == 1:
+        return Finding(pitfall, Sensitivity.BLIND, "every global batch is full and there is one epoch: declare "
+                       "last_batch='keep' with a remainder (and epochs=2 for gradients leaking across epochs)")
+    return Finding(pitfall, Sensitivity.NOT_RUN, f"the case has {'a smaller last batch' if case.last_batch == 'keep' else 'full batches'} "
+                   f"over {case.epochs} epoch(s): the bugs live in a team's loop, so check that loop with check_loop")
+
+
+def _clipping(case: Case, options: dict) -> Finding:
+    """Clipping per micro-batch shows only where the clipping threshold engages: the reference's gradient
+    norm must reach ``case.max_norm`` at some step."""
+    pitfall = "clipping per micro-batch"
+    if case.max_norm is None:
+        return Finding(pitfall, Sensitivity.NOT_APPLICABLE,
+                       "no clipping declared: give Case(max_norm=M) if the code checked clips gradients")
+    if case.batch_size < 2:
+        return Finding(pitfall, Sensitivity.NOT_APPLICABLE, f"batch_size {case.batch_size} cannot be cut into micro-batches")
+    clipped = dataclasses.replace(case, name=f"{case.name}_clipped", optimizer=clipping_optimizer(case.max_norm, case.optimizer),
+                                  expect_mismatch={})
+    spec = f"clip_per_micro_batch:chunks=2,max_norm={case.max_norm:g}"
+    (outcome,) = check(clipped, [spec], reference="accumulate:chunks=2", **options).outcomes
+    if outcome.comparison is None:  # the check could not run (an error, a skip): its outcome says why
+        return _strongest(pitfall, [outcome], lambda: "")
+    norms = [_norm(step) for step in run(case, "full_batch", **options).grads]  # unclipped: what clipping meets
+
+    def reason() -> str:
+        if max(norms) < case.max_norm:
+            return f"the reference's gradient norm (up to {max(norms):.2g}) never reaches max_norm ({case.max_norm:g})"
+        return "clipping each half of the batch changes nothing measurable"
+
+    return _strongest(pitfall, [outcome], reason)
+
+
+def _norm(gradients: dict[str, torch.Tensor]) -> float:
+    return float(torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in gradients.values()])))

@@ -1,0 +1,162 @@
+"""The CI gate on a team's own training code: ``check_step`` and ``check_loop``.
+
+``check_step(case, step)`` runs ``step(model, optimizer, (inputs, targets))`` once per global batch
+of the case, from the same seeded start as the reference, and compares every gradient (taken when
+the step calls ``optimizer.step()``), the final weights and the losses. ``check_loop`` does the
+same for a function that runs a whole loop over the batches (schedulers and other state that lives
+across steps belong there). The step returns the global batch's mean loss, or None to leave losses
+out of the comparison.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+from torch.optim import Optimizer
+
+from .suites.audit import warn_blind_spots
+from .case import Case
+from .check import Report, check
+from .errors import InvalidArgument, expect_callable
+from .regimes import Regime
+from .process.seeding import DEFAULT_SEED
+from .regimes.ddp import DDP_OPTIONS
+from .process.import_paths import import_path
+from .regimes.user_code import DdpLoop, DdpStep, LoopFn, PipelineLoop, PipelineStep, StepFn, UserLoop, UserStep
+
+
+def check_step(
+    case: Case | str,
+    step: StepFn,
+    reference: str | Regime | StepFn = "full_batch",
+    *,
+    world_size: int | None = None,
+    wrap: Callable[[nn.Module], nn.Module] | None = None,
+    per_run: bool = False,
+    ddp_options: dict | None = None,
+    optimizer_wrap: Callable[[Optimizer], Optimizer] | None = None,
+    pipeline: bool = False,
+    syncs_per_step: int | None = None,
+    **options,
+) -> Report:
+    """Check a team's ``step(model, optimizer, batch)`` against ``reference``: a regime spec, or another
+    step function (the code before a refactor, or full batch with the same clipping). With ``per_run``,
+    ``step`` is a factory called at the start of every run to make the step: a step that keeps state
+    across calls (a GradScaler, a schedule) keeps it there, fresh for each run.
+
+    With ``world_size`` the step runs on that many DDP ranks of the warm pool (see ``regimes.user_code``),
+    given the model in DistributedDataParallel, or what the team's ``wrap(model)`` makes of it (the
+    trunk and the head each in DDP, say), made with ``ddp_options`` (``{"find_unused_parameters": True}``;
+    any of ``DistributedDataParallel``'s options that equivcheck's ddp regimes take), and handed the
+    optimizer that the team's ``optimizer_wrap(optimizer)`` makes of the case's own (``ZeroRedundancyOptimizer``
+    around it, as :func:`equivcheck.regimes.zero.sharded_like` builds it: its state sharded over the ranks,
+    its broadcasts counted). ``wrap`` and ``optimizer_wrap`` must be module-level functions: the ranks import
+    them by name. A faithful step syncs the gradients once per optimizer step (per wrapped module); any other count
+    is a ``communication`` verdict. ``syncs_per_step=K`` declares the K a step makes on purpose (ZeRO-2, which
+    reduces every one of K micro-batches), and any other count is then the problem.
+
+    With ``pipeline=True`` the step runs its own pipeline schedule (``torch.distributed.pipelining``) on
+    ``world_size`` ranks instead of DDP: each rank is handed the whole model, unwrapped, the case's optimizer
+    over all of it and the whole global batch, and builds its own stage from its rank (``PipelineStage``, a
+    schedule, ``schedule.step``); it returns its loss on the last stage and 0 or None on the others (they are
+    added). When it calls ``optimizer.step()``, every parameter's gradient is first broadcast from the rank whose
+    stage holds it, so every rank steps and reports the whole model (that broadcast is not counted; the
+    schedule's sends and receives are). A flag, not a wrapping function like ``wrap``: the harness wraps nothing
+    (the team's step cuts the stages and makes the schedule); it only changes what every rank is handed and
+    gathers the stages' gradients back. It takes no ``wrap``, ``ddp_options`` or ``optimizer_wrap`` (a
+    pipeline takes no DDP). ``options`` go to :func:`equivcheck.check` (rtol, atol, seed, backend, timeout).
+    """
+    reference = reference if isinstance(reference, (str, Regime)) else UserStep(reference)
+    if not isinstance(per_run, bool):
+        raise InvalidArgument.type("per_run", per_run, "bool")
+    ranks_only = {"wrap": wrap, "ddp_options": ddp_options, "optimizer_wrap": optimizer_wrap, "pipeline": pipeline,
+                  "syncs_per_step": syncs_per_step}
+    candidate = (UserStep(step, per_run) if _in_process(world_size, **ranks_only)
+                 else _on_ranks((DdpStep, PipelineStep), "step", step, world_size, **ranks_only, per_run=per_run))
+    warn_blind_spots(case, seed=options.get("seed", DEFAULT_SEED), isolate=options.get("isolate", False))
+    return check(case, [candidate], reference=reference, **options)
+
+
+def check_loop(
+    case: Case | str,
+    loop: LoopFn,
+    reference: str | Regime | LoopFn = "full_batch",
+    *,
+    world_size: int | None = None,
+    wrap: Callable[[nn.Module], nn.Module] | None = None,
+    ddp_options: dict | None = None,
+    optimizer_wrap: Callable[[Optimizer], Optimizer] | None = None,
+    pipeline: bool = False,
+    syncs_per_step: int | None = None,
+    **options,
+) -> Report:
+    """Check a team's ``loop(model, optimizer, batches)`` against ``reference`` (a spec or another loop);
+    with ``world_size``, the loop on that many DDP ranks, each given its shard of every global batch, the
+    model in DDP made with ``ddp_options`` and the optimizer made by ``optimizer_wrap``, or with ``pipeline=True``
+    the loop running its own pipeline schedule on every rank, given every whole global batch (as :func:`check_step`)."""
+    reference = reference if isinstance(reference, (str, Regime)) else UserLoop(reference)
+    ranks_only = {"wrap": wrap, "ddp_options": ddp_options, "optimizer_wrap": optimizer_wrap, "pipeline": pipeline,
+                  "syncs_per_step": syncs_per_step}
+    candidate = (UserLoop(loop) if _in_process(world_size, **ranks_only)
+                 else _on_ranks((DdpLoop, PipelineLoop), "loop", loop, world_size, **ranks_only))
+    warn_blind_spots(case, seed=options.get("seed", DEFAULT_SEED), isolate=options.get("isolate", False))
+    return check(case, [candidate], reference=reference, **options)
+
+
+# Why each argument that only ranks take is refused without world_size.
+_RANKS_ONLY = {"wrap": "the model is wrapped for DDP ranks only",
+               "ddp_options": "the options are DistributedDataParallel's",
+               "optimizer_wrap": "the optimizer is sharded over DDP ranks only",
+               "pipeline": "a pipeline's stages are spread over ranks, one each",
+               "syncs_per_step": "only DDP ranks sync gradients"}
+
+
+def _in_process(world_size: int | None, **ranks_only) -> bool:
+    if not isinstance(ranks_only["pipeline"], bool):
+        raise InvalidArgument.type("pipeline", ranks_only["pipeline"], "bool")
+    if world_size is None:
+        for argument, value in ranks_only.items():
+            if _given(value):
+                raise InvalidArgument(f"{argument}={value!r} is not allowed without world_size: expected world_size= "
+                                      f"with it ({_RANKS_ONLY[argument]})")
+    return world_size is None
+
+
+def _given(value: object) -> bool:
+    """Whether a ranks-only argument was given: anything but its defaults (None, False) and an empty dict."""
+    return value is not None and value is not False and value != {}
+
+
+def _on_ranks(regimes: tuple[type[DdpStep], type[PipelineStep]], argument: str, fn: Callable, world_size: int,
+              wrap: Callable | None, ddp_options: dict | None, optimizer_wrap: Callable | None, pipeline: bool,
+              syncs_per_step: int | None, **fields) -> DdpStep | PipelineStep:
+    """The team's code on DDP ranks, or running its own pipeline on ranks: it and its wraps travel by import
+    path, which the ranks resolve."""
+    expect_callable(argument, fn)
+    path = import_path(fn, argument)
+    ddp_step, pipeline_step = regimes
+    if pipeline:
+        for name, given in (("wrap", wrap), ("ddp_options", ddp_options), ("optimizer_wrap", optimizer_wrap),
+                            ("syncs_per_step", syncs_per_step)):
+            if _given(given):
+                raise InvalidArgument(f"{name}={given!r} is not allowed with pipeline=True: expected {name}=None (a "
+                                      "pipeline takes no DDP: every rank is handed the whole model, unwrapped, and "
+                                      "the case's own optimizer)")
+        return pipeline_step(world_size=world_size, fn=path, **fields)
+    wrappers = {}
+    for name, field, given in (("wrap", "wrapper", wrap), ("optimizer_wrap", "optimizer_wrapper", optimizer_wrap)):
+        if given is not None:
+            expect_callable(name, given)
+        wrappers[field] = "" if given is None else import_path(given, name)
+    ddp_options = dict(ddp_options or {})
+    if ddp_options and wrap is not None:
+        raise InvalidArgument(f"ddp_options={ddp_options!r} is not allowed with wrap={wrappers['wrapper']!r}: expected "
+                              "one of them (the wrap makes the model's DDP or FSDP itself: pass its options there)")
+    unknown = sorted(set(ddp_options) - set(DDP_OPTIONS))
+    if unknown:
+        raise InvalidArgument(f"ddp_options: {unknown[0]!r} is not allowed: expected DistributedDataParallel options "
+                              f"among {', '.join(DDP_OPTIONS)}")
+    if syncs_per_step is not None:
+        fields["syncs"] = syncs_per_step
+    return ddp_step(world_size=world_size, fn=path, **wrappers, **ddp_options, **fields)
