@@ -58,4 +58,4 @@ fsdp_sync_every_micro_batch = ec.register_case(dataclasses.replace(
 
 # The catalogue's entries that use these cases.
 add_entry(Entry("FSDP2 accumulation with gradient sync left on", "fsdp_sync_every_micro_batch",
-                "fsdp_sync_every_micro_batch:world_size=2,chunks=3", "fsdp_no_sync:world_size=2,chunks=3"))
+                "fsdp_sync_every_micro_batch:world_size=2,chunks=3"))

@@ -26,4 +26,4 @@ clip_per_micro_batch = ec.register_case(dataclasses.replace(
 
 # The catalogue's entries that use these cases.
 add_entry(Entry("gradient clipping per micro-batch", "clip_per_micro_batch",
-                f"clip_per_micro_batch:chunks=5,max_norm={MAX_NORM}", "accumulate:chunks=5"))
+                f"clip_per_micro_batch:chunks=5,max_norm={MAX_NORM}"))

@@ -40,4 +40,4 @@ ddp_compressed_uneven_shards = ec.register_case(dataclasses.replace(
 
 # The catalogue's entry that uses this case.
 add_entry(Entry("DDP per-rank mean loss under fp16 gradient compression", "ddp_compressed_uneven_shards",
-                "ddp_hook_mean_loss:world_size=2,hook=fp16", FP16))
+                "ddp_hook_mean_loss:world_size=2,hook=fp16"))

@@ -109,14 +109,12 @@ ddp_join_uneven_tail = ec.register_case(dataclasses.replace(
 ))
 
 # The catalogue's entries that use these cases.
-add_entry(Entry("DDP per-rank mean loss, uneven shards", "ddp_uneven_shards", "ddp_mean_loss:world_size=2",
-                "ddp:world_size=2"))
-add_entry(Entry("DDP per-rank mean loss, uneven token counts", "ddp_mean_loss_uneven_tokens", "ddp_mean_loss:world_size=2",
-                "ddp:world_size=2"))
+add_entry(Entry("DDP per-rank mean loss, uneven shards", "ddp_uneven_shards", "ddp_mean_loss:world_size=2"))
+add_entry(Entry("DDP per-rank mean loss, uneven token counts", "ddp_mean_loss_uneven_tokens",
+                "ddp_mean_loss:world_size=2"))
 add_entry(Entry("DDP join, each rank's loss over its own items", "ddp_join_uneven_tail",
-                "ddp_join_rank_mean:world_size=2,chunks=3", "ddp_join:world_size=2,chunks=3"))
-add_entry(Entry("DDP sampler pads shards by repeating samples", "ddp_uneven_shards", "ddp_padded_sampler:world_size=2",
-                "ddp:world_size=2"))
+                "ddp_join_rank_mean:world_size=2,chunks=3"))
+add_entry(Entry("DDP sampler pads shards by repeating samples", "ddp_uneven_shards", "ddp_padded_sampler:world_size=2"))
 
 
 class WithAuxiliaryHead(nn.Module):

@@ -64,4 +64,4 @@ checkpoint_dropout = ec.register_case(dataclasses.replace(
 ))
 
 add_entry(Entry("checkpoint(preserve_rng_state=False) with dropout", "checkpoint_dropout",
-                "checkpoint_without_rng_state:chunks=4", "checkpoint:chunks=4"))
+                "checkpoint_without_rng_state:chunks=4"))

@@ -40,4 +40,4 @@ naive_scaling_uneven_chunks = ec.register_case(dataclasses.replace(
 
 # The catalogue's entries that use these cases.
 add_entry(Entry("naive scaling: micro-batch mean / K, uneven chunks", "naive_scaling_uneven_chunks",
-                "naive_accumulate:chunks=5", "accumulate:chunks=5"))
+                "naive_accumulate:chunks=5"))

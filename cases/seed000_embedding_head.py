@@ -59,9 +59,8 @@ seed000_ddp = ec.register_case(dataclasses.replace(
 
 # The catalogue's entries that use these cases.
 add_entry(Entry("DDP partial accumulation reaching inside one wrapper (seed 000)", "seed000_ddp",
-                "ddp_detached_partial_bypass:world_size=2,chunks=3", "ddp_detached_partial:world_size=2,chunks=3"))
+                "ddp_detached_partial_bypass:world_size=2,chunks=3"))
 add_entry(Entry("DDP partial accumulation with backward inside the wrapped forward (seed 000)", "seed000_ddp",
-                "ddp_detached_partial_in_forward:world_size=2,chunks=3",
-                "ddp_detached_partial_last_outside:world_size=2,chunks=3"))
+                "ddp_detached_partial_in_forward:world_size=2,chunks=3"))
 add_entry(Entry("DDP partial accumulation syncing the head every chunk (seed 000)", "seed000_ddp",
-                "ddp_detached_partial_sync_every_chunk:world_size=2,chunks=3", "ddp_detached_partial:world_size=2,chunks=3"))
+                "ddp_detached_partial_sync_every_chunk:world_size=2,chunks=3"))

@@ -75,9 +75,8 @@ pipeline_uneven_tokens = ec.register_case(dataclasses.replace(
 
 # The catalogue's entries that use these cases.
 add_entry(Entry("naive scaling: micro-batch mean / K, uneven token counts", "naive_scaling_uneven_tokens",
-                "naive_accumulate:chunks=4", "accumulate:chunks=4"))
+                "naive_accumulate:chunks=4"))
 add_entry(Entry("pipeline: micro-batch mean loss with scale_grads=True, uneven token counts",
-                "pipeline_uneven_tokens", "pipeline_mean_loss:stages=2,microbatches=4",
-                "pipeline:stages=2,microbatches=4"))
+                "pipeline_uneven_tokens", "pipeline_mean_loss:stages=2,microbatches=4"))
 add_entry(Entry("pipeline: global-sum loss scaled again by scale_grads=True", "pipeline_uneven_tokens",
-                "pipeline_scaled_twice:stages=2,microbatches=4", "pipeline:stages=2,microbatches=4"))
+                "pipeline_scaled_twice:stages=2,microbatches=4"))

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
-import math
 import os
 import time
 import traceback
@@ -14,137 +12,24 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import torch
 
 from .case import Case
-from .diff import Comparison
+from .diff import Comparison, Problem, ProblemKind
 from .judge.compare import Expected, compare, tolerance_of
-from .errors import (InvalidArgument, MemoryNotSaved, NotEquivalent, PrecisionWarning, Unavailable, WorkerError,
-                     expect_int, expect_number, expect_seed, expect_timeout, warn)
+from .errors import (InvalidArgument, PrecisionWarning, Unavailable, WorkerError, expect_int, expect_seed,
+                     expect_timeout, warn)
 from .runners.ranks import launcher, pool
-from .judge.hints import diagnose
 from .runners.isolation import IsolatedRunner
 from .process.kernels import decisions
-from .runners.dispatch import DEFAULT_TIMEOUT, Started, run, start
+from .process import threads as intra_op
+from .runners.dispatch import DEFAULT_TIMEOUT, Started, start_request
+from .runners.request import RunRequest
 from .judge import rounding, witness
 from .precision import PRECISIONS, Precision, Tolerance, resolve_precision
 from .regimes import DEFAULT_REGIMES, REGIMES, Regime, parse_regime
 from .registry import all_cases, resolve_case
 from .result import RunResult
-from .judge.memory import MemoryUse
+from .judge.verdict import Outcome, Report, Verdict, expected_mismatch, judge
 from .runners.train import initial_weights
 from .process.seeding import DEFAULT_SEED, default_dtype, seeded
-
-
-class Verdict(str, enum.Enum):
-    EQUIVALENT = "equivalent"
-    MISMATCH = "mismatch"
-    EXPECTED_MISMATCH = "expected_mismatch"
-    UNEXPECTED_MATCH = "unexpected_match"
-    NONDETERMINISTIC = "nondeterministic"
-    SKIPPED = "skipped"
-    ERROR = "error"
-    COMMUNICATION = "communication"  # the numbers match; the regime synchronised more (or less) than it should
-
-    @property
-    def as_expected(self) -> bool:
-        return self in (Verdict.EQUIVALENT, Verdict.EXPECTED_MISMATCH, Verdict.SKIPPED)
-
-
-class Status(str, enum.Enum):
-    """What a whole report says, worst first: a finding, then a run that could not finish, then nothing run."""
-
-    NOT_AS_EXPECTED = "not_as_expected"  # a mismatch, an unexpected match, a reference that disagrees with itself
-    ERROR = "error"  # a run raised, a rank died or hung: part of the check is missing
-    NOTHING_CHECKED = "nothing_checked"  # every outcome skipped, or none
-    OK = "ok"
-
-    @classmethod
-    def of(cls, verdicts: Iterable[Verdict]) -> Status:
-        found = set(verdicts)
-        if found & {Verdict.MISMATCH, Verdict.UNEXPECTED_MATCH, Verdict.NONDETERMINISTIC, Verdict.COMMUNICATION}:
-            return cls.NOT_AS_EXPECTED
-        if Verdict.ERROR in found:
-            return cls.ERROR
-        if found <= {Verdict.SKIPPED}:
-            return cls.NOTHING_CHECKED
-        return cls.OK
-
-
-@dataclasses.dataclass(frozen=True)
-class Outcome:
-    """The verdict on one (case, regime) pair, with the comparison behind it."""
-
-    case: str
-    regime: str
-    verdict: Verdict
-    comparison: Comparison | None = None
-    reason: str = ""
-    seconds: float = 0.0
-    result: RunResult | None = dataclasses.field(default=None, repr=False)
-    details: str = dataclasses.field(default="", repr=False)  # the traceback of an error
-    memory: MemoryUse | None = None  # peak activation memory beside the reference's
-
-    def describe(self) -> str:
-        head = f"{self.case} under {self.regime}: {self.verdict.value}"
-        if self.reason:
-            head += f" ({self.reason})"
-        if self.comparison is not None and self.verdict is not Verdict.EQUIVALENT:
-            head += "\n" + self.comparison.describe()
-        return head
-
-
-@dataclasses.dataclass(frozen=True)
-class Report:
-    """The outcomes of one or more checks, in the order they ran."""
-
-    outcomes: tuple[Outcome, ...]
-
-    @property
-    def ok(self) -> bool:
-        return all(o.verdict.as_expected for o in self.outcomes)
-
-    @property
-    def status(self) -> Status:
-        return Status.of(o.verdict for o in self.outcomes)
-
-    @property
-    def failures(self) -> tuple[Outcome, ...]:
-        return tuple(o for o in self.outcomes if not o.verdict.as_expected)
-
-    def outcome(self, case: str, regime: str) -> Outcome:
-        spec = str(parse_regime(regime))
-        for o in self.outcomes:
-            if o.case == case and o.regime == spec:
-                return o
-        raise InvalidArgument.unknown("outcome", f"{case} under {spec}", (f"{o.case} under {o.regime}" for o in self.outcomes))
-
-    def assert_equivalent(self, *, allow_communication: bool = False) -> None:
-        """Raise :class:`NotEquivalent` describing every outcome that is not as expected; with
-        ``allow_communication``, a regime whose numbers match but whose synchronisation count does not
-        passes (a gate on correctness alone)."""
-        failures = [o for o in self.failures if not (allow_communication and o.verdict is Verdict.COMMUNICATION)]
-        if failures:
-            details = "\n\n".join(o.describe() for o in failures)
-            raise NotEquivalent(f"{len(failures)} of {len(self.outcomes)} checks failed:\n\n{details}")
-
-    def assert_saves_memory(self, regime: str | Regime, max_ratio: float, *, case: str | None = None) -> None:
-        """Raise :class:`MemoryNotSaved` unless ``regime`` peaks at most ``max_ratio`` of the reference's
-        activation memory in every case checked (or in ``case``)."""
-        max_ratio = expect_number("max_ratio", max_ratio, minimum=0, maximum=math.inf, strict=True)
-        checked = {o.regime for o in self.outcomes}  # a team step's label ("step:train_step") is no spec to parse
-        spec = regime if regime in checked else str(parse_regime(regime))
-        chosen = [o for o in self.outcomes if o.regime == spec and case in (None, o.case)]
-        if not chosen:
-            checked = (f"{o.case} under {o.regime}" for o in self.outcomes)
-            raise InvalidArgument.unknown("outcome", f"{case or 'any case'} under {spec}", checked)
-        over = [o for o in chosen if o.memory is None or o.memory.ratio is None or o.memory.ratio > max_ratio]
-        if over:
-            details = "\n".join(f"{o.case} under {o.regime}: "
-                                 + (o.memory.describe() if o.memory else f"not measured ({o.verdict.value})")
-                                 for o in over)
-            raise MemoryNotSaved(f"{len(over)} of {len(chosen)} runs of {spec} peak above {max_ratio:g}x the "
-                                 f"reference's activation memory:\n{details}")
-
-    def __add__(self, other: Report) -> Report:
-        return Report(self.outcomes + other.outcomes)
 
 
 def regimes_for(case: Case) -> tuple[str, ...]:
@@ -152,11 +37,6 @@ def regimes_for(case: Case) -> tuple[str, ...]:
     if case.regimes is not None:
         return case.regimes
     return tuple(s for s in DEFAULT_REGIMES if case.split is not None or not parse_regime(s).needs_split)
-
-
-def expected_mismatch(case: Case, regime: Regime) -> str | None:
-    """The reason ``case`` declares that ``regime`` must mismatch, by exact spec or by regime name."""
-    return case.expect_mismatch.get(str(regime), case.expect_mismatch.get(regime.name))
 
 
 def check(
@@ -206,7 +86,7 @@ class Plan:
     atol: float | None
     seed: int
     timeout: float
-    threads: int | None = None  # intra-op threads per run (None: one, unless the user chose; intra_op.py)
+    threads: int | None = None  # intra-op threads per run (None: one, unless the user chose; process/threads.py)
     compare_losses: bool = True  # False: gradients and weights only (a step that returns a logged loss)
     tolerance_given: bool = False  # rtol and atol came from the call: they hold for every regime, a lossy one too
     isolate: bool = False  # in-process runs train in a forked child (isolation.py)
@@ -231,10 +111,11 @@ class Plan:
     def start(self, spec: Regime, dtype: Precision, measure_memory: bool, order: str = "given",
               against: Expected | None = None) -> Started:
         """That run begun (on its ranks, for a distributed regime); an error starting it is read with its result."""
+        # Every argument was checked when the plan was made: the request is trusted from here to the ranks.
+        request = RunRequest(self.case, spec, resolve_precision(dtype), self.seed, measure_memory,
+                             intra_op.resolve(self.threads), order)
         try:
-            started = start(self.case, spec, seed=self.seed, timeout=self.timeout, threads=self.threads, dtype=dtype,
-                            measure_memory=measure_memory, runner=self.runner, against=against,
-                            **({} if order == "given" else {"order": order}))
+            started = start_request(request, timeout=self.timeout, runner=self.runner, against=against)
         except Exception as error:
             return Started.failed(error)
         if self.compare_losses:
@@ -405,7 +286,7 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
     against = (lambda spec: Expected(ref, plan.tolerance(spec, loss_precision))) if streams else (lambda spec: None)
     for index, spec in enumerate(plan.specs):
         if spec == reference:
-            yield _judge(case, spec, self_check, ref_seconds / 2, rerun, ref, reference)
+            yield judge(case, spec, self_check, ref_seconds / 2, rerun, ref, reference)
             continue
         if not ahead and not spec.distributed:  # this run is here: the next distributed one can train meanwhile
             ahead.update(_ahead(plan, index, precision, measure_memory, against))
@@ -443,7 +324,7 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
         if witness.applies(comparison, ref, result):  # what is left may be noise where a true gradient is zero
             comparison = witness.judge(comparison, ref, result, witnesses, initial,
                                        cause=lambda: rounding.conditioning(case, seed))
-        outcome = _judge(case, spec, comparison, time.perf_counter() - started, result, ref, reference)
+        outcome = judge(case, spec, comparison, time.perf_counter() - started, result, ref, reference)
         yield dataclasses.replace(outcome, reason="; ".join(filter(None, (outcome.reason, loss_note))))
 
 
@@ -454,8 +335,9 @@ def _recorded(plan: Plan, spec: Regime, precision: Precision, measure_memory: bo
     result = plan.run(spec, precision, measure_memory)
     comparison = compare(reference, result, tolerance=measured.tolerance)
     if comparison.ok:
-        return result, dataclasses.replace(measured, problems=measured.problems + (
-            "the regime disagrees with itself: trained again to record its tensors, it matched the reference",))
+        return result, dataclasses.replace(measured, problems=measured.problems + (Problem(
+            ProblemKind.UNSTABLE,
+            "the regime disagrees with itself: trained again to record its tensors, it matched the reference"),))
     return result, comparison
 
 
@@ -559,78 +441,3 @@ def _validate(case: Case, specs: Sequence[Regime]) -> None:
             raise InvalidArgument.unknown("regime", key, REGIMES)
     for spec in specs:
         spec.validate(case)
-
-
-CLIPPED = 1e-4  # clip_grad_norm_ leaves the norm at max_norm * total / (total + 1e-6): within this of max_norm
-
-
-def _clipping_note(regime: Regime, result: RunResult) -> str:
-    """Whether a clipping regime's clipping engaged: a clipped reference whose norm never reaches its
-    max_norm checks nothing about clipping. Engaged = the gradient the step used has norm max_norm."""
-    max_norm = regime.clips_at()
-    if max_norm is None or not result.grad_norms:
-        return ""
-    norms = result.grad_norms
-    engaged = sum(norm >= max_norm * (1 - CLIPPED) for norm in norms)
-    return f"{regime}: clipping engaged at {engaged} of {len(norms)} steps"
-
-
-def _judge(case: Case, spec: Regime, comparison: Comparison, seconds: float, result: RunResult,
-           reference: RunResult, reference_regime: Regime) -> Outcome:
-    problems = _distributed_problems(spec, result, comparison)
-    if problems:
-        comparison = dataclasses.replace(comparison, problems=comparison.problems + problems)
-    comparison = diagnose(reference, result, comparison)
-    reason = expected_mismatch(case, spec)
-    if reason is None:
-        verdict = Verdict.EQUIVALENT if comparison.ok else _failed(comparison)
-        reason = comparison.note if comparison.ok else _only_gradients(comparison)
-    else:
-        verdict = Verdict.EXPECTED_MISMATCH if not comparison.ok else Verdict.UNEXPECTED_MATCH
-    notes = dict.fromkeys(filter(None, (_clipping_note(reference_regime, reference), _clipping_note(spec, result),
-                                        _tolerance_note(comparison))))
-    reason = "; ".join(filter(None, (reason, *notes)))
-    return Outcome(case.name, str(spec), verdict, comparison, reason, seconds, result,
-                   memory=MemoryUse.of(spec.micro_batches(case) > 1, result, reference))
-
-
-def _tolerance_note(comparison: Comparison) -> str:
-    """A lossy regime's verdict names the bound it was judged at, and the error it measured."""
-    tol = comparison.tolerance
-    if not tol.source:
-        return ""
-    return f"compared at {tol}; measured max abs error {comparison.max_abs:.3g}, margin {comparison.margin:.3g}"
-
-
-def _failed(comparison: Comparison) -> Verdict:
-    """A comparison that failed on communication alone gets its own verdict: a gate may choose."""
-    if not comparison.mismatches and all(p.startswith("communication:") for p in comparison.problems):
-        return Verdict.COMMUNICATION
-    return Verdict.MISMATCH
-
-
-def _only_gradients(comparison: Comparison) -> str:
-    if comparison.mismatches and {m.kind for m in comparison.mismatches} == {"grad"} and not comparison.problems:
-        return ("only the gradients recorded at optimizer.step() differ; the final weights and the losses match "
-                "(the optimizer absorbed the difference, as Adam does a constant scale, or the step changed the "
-                "gradients after they were recorded)")
-    return ""
-
-
-def _distributed_problems(spec: Regime, result: RunResult, comparison: Comparison) -> tuple[str, ...]:
-    """What numbers alone miss: replicas that drifted apart, and communication a regime should not make."""
-    problems = []
-    if result.rank_spread is not None and result.rank_spread > comparison.tolerance.atol:
-        problems.append(f"ranks disagree: their final weights differ by up to {result.rank_spread:.3g}")
-    if spec.syncs_per_step is not None and result.syncs is not None:
-        wrappers = result.sync_wrappers or 1
-        expected = spec.syncs_per_step * wrappers
-        each = f" ({spec.syncs_per_step} per wrapped module, {wrappers} wrapped)" if wrappers > 1 else ""
-        for step, syncs in enumerate(result.syncs):
-            if syncs != expected:
-                problems.append(
-                    f"communication: step {step} {spec.sync_collective} gradients {syncs} time(s) "
-                    f"({result.sync_bytes[step]} bytes per rank); a faithful step does it {expected} time(s){each}"
-                )
-                break
-    return tuple(problems)

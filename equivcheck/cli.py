@@ -1,4 +1,5 @@
-"""The command line: ``equivcheck list``, ``run`` and ``catalogue``; exit codes as pytest users know them.
+"""The command line: ``equivcheck list``, ``run``, ``catalogue``, ``audit`` and ``field``; exit codes as pytest users
+know them.
 
 Ctrl-C and SIGTERM stop a run where it stands: the verdicts finished so far are written to the results files
 and printed, the worker pools are stopped, and the exit code says the run was interrupted.
@@ -21,13 +22,16 @@ from .suites import catalogue as pitfall_catalogue
 from .suites import field
 from .render import html as html_report
 from .render import text as render
+from .render.markdown import render_markdown
+from .render.rows import json_document, to_rows
 from .render import terminal
 from .suites.audit import audit
-from .check import Report, Status, Verdict, isolated, iter_outcomes, plan_all, regimes_for
+from .judge.verdict import Report, Status, Verdict
+from .check import isolated, iter_outcomes, plan_all, regimes_for
 from .runners.ranks import launcher
 from .errors import Interrupted, InvalidArgument, ResultsNotWritten
 from .runners.dispatch import DEFAULT_TIMEOUT
-from .precision import PRECISIONS
+from .precision import PUBLIC_PRECISIONS
 from .process.exit import exit_without_teardown
 from .render.progress import Progress
 from .regimes import REGIMES, spec_usage
@@ -92,10 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="process-group backend for distributed regimes (default: nccl with a GPU per rank, else gloo)")
     running.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                          help=f"limit for one distributed job on its ranks (default: {DEFAULT_TIMEOUT:g})")
-    running.add_argument("--dtype", choices=PRECISIONS, help="precision mode (default: each case's dtype)")
+    running.add_argument("--dtype", choices=PUBLIC_PRECISIONS, help="precision mode (default: each case's dtype)")
     running.add_argument("--threads", type=int, metavar="N",
                          help="torch intra-op threads per run (default: 1, unless OMP_NUM_THREADS is set)")
-    catalogue.add_argument("--dtype", action="append", choices=PRECISIONS,
+    catalogue.add_argument("--dtype", action="append", choices=PUBLIC_PRECISIONS,
                            help=f"precision mode (repeatable; default: {', '.join(pitfall_catalogue.DEFAULT_DTYPES)})")
     catalogue.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     auditing.add_argument("--case", action="append", metavar="NAME", help="a case to audit (repeatable; default: all)")
@@ -259,10 +263,10 @@ def _run(args: argparse.Namespace) -> int:
     code = EXIT_INTERRUPTED[interrupted] if interrupted else EXIT_CODES[Status.of(gated)]
     if launcher.active() and launcher.rank() != 0:
         return code  # every rank ran the same checks; rank 0 reports them
-    rows = render.to_rows(report)
+    rows = to_rows(report)
     unwritten = _write_results(
-        (args.json, lambda: render.json_document(rows, interrupted)),
-        (args.markdown, lambda: render.render_markdown(rows)),
+        (args.json, lambda: json_document(rows, interrupted)),
+        (args.markdown, lambda: render_markdown(rows)),
         (args.html, lambda: html_report.render_html(rows, _metadata(args, plans), args.plots)))
     if report.outcomes:
         print(terminal.render_overview(rows, _width(), colour=_colour()) if sys.stdout.isatty()

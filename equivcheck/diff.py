@@ -12,6 +12,7 @@ Every mismatched quantity is reported, not only the first.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import math
 from collections.abc import Iterator, Mapping
@@ -198,7 +199,7 @@ class Comparison:
 
     tolerance: Tolerance
     mismatches: tuple[Mismatch, ...]
-    problems: tuple[str, ...]  # structural differences: step counts, parameter names or shapes
+    problems: tuple[str, ...]  # structural differences (each a Problem, with its kind): step counts, names, shapes
     max_abs: float
     max_rel: float
     margin: float
@@ -226,6 +227,37 @@ class Comparison:
         return "\n".join(lines)
 
 
+class ProblemKind(str, enum.Enum):
+    """What kind of structural difference a problem is: the verdict rules and the renderers read this, never the text."""
+
+    STEPS = "optimizer steps"  # the candidate stepped the optimizer another number of times
+    NAMES = "names"  # its parameters or buffers have other names
+    SHAPE = "shape"  # a quantity has another shape
+    RANK_DRIFT = "ranks disagree"  # replicas that should hold the same weights drifted apart
+    COMMUNICATION = "communication"  # the numbers match; the synchronisation count does not
+    UNSTABLE = "disagrees with itself"  # compared as it trained it mismatched; trained again, it matched
+
+
+class Problem(str):
+    """A structural difference that numbers alone do not show, with its :class:`ProblemKind`. A ``str`` (its text),
+    so that it reads, prints and compares as the problems always have; rules read ``kind``."""
+
+    kind: ProblemKind
+
+    def __new__(cls, kind: ProblemKind, text: str) -> Problem:
+        problem = super().__new__(cls, text)
+        problem.kind = ProblemKind(kind)
+        return problem
+
+    def __getnewargs__(self) -> tuple[ProblemKind, str]:  # pickled across processes with its kind
+        return (self.kind, str(self))
+
+
+def kind_of(problem: str) -> ProblemKind | None:
+    """A problem's kind; None for plain text (a comparison built by hand)."""
+    return getattr(problem, "kind", None)
+
+
 class Trained(Protocol):
     """What a measurement reads of a run beside its tensors (a :class:`~equivcheck.result.RunResult` has it)."""
 
@@ -241,8 +273,8 @@ class Measurement:
         self.tolerance = tolerance
         # A quantity maps to one diff per step; a quantity whose shape is off stops there, with its problem.
         self.series: dict[tuple[str, str], list[tuple[int | None, TensorDiff]]] = {}
-        self.broken: dict[tuple[str, str], str] = {}
-        self.names: list[str] = []  # weight or buffer names that differ
+        self.broken: dict[tuple[str, str], Problem] = {}
+        self.names: list[Problem] = []  # weight or buffer names that differ
 
     def add(self, kind: str, step: int | None, actual: Mapping[str, Tensor], expected: Mapping[str, Tensor]) -> None:
         """The differences of ``actual`` from ``expected``, name by name (``step`` None: final values)."""
@@ -253,25 +285,25 @@ class Measurement:
                 continue
             got = actual.get(name)
             if got is None or got.shape != wanted.shape:
-                self.broken[key] = (f"{kind} of {name!r}: candidate has {None if got is None else tuple(got.shape)}, "
-                                    f"reference {tuple(wanted.shape)}")
+                self.broken[key] = Problem(ProblemKind.SHAPE, f"{kind} of {name!r}: candidate has "
+                                           f"{None if got is None else tuple(got.shape)}, reference {tuple(wanted.shape)}")
                 continue
             entries.append((step, TensorDiff.of(got.to(wanted.device), wanted, self.tolerance)))
 
     def add_final(self, kind: str, actual: Mapping[str, Tensor], expected: Mapping[str, Tensor]) -> None:
         """The final ``kind`` (``'weight'`` or ``'buffer'``), whose names must be the reference's too."""
         if actual.keys() != expected.keys():
-            self.names.append(f"{kind} names differ: {sorted(actual.keys() ^ expected.keys())}")
+            self.names.append(Problem(ProblemKind.NAMES, f"{kind} names differ: {sorted(actual.keys() ^ expected.keys())}"))
         self.add(kind, None, actual, expected)
 
 
     def conclude(self, reference: Trained, candidate: Trained) -> Comparison:
         """The comparison: the step counts, every quantity's first and worst step, the loss series."""
         tol = self.tolerance
-        problems: list[str] = []
+        problems: list[Problem] = []
         if reference.optimizer_steps != candidate.optimizer_steps:
-            problems.append(f"optimizer steps: the reference took {reference.optimizer_steps}, "
-                            f"the candidate {candidate.optimizer_steps}")
+            problems.append(Problem(ProblemKind.STEPS, f"optimizer steps: the reference took {reference.optimizer_steps}, "
+                                                       f"the candidate {candidate.optimizer_steps}"))
         problems += self.names
         series = dict(self.series)
         losses = [(r, c) for r, c in zip(reference.losses, candidate.losses) if r is not None and c is not None]

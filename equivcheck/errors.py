@@ -1,8 +1,9 @@
-"""Every error equivcheck raises, in one place.
+"""Every error equivcheck raises and every warning it issues, in one place.
 
 Bad input raises :class:`InvalidArgument` (a ``ValueError``) whose message names the argument, the
 value it got and what is allowed. A failed equivalence raises :class:`NotEquivalent` (an
-``AssertionError``, so pytest shows it as a test failure rather than an error).
+``AssertionError``, so pytest shows it as a test failure rather than an error). Every error derives
+from :class:`EquivcheckError`, every warning from :class:`EquivcheckWarning`.
 """
 
 from __future__ import annotations
@@ -153,12 +154,17 @@ class NonFinite(EquivcheckError, ArithmeticError):
     """A run produced a NaN or an infinity: a loss, a gradient or a weight. Nothing can be compared."""
 
 
-class BlindSpotWarning(UserWarning):
+class EquivcheckWarning(UserWarning):
+    """Base class of every warning equivcheck issues: ``warnings.simplefilter("error", ec.EquivcheckWarning)``
+    makes each an error, ``"ignore"`` silences them all."""
+
+
+class BlindSpotWarning(EquivcheckWarning):
     """The case cannot show a class of bug the code checked could plausibly have: a pass proves less
     than it seems. ``ec.audit(case)`` lists every class; silence with the ``warnings`` filters."""
 
 
-class PrecisionWarning(UserWarning):
+class PrecisionWarning(EquivcheckWarning):
     """The case asks for a precision its computation does not run in (a float64 case whose loss comes out
     in float32): the tolerance then assumes rounding the runs do not have."""
 

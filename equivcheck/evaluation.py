@@ -25,6 +25,7 @@ from .case import Case
 from .precision import Tolerance
 from .runners.dispatch import importable_source
 from .runners.ranks import launcher, pool
+from .runners.ranks.jobs import EvalJob
 from .errors import (BlindSpotWarning, InvalidArgument, NotEquivalent, Unavailable, expect_callable, expect_int,
                      expect_seed, expect_timeout, warn)
 from .runners.evaluate import EvaluateFn, evaluate
@@ -136,8 +137,7 @@ def check_eval(case: Case | str, evaluate_fn: EvaluateFn, *, world_size: int = 2
 
     with intra_op.using(intra_op.resolve(None)):
         single = evaluate(case, evaluate_fn, seed=seed)
-    job = {"kind": "evaluate", "case": case.name, "source": source, "fn": path, "seed": seed,
-           "regime": f"evaluate:{path}"}
+    job = EvalJob(case.name, source, path, seed)
     if launcher.active():
         replies = launcher.run_job(group.resolved_backend, world_size, job)
     else:

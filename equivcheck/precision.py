@@ -125,6 +125,7 @@ PRECISIONS: dict[str, Precision] = {p.name: p for p in (
     Precision(SCALED_SHADOW, torch.float64, rtol=1e-7, atol=1e-7, draw_dtype=torch.float32, grad_scaler=True,
               description="float64-shadow through a GradScaler: the exact maths beside an fp16-autocast run"),
 )}
+PUBLIC_PRECISIONS = tuple(name for name in PRECISIONS if name not in (SHADOW, SCALED_SHADOW))  # what users choose from
 NAMES_OF_DTYPES = {torch.float64: "float64", torch.float32: "float32"}
 
 

@@ -27,7 +27,7 @@ class RunResult:
     gradients were from rank 0's as the optimizer took them (``rank_grad_spread``: all 0 when they
     were all-reduced). ``peak_activation_bytes`` is the
     run's peak activation memory (rank 0's in a distributed run), measured by ``memory_method``
-    (see :mod:`equivcheck.memory`); ``None`` where it was not measured.
+    (see :mod:`equivcheck.measure.activation`); ``None`` where it was not measured.
     """
 
     case: str

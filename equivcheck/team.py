@@ -17,7 +17,8 @@ from torch.optim import Optimizer
 
 from .suites.audit import warn_blind_spots
 from .case import Case
-from .check import Report, check
+from .judge.verdict import Report
+from .check import check
 from .errors import InvalidArgument, expect_callable
 from .regimes import Regime
 from .process.seeding import DEFAULT_SEED

@@ -105,8 +105,9 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 @pytest.fixture
 def equivcheck(request: pytest.FixtureRequest):
-    """Check a case or a team's step in one call: ``equivcheck.check("mlp", ["accumulate:chunks=4"])``,
-    ``equivcheck.check_step(case, my_step)``. Fails the test describing every mismatch."""
+    """Check a case or a team's step in one call: ``equivcheck.check("mlp", "accumulate:chunks=4")`` (one spec or a
+    list, as ``ec.check`` takes them), ``equivcheck.check_step(case, my_step)``. Fails the test describing every
+    mismatch."""
     from .checker import Checker
 
     settings = request.config.stash[SETTINGS]

@@ -12,8 +12,9 @@ from collections.abc import Callable, Iterable
 import pytest
 
 import equivcheck as ec
+from equivcheck.check import plan
 from equivcheck.render import text as render
-from equivcheck.registry import resolve_case
+from equivcheck.render.rows import to_rows
 from equivcheck.process.torch_imports import import_what_training_imports
 
 from .controller import PROPERTY
@@ -27,24 +28,25 @@ class Checker:
         self._node = node
         self._defaults = {k: v for k, v in defaults.items() if v is not None}
 
-    def check(self, case: ec.Case | str, regimes: Iterable[str | ec.Regime] | None = None, **options) -> ec.Report:
-        """Check ``case`` under ``regimes`` (default: its own list); fail the test unless all is as expected."""
-        specs = ec.regimes_for(resolve_case(case)) if regimes is None else regimes
-        distributed = any(ec.parse_regime(spec).distributed for spec in specs)
-        return self._run(lambda kw: ec.check(self._case(case, kw), regimes, **kw), options, f"check of {case}",
-                         distributed)
+    def check(self, case: ec.Case | str, regimes: Iterable[str | ec.Regime] | str | ec.Regime | None = None,
+              **options) -> ec.Report:
+        """Check ``case`` under ``regimes`` (default: its own list; one spec alone is that one regime, as
+        ``ec.check`` takes it); fail the test unless all is as expected."""
+        # ec.check's own reading of the arguments (equivcheck.check.plan): one spec or a list, None the case's list
+        distributed = any(spec.distributed for spec in plan(case, regimes).specs)
+        return self._run(lambda kw: ec.check(case, regimes, **kw), options, f"check of {case}", distributed)
 
     def check_step(self, case: ec.Case | str, step: Callable, reference: object = None, **options) -> ec.Report:
         """Check a team's ``step(model, optimizer, batch)`` against ``reference`` (default: full batch);
         ``world_size=W`` runs it on W DDP ranks."""
-        return self._run(lambda kw: ec.check_step(self._case(case, kw), step, **kw),
+        return self._run(lambda kw: ec.check_step(case, step, **kw),
                          {**options, "reference": reference}, f"check_step of {case}",
                          options.get("world_size") is not None)
 
     def check_loop(self, case: ec.Case | str, loop: Callable, reference: object = None, **options) -> ec.Report:
         """Check a team's ``loop(model, optimizer, batches)`` against ``reference`` (default: full batch);
         ``world_size=W`` runs it on W ranks."""
-        return self._run(lambda kw: ec.check_loop(self._case(case, kw), loop, **kw),
+        return self._run(lambda kw: ec.check_loop(case, loop, **kw),
                          {**options, "reference": reference}, f"check_loop of {case}",
                          options.get("world_size") is not None)
 
@@ -92,12 +94,7 @@ class Checker:
             pytest.skip("; ".join(dict.fromkeys(o.reason for o in skipped)))
         return report
 
-    @staticmethod
-    def _case(case: ec.Case | str, kw: dict) -> ec.Case:
-        """The registered case itself (a precision mode in ``kw`` goes on to check as ``dtype``)."""
-        return resolve_case(case)
-
 
 def record(node: pytest.Item, report: ec.Report) -> None:
-    rows = [{"row": row, "cell": render.cell(outcome)} for outcome, row in zip(report.outcomes, render.to_rows(report))]
+    rows = [{"row": row, "cell": render.cell(outcome)} for outcome, row in zip(report.outcomes, to_rows(report))]
     node.user_properties.append((PROPERTY, rows))

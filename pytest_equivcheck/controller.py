@@ -68,12 +68,12 @@ class Controller:
             session.exitstatus = pytest.ExitCode.USAGE_ERROR
 
     def _json(self, rows: list[dict]) -> str:
-        from equivcheck.render.text import json_document
+        from equivcheck.render.rows import json_document
 
         return json_document(rows)
 
     def _markdown(self, rows: list[dict]) -> str:
-        from equivcheck.render.text import render_markdown
+        from equivcheck.render.markdown import render_markdown
 
         return render_markdown(rows, title="equivcheck (pytest)")
 

@@ -12,15 +12,17 @@ from collections.abc import Mapping
 
 import pytest
 
-# equivcheck.precision.PRECISIONS by name, written out so that loading the plugin imports no torch.
-DTYPES = ("float64", "float32", "bf16-autocast", "fp16-autocast", "float64-shadow", "float64-shadow-scaled")
+# equivcheck.precision.PUBLIC_PRECISIONS, written out so that loading the plugin imports no torch: the modes a user
+# chooses from (the float64 shadows are equivcheck's own, run beside a low-precision check, never asked for).
+DTYPES = ("float64", "float32", "bf16-autocast", "fp16-autocast")
 # equivcheck.errors' bounds, written out for the same reason.
 MAX_TIMEOUT = 86_400.0
 MAX_SEED = 2**32 - 1
 # The keywords @pytest.mark.equivcheck(...) accepts: per-test defaults for the fixture's checks.
 MARKER_KEYWORDS = ("reference", "rtol", "atol", "seed", "dtype", "timeout", "threads", "isolate")
 MARKER_HELP = (
-    "equivcheck(reference=SPEC, rtol=R, atol=A, seed=N, dtype='float64'|'float32'|'bf16-autocast'|'fp16-autocast', timeout=SECONDS, threads=N, isolate=True|False): "
+    f"equivcheck(reference=SPEC, rtol=R, atol=A, seed=N, dtype={'|'.join(repr(d) for d in DTYPES)}, timeout=SECONDS, "
+    "threads=N, isolate=True|False): "
     "defaults for the equivcheck fixture's checks in this test"
 )
 

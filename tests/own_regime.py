@@ -25,7 +25,7 @@ class ReversedAccumulate(Chunked):
 class DdpHalvedLoss(Ddp):
     name = "ddp_halved_loss"
     summary = "PITFALL: each rank halves its loss once more (a 'DDP averages, so divide' misunderstanding)"
-    pitfall = True
+    pitfall = ec.Pitfall("loss scaled by 1 / K twice", twin="ddp")  # its class of bug, and the regime done right
 
     def rank_part(self, objective, batch):
         share = super().rank_part(objective, batch)

@@ -51,6 +51,13 @@ def test_batchnorm_and_dropout_are_audited_only_where_the_model_has_them(audits)
     assert one_layer.sensitivity is BLIND and "one dropout layer" in one_layer.evidence
 
 
+def test_the_findings_are_the_classes_the_audit_probes(audits):
+    """Each class of bug a pitfall regime declares is one the audit knows; those it probes are its findings."""
+    from equivcheck.suites.audit import BUG_CLASSES, PROBED
+    assert [f.pitfall for f in audits["mlp"].findings] == list(PROBED)
+    assert {TOKENS, PER_RANK, UNEVEN, CLIPPING} <= set(PROBED) <= set(BUG_CLASSES)
+
+
 def test_batchnorm_does_not_make_every_accumulation_pitfall_look_caught(audits):
     """Each pitfall is judged against its faithful twin: BatchNorm differs in both, equally."""
     assert audits["batchnorm_cnn"].finding(PER_RANK).sensitivity is BLIND

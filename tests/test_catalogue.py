@@ -115,3 +115,14 @@ def test_entries_are_validated_before_anything_runs():
         run_catalogue(["float16"])
     with pytest.raises(ec.InvalidArgument, match="pitfall='sampler drops the remainder'"):
         add_entry(Entry("sampler drops the remainder", "sampler_drop", "sampler_drop:chunks=5", "accumulate:chunks=5"))
+    with pytest.raises(ec.InvalidArgument, match="twin=None is not allowed: regime 'accumulate:chunks=5' declares no"):
+        Entry("a faithful regime", "mlp", "accumulate:chunks=5")
+
+
+def test_a_pitfall_is_held_against_the_twin_its_regime_declares():
+    """The twin an entry runs is the one its regime declares, unless it holds something else on another case."""
+    held = [(e.regime, e.twin) for e in catalogue_entries()
+            if ec.parse_regime(e.regime).pitfall and e.twin_case is None]
+    assert len(held) >= 20
+    assert all(twin == str(type(ec.parse_regime(regime)).pitfall.twin_of(regime)) for regime, twin in held), held
+    assert Entry("x", "mlp", "naive_accumulate:chunks=5").twin == "accumulate:chunks=5"

@@ -9,7 +9,8 @@ from torch import nn
 
 import equivcheck as ec
 from equivcheck import Verdict
-from equivcheck.check import Status, plan, plan_all
+from equivcheck.judge.verdict import Status
+from equivcheck.check import plan, plan_all
 from equivcheck.runners.dispatch import Started
 from equivcheck.judge.memory import MemoryUse
 
@@ -217,15 +218,19 @@ def test_the_gate_fails_a_communication_verdict_unless_told_to_allow_it_and_neve
 
 
 def test_only_communication_problems_make_a_communication_verdict_and_only_gradients_a_note():
-    from equivcheck.check import _failed, _only_gradients
-    from equivcheck.diff import Comparison, Mismatch, TensorDiff
+    from equivcheck.judge.verdict import _failed, _only_gradients
+    from equivcheck.diff import Comparison, Mismatch, Problem, ProblemKind, TensorDiff
 
     tol = ec.Tolerance(rtol=0.5, atol=0.25)
-    counted = "communication: step 0 all-reduced gradients 3 time(s), expected 1"
+    text = "communication: step 0 all-reduced gradients 3 time(s), expected 1"
+    counted = Problem(ProblemKind.COMMUNICATION, text)
+    steps = Problem(ProblemKind.STEPS, "optimizer steps: 3 vs 1")
     diff = TensorDiff(1, 1, 3.0, (), 1.25, 1.5, (), 2.4)
     grad, weight = Mismatch("grad", "w", 0, 0, diff), Mismatch("weight", "w", None, None, diff)
     assert _failed(Comparison(tol, (), (counted,), 0.0, 0.0, 0.0)) is Verdict.COMMUNICATION
-    assert _failed(Comparison(tol, (), (counted, "optimizer steps: 3 vs 1"), 0.0, 0.0, 0.0)) is Verdict.MISMATCH
+    assert _failed(Comparison(tol, (), (counted, steps), 0.0, 0.0, 0.0)) is Verdict.MISMATCH
+    # The verdict reads the problem's kind, never its words: text that merely reads like a count is a mismatch.
+    assert _failed(Comparison(tol, (), (text,), 0.0, 0.0, 0.0)) is Verdict.MISMATCH
     assert _failed(Comparison(tol, (grad,), (counted,), 3.0, 1.5, 2.4)) is Verdict.MISMATCH
     assert _only_gradients(Comparison(tol, (grad,), (), 3.0, 1.5, 2.4)) == (
         "only the gradients recorded at optimizer.step() differ; the final weights and the losses match (the "
@@ -277,3 +282,21 @@ def test_a_reference_that_raises_makes_every_outcome_an_error_naming_its_case_an
     assert [(o.case, o.regime, o.verdict) for o in report.outcomes] == [
         ("broken_reference", "accumulate:chunks=2", Verdict.ERROR), ("broken_reference", "sample_by_sample", Verdict.ERROR)]
     assert report.outcomes[1].reason == "the reference full_batch failed: RuntimeError: broken forward"
+
+
+def test_a_checks_arguments_are_checked_once_then_trusted_to_the_run(monkeypatch):
+    """The plan checks each regime against the case once; the runs it starts (here, in a forked child) take the
+    request as checked. Before, the same regime was validated again in dispatch and again in training."""
+    calls = []
+    validate = ec.Regime.validate
+
+    def counted(self, case):
+        calls.append(str(self))
+        return validate(self, case)
+
+    monkeypatch.setattr(ec.Regime, "validate", counted)
+    for isolate in (False, True):
+        calls.clear()
+        report = ec.check("mlp", ["accumulate:chunks=2", "retained_graph:chunks=3"], isolate=isolate)
+        assert [o.verdict for o in report.outcomes] == [Verdict.EQUIVALENT, Verdict.EQUIVALENT]
+        assert sorted(calls) == ["accumulate:chunks=2", "full_batch", "retained_graph:chunks=3"], calls

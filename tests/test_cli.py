@@ -95,6 +95,23 @@ def test_usage_errors_exit_2(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [
+    ["run", "--case", "mlp", "--dtype", "float64-shadow"],
+    ["run", "--case", "mlp", "--dtype", "float64-shadow-scaled"],
+    ["catalogue", "--dtype", "float64-shadow"],
+    ["catalogue", "--dtype", "float32", "--dtype", "float64-shadow-scaled"],
+])
+def test_dtype_offers_the_public_precision_modes_only(argv, capsys):
+    """The float64 shadows are equivcheck's own (run beside a low-precision check to tell rounding from a bug):
+    asking for one is a usage error that names the modes there are."""
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --dtype: invalid choice: {argv[-1]!r}" in err
+    assert "(choose from 'float64', 'float32', 'bf16-autocast', 'fp16-autocast')" in err
+
+
 @pytest.mark.parametrize(("source", "message"), [
     ("x = (\n", "bad_cases.py:1: SyntaxError: '(' was never closed"),
     ("import equivcheck\nx = 1 / 0\n", "bad_cases.py:2: ZeroDivisionError: division by zero"),

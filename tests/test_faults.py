@@ -24,6 +24,8 @@ from equivcheck import Verdict
 from equivcheck.runners.ranks import capacity
 from equivcheck.runners.ranks import forker as forkers
 from equivcheck.runners.ranks import pool as pools
+from equivcheck.runners.ranks.jobs import TrainJob
+from equivcheck.runners.request import RunRequest
 
 import fault_cases  # noqa: F401  (registers the fault_* cases; workers import it by name)
 from processes import alive
@@ -110,7 +112,7 @@ def test_an_interrupted_job_closes_its_pool_and_the_next_job_gets_its_own_result
 
 def test_a_reply_to_another_job_is_a_protocol_error_never_a_result():
     warm = pools.pool_for("gloo", 2)
-    job = {"case": "mlp", "source": "equivcheck_cases.mlp", "regime": "ddp:world_size=2", "seed": 0, "options": {}}
+    job = TrainJob.of(RunRequest.of("mlp", "ddp:world_size=2"), "equivcheck_cases.mlp")
     for conn in warm._conns:  # a job whose replies nobody read, as if its reader had been interrupted
         conn.send((99, job))
     with pytest.raises(ec.WorkerError, match=r"rank \d answered job 99 while job \d+ was waiting"):
@@ -283,8 +285,7 @@ def test_a_distributed_run_trains_while_the_reference_runs_and_an_abandoned_one_
 
 def test_a_pool_never_holds_two_jobs_in_flight():
     pool = pools.pool_for("gloo", 2)
-    job = {"case": "mlp", "source": "equivcheck_cases.mlp", "regime": "ddp:world_size=2",
-           "regime_source": "equivcheck.regimes.ddp", "seed": 0, "options": {"threads": 1}}
+    job = TrainJob.of(RunRequest.of("mlp", "ddp:world_size=2", threads=1), "equivcheck_cases.mlp")
     ticket = pool.submit(job)
     with pytest.raises(ec.WorkerError, match=f"job {ticket.number} is still in flight: collect it before the next"):
         pool.submit(job)

@@ -6,7 +6,7 @@ import pytest
 
 import equivcheck as ec
 from equivcheck import Verdict
-from equivcheck.render import text as render
+from equivcheck.render.rows import to_rows
 from equivcheck.errors import InvalidArgument
 from equivcheck.strategies import CaseSpec
 
@@ -77,7 +77,7 @@ def test_every_counted_collective_is_reported_by_kind_per_step(block_stack):
         assert step["all_gather"][0] >= 2 * syncs  # each block's parameters gathered for forward and backward
     ddp = block_stack.outcome("block_stack", "ddp:world_size=2").result
     assert [step["all_reduce"][1] for step in ddp.collectives] == list(ddp.sync_bytes)
-    row = next(r for r in render.to_rows(block_stack) if r["regime"] == "fsdp_no_sync:world_size=2,chunks=3")
+    row = next(r for r in to_rows(block_stack) if r["regime"] == "fsdp_no_sync:world_size=2,chunks=3")
     assert row["collectives"][0]["all_gather"] == {"calls": fsdp.collectives[0]["all_gather"][0],
                                                    "bytes": fsdp.collectives[0]["all_gather"][1]}
 

@@ -24,8 +24,10 @@ import torch
 import equivcheck as ec
 from equivcheck import Verdict
 from equivcheck.runners import isolation
+from equivcheck.runners.request import RunRequest
 from equivcheck.process import kernels
-from equivcheck.check import Status, isolated, iter_outcomes, plan
+from equivcheck.judge.verdict import Status
+from equivcheck.check import isolated, iter_outcomes, plan
 from equivcheck.suites.catalogue import Entry, run_catalogue
 from equivcheck.errors import RunDied
 from equivcheck.precision import registered_name, resolve_precision
@@ -133,7 +135,7 @@ def test_an_interrupt_during_an_isolated_run_kills_its_child(monkeypatch):
 
     threading.Thread(target=interrupt_inside_the_run, daemon=True).start()
     with pytest.raises(KeyboardInterrupt):
-        runner.train(slow, full_batch)
+        runner.train(RunRequest.of(slow, full_batch))
     assert runner._child is None and children and not alive(children[0])
 
 

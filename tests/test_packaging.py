@@ -131,3 +131,86 @@ def test_every_relative_link_in_the_guide_and_the_docs_leads_somewhere():
             if not target.startswith(("http://", "https://")) and not (page.parent / target).exists():
                 broken.append(f"{page.relative_to(SOURCE_TREE)} -> {target}")
     assert len(pages) > 5 and broken == []
+
+
+def test_docs_cli_md_lists_every_option_of_every_command():
+    """The README sends readers to docs/cli.md for every option: its synopsis lists each command's options with
+    their choices as the parser has them, and each option of run, catalogue, audit and field has its row."""
+    import argparse
+
+    from equivcheck.cli import build_parser
+
+    doc = (SOURCE_TREE / "docs" / "cli.md").read_text()
+    synopsis = doc.split("```\n", 2)[1]
+    parts = re.split(r"^equivcheck (\w+)", synopsis, flags=re.M)
+    by_command = dict(zip(parts[1::2], parts[2::2]))
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert sorted(by_command) == sorted(commands)
+    for name, parser in commands.items():
+        for action in parser._actions:
+            option = max(action.option_strings, key=len, default=None)
+            if option is None or option == "--help":
+                continue
+            shown = re.search(rf"(?<=[\[ ]){option}(?: ([^\]\s]+))?(?=[\]\s])", by_command[name])
+            assert shown, f"equivcheck {name} {option} is missing from docs/cli.md's synopsis"
+            if action.choices is not None:
+                assert shown.group(1) == "|".join(action.choices), f"equivcheck {name} {option}: its choices"
+            if name != "list":
+                assert re.search(rf"^\| [^|]*`{option}[ `]", doc, flags=re.M), f"equivcheck {name} {option}: no row"
+
+
+LAYOUT_ROW = re.compile(r"^\| (\d+) \| `(equivcheck/[\w/]+\.py)` \| .+ \|$", re.M)
+
+
+def layout_floors() -> dict[str, int]:
+    """docs/extending.md's map of the code: each module of equivcheck/ by path, with its floor."""
+    rows = LAYOUT_ROW.findall((SOURCE_TREE / "docs" / "extending.md").read_text())
+    floors = {path: int(floor) for floor, path in rows}
+    assert len(floors) == len(rows), "a module listed twice"
+    return floors
+
+
+def room(module: str) -> str:
+    """What an import arrow joins: a module at the top of the package, or a whole package below it."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else module
+
+
+def imported_modules(path: Path, module: str, known: set[str]) -> set[str]:
+    """Every module of equivcheck that ``module`` imports, at its top or inside a function."""
+    import ast
+
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[:len(package) - node.level + 1] + [node.module or ""]).strip(".") \
+                if node.level else node.module or ""
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target:
+                found.add(target)
+    return found
+
+
+def test_docs_extending_md_maps_every_module_and_every_import_runs_down_its_floors():
+    floors = layout_floors()
+    modules = {path: name for path, name in ((str(p.relative_to(SOURCE_TREE)), ".".join(
+        p.relative_to(SOURCE_TREE).with_suffix("").parts).removesuffix(".__init__"))
+        for p in sorted((SOURCE_TREE / "equivcheck").rglob("*.py")))}
+    assert sorted(set(modules) - set(floors)) == [], "modules docs/extending.md's layout does not list"
+    assert sorted(set(floors) - set(modules)) == [], "modules docs/extending.md lists that the tree lacks"
+    floor_of = {}
+    for path, name in modules.items():
+        assert floor_of.setdefault(room(name), floors[path]) == floors[path], f"{path}: not on its package's floor"
+    upward = [f"{name} (floor {floor_of[room(name)]}) imports {target} (floor {floor_of[room(target)]})"
+              for path, name in modules.items()
+              for target in sorted(imported_modules(SOURCE_TREE / path, name, set(modules.values())))
+              if room(target) != room(name) and floor_of[room(target)] >= floor_of[room(name)]]
+    assert upward == []

@@ -9,7 +9,8 @@ from torch import nn
 
 import equivcheck as ec
 from equivcheck import Verdict
-from equivcheck.render import text as render
+from equivcheck.render.markdown import render_markdown
+from equivcheck.render.rows import to_rows
 from equivcheck.render.html import render_html, run_metadata
 from equivcheck.regimes.pipeline import stage_bounds
 
@@ -64,12 +65,12 @@ def test_the_first_stage_sends_each_micro_batch_forward_and_receives_its_gradien
 
 
 def test_reports_show_the_pipelines_traffic_by_kind(block_stack):
-    rows = render.to_rows(block_stack)
+    rows = to_rows(block_stack)
     row = next(r for r in rows if r["regime"] == "pipeline:stages=2,microbatches=4")
     assert set(row["collectives"][1]) == {"send", "recv"} and row["syncs"] is None
     metadata = run_metadata(seed=0, dtype=None, backend=None, world_sizes=[2])
     assert "pipeline:stages=2,microbatches=4" in render_html(rows, metadata)
-    assert "| block_stack | 6 ok | - |" in render.render_markdown(rows)  # Markdown summarises per case
+    assert "| block_stack | 6 ok | - |" in render_markdown(rows)  # Markdown summarises per case
 
 
 def test_micro_batch_mean_loss_is_caught_on_uneven_token_counts():

@@ -70,3 +70,66 @@ def test_a_constant_factor_is_named_as_loss_scaling():
     assert outcome.verdict is Verdict.MISMATCH
     assert outcome.comparison.hint.startswith("every gradient is 4 x the reference's from step 0: likely loss scaling")
     assert "hint: every gradient is 4 x" in outcome.describe()
+
+
+# --- what each pitfall regime declares: its class of bug and its faithful twin ---------------------
+
+def _declaring():
+    from equivcheck.regimes import BUILT_IN
+    return [cls for cls in BUILT_IN if cls.pitfall]
+
+
+def _example(cls):
+    """An instance of ``cls`` that is the pitfall: every required parameter at its example value (as spec errors
+    suggest); a family whose default is its faithful member at the setting that is the bug."""
+    import dataclasses
+    if cls.name == "per_token":
+        return ec.parse_regime("per_token:detach=1")
+    required = [f for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    return ec.parse_regime(cls.name + (":" + ",".join(f"{f.name}={f.metadata.get('example', 2)}" for f in required)
+                                       if required else ""))
+
+
+def test_every_pitfall_regime_declares_one():
+    """A summary that says PITFALL, and the per_token family (seed 002's detach), declare it: removing one fails."""
+    from equivcheck.regimes import BUILT_IN, Pitfall
+    said = {cls.name for cls in BUILT_IN if cls.summary.startswith("PITFALL")} | {"per_token"}
+    declared = {cls.name: cls.pitfall for cls in _declaring()}
+    assert said <= set(declared), said - set(declared)
+    assert all(isinstance(pitfall, Pitfall) for pitfall in declared.values()), declared
+
+
+def test_a_declaration_is_never_inherited_unread():
+    """A subclass of a pitfall says what it is itself (a scaler step per micro-batch has another twin)."""
+    from equivcheck.regimes import BUILT_IN
+    inheriting = [cls.name for cls in BUILT_IN
+                  if any(base.__dict__.get("pitfall") for base in cls.__mro__[1:]) and "pitfall" not in vars(cls)]
+    assert not inheriting
+
+
+@pytest.mark.parametrize("cls", _declaring(), ids=lambda cls: cls.name)
+def test_each_declaration_names_a_faithful_twin_and_a_class_the_audit_knows(cls):
+    from equivcheck.suites.audit import BUG_CLASSES
+    regime = _example(cls)
+    twin = cls.pitfall.twin_of(regime)
+    assert ec.parse_regime(str(twin)) == twin and twin.name == cls.pitfall.twin.partition(":")[0]
+    # Not a pitfall itself: a faithful class, or its family's faithful member (per_token:detach=0), its own twin.
+    assert not type(twin).pitfall or type(twin).pitfall.twin_of(twin) == twin, twin
+    assert twin != regime
+    assert cls.pitfall.bugs and set(cls.pitfall.bugs) <= set(BUG_CLASSES), cls.pitfall.bugs
+
+
+@pytest.mark.parametrize(("spec", "twin"), [
+    ("naive_accumulate:chunks=4", "accumulate:chunks=4"),
+    ("clip_per_micro_batch:chunks=5,max_norm=0.1", "accumulate:chunks=5"),  # the case's optimizer clips, not the twin
+    ("scaler_step_per_micro_batch:chunks=3", "scaler_accumulate:chunks=3"),
+    ("per_token:detach=1", "per_token"),
+    ("ddp_mean_loss:world_size=3,backend=gloo", "ddp:world_size=3,backend=gloo"),
+    ("ddp_hook_mean_loss:world_size=2,hook=bf16", "ddp_hook:world_size=2,hook=bf16"),
+    ("ddp_detached_partial_in_forward:world_size=2,chunks=3", "ddp_detached_partial_last_outside:world_size=2,chunks=3"),
+    ("pipeline_mean_loss:stages=2,microbatches=4,schedule=1f1b", "pipeline:stages=2,microbatches=4,schedule=1f1b"),
+])
+def test_a_twin_keeps_every_parameter_it_shares_with_its_pitfall(spec, twin):
+    regime = ec.parse_regime(spec)
+    assert str(type(regime).pitfall.twin_of(spec)) == twin

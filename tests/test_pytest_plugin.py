@@ -143,6 +143,72 @@ def test_generated_failure_shows_the_mismatch_not_a_traceback_and_json_matches_t
     assert [{**r, "seconds": 0} for r in cli_rows] == [{**r, "seconds": 0} for r in rows]
 
 
+def test_the_plugin_offers_the_public_precision_modes_only():
+    """Written out in the plugin so that loading it imports no torch; the float64 shadows are equivcheck's own."""
+    from equivcheck.precision import PUBLIC_PRECISIONS, SCALED_SHADOW, SHADOW
+    from pytest_equivcheck.options import DTYPES, MARKER_HELP
+
+    assert DTYPES == PUBLIC_PRECISIONS
+    assert SHADOW not in DTYPES and SCALED_SHADOW not in DTYPES
+    assert all(repr(dtype) in MARKER_HELP for dtype in DTYPES) and SHADOW not in MARKER_HELP
+
+
+ONE_SPEC_AS_A_STRING = """
+import equivcheck as ec
+
+def test_one_spec(equivcheck):
+    (outcome,) = equivcheck.check("mlp", "accumulate:chunks=4").outcomes
+    assert (outcome.regime, outcome.verdict) == ("accumulate:chunks=4", ec.Verdict.EQUIVALENT)
+
+def test_one_regime_object(equivcheck):
+    (outcome,) = equivcheck.check("mlp", ec.parse_regime("accumulate:chunks=3")).outcomes
+    assert outcome.regime == "accumulate:chunks=3"
+
+def test_the_same_as_the_library(equivcheck):
+    fixture = equivcheck.check("mlp", "sample_by_sample")
+    library = ec.check("mlp", "sample_by_sample")
+    assert [(o.regime, o.verdict) for o in fixture.outcomes] == [(o.regime, o.verdict) for o in library.outcomes]
+
+def test_a_misspelt_spec_is_named_whole(equivcheck):
+    try:
+        equivcheck.check("mlp", "acumulate:chunks=4")
+    except ec.InvalidArgument as error:
+        assert "unknown regime 'acumulate'" in str(error), error
+    else:
+        raise AssertionError("no error")
+"""
+
+
+def test_the_fixture_takes_one_regime_given_alone_as_ec_check_does(pytester):
+    """``equivcheck.check("mlp", "accumulate:chunks=4")`` is that one regime, never its characters one by one."""
+    pytester.makepyfile(test_one_spec=ONE_SPEC_AS_A_STRING)
+    result = pytester.runpytest("-p", "no:randomly")
+    result.assert_outcomes(passed=4)
+    assert "unknown regime 'a'" not in result.stdout.str()
+
+
+@pytest.mark.filterwarnings("default::equivcheck.EquivcheckWarning")  # this suite ignores BlindSpotWarning (pyproject)
+def test_one_warning_filter_makes_every_equivcheck_warning_an_error(pytester):
+    """seed004_linear holds one item per sample: check_step warns that a normalisation bug cannot show; one filter on
+    the base makes that warning, as every other, an error."""
+    pytester.makepyfile(test_warned="""
+import equivcheck as ec
+
+def mean_step(model, optimizer, batch):
+    inputs, targets = batch
+    ec.get_case("seed004_linear").loss(model(inputs), targets).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+def test_blind(equivcheck):
+    equivcheck.check_step("seed004_linear", mean_step)
+""")
+    pytester.runpytest("-p", "no:randomly").assert_outcomes(passed=1, warnings=1)
+    result = pytester.runpytest("-p", "no:randomly", "-W", "error::equivcheck.EquivcheckWarning")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*BlindSpotWarning: *every sample holds the same number of items*"])
+
+
 def test_marker_keywords_set_the_fixtures_defaults(pytester):
     pytester.makepyfile(test_marked='''
 import pytest, torch
@@ -169,6 +235,10 @@ def test_wide_tolerance_hides_the_pitfall(equivcheck):
         ("'mlp'", "@pytest.mark.equivcheck takes keywords only, got positional ('mlp',)"),
         ("rtol=1e-3", "@pytest.mark.equivcheck rtol=0.001 is not allowed: expected rtol and atol given together"),
         ("dtype='float16'", "@pytest.mark.equivcheck dtype='float16' is not allowed: expected 'float64' or 'float32'"),
+        # equivcheck's own float64 shadows, run beside a low-precision check, are not a mode to ask for
+        ("dtype='float64-shadow'", "@pytest.mark.equivcheck dtype='float64-shadow' is not allowed: expected 'float64' or "
+                                   "'float32' or 'bf16-autocast' or 'fp16-autocast'"),
+        ("dtype='float64-shadow-scaled'", "@pytest.mark.equivcheck dtype='float64-shadow-scaled' is not allowed"),
         ("timeout=0", "@pytest.mark.equivcheck timeout=0 is not allowed: expected a finite number of seconds > 0"),
         ("timeout=float('inf')", "@pytest.mark.equivcheck timeout=inf is not allowed: expected a finite number"),
         ("rtol=float('inf'), atol=float('inf')", "@pytest.mark.equivcheck rtol=inf is not allowed: expected a finite number"),
@@ -193,6 +263,9 @@ def test_marker_mistakes_are_usage_errors(pytester, marker, message):
         (["--equivcheck-rtol", "0.1"], "--equivcheck-rtol=0.1 is not allowed: expected rtol and atol given together"),
         (["--equivcheck-timeout", "-1"], "--equivcheck-timeout=-1.0 is not allowed: expected a finite number of seconds > 0"),
         (["--equivcheck-dtype", "float16"], "--equivcheck-dtype: invalid choice: 'float16'"),
+        (["--equivcheck-dtype", "float64-shadow"], "--equivcheck-dtype: invalid choice: 'float64-shadow' (choose from "
+                                                   "'float64', 'float32', 'bf16-autocast', 'fp16-autocast')"),
+        (["--equivcheck-dtype", "float64-shadow-scaled"], "--equivcheck-dtype: invalid choice: 'float64-shadow-scaled'"),
         (["--equivcheck-timeout", "inf"], "--equivcheck-timeout=inf is not allowed: expected a finite number"),
         (["--equivcheck-rtol", "inf", "--equivcheck-atol", "inf"], "--equivcheck-rtol=inf is not allowed"),
         (["--equivcheck-json", "/no/such/folder/rows.json"], "--equivcheck-json='/no/such/folder/rows.json' is not "

@@ -13,6 +13,7 @@ import pytest
 
 import equivcheck as ec
 from equivcheck.render import text as render
+from equivcheck.render.rows import to_rows
 from equivcheck.render import terminal
 from equivcheck.cli import main
 from equivcheck.render.html import PLOTS_MISSING, render_html, run_metadata
@@ -56,7 +57,7 @@ class Parsed(html.parser.HTMLParser):
 
 @pytest.fixture(scope="module")
 def failing_rows():
-    return render.to_rows(ec.check_all(["mlp", "naive_scaling_uneven_chunks"],
+    return to_rows(ec.check_all(["mlp", "naive_scaling_uneven_chunks"],
                                        ["accumulate:chunks=5", "naive_accumulate:chunks=5"]))
 
 

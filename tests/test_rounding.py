@@ -85,13 +85,13 @@ def test_the_shadow_draws_what_the_float32_run_draws():
 def counting_shadows(monkeypatch):
     calls = []
     module = sys.modules["equivcheck.check"]  # the package's ``check`` is the function
-    original = module.start  # every run of a check begins here
+    original = module.start_request  # every run of a check begins here
 
-    def counted(*args, **kwargs):
-        calls.append(kwargs.get("dtype"))
-        return original(*args, **kwargs)
+    def counted(request, **kwargs):
+        calls.append(request.precision.name)
+        return original(request, **kwargs)
 
-    monkeypatch.setattr(module, "start", counted)
+    monkeypatch.setattr(module, "start_request", counted)
     return calls
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import equivcheck as ec
-from equivcheck.render import text as render
+from equivcheck.render.rows import to_rows
 from equivcheck import Verdict
 
 
@@ -43,7 +43,7 @@ def test_zero_broadcasts_every_parameter_from_its_owner_in_each_step(report):
     assert zero.collectives == ({"all_reduce": (1, whole), "broadcast": (len(parameters), whole)},) * 3
     ddp = report.outcome("block_stack", "ddp:world_size=2").result  # plain DDP broadcasts nothing after its forward
     assert ddp.collectives == ({"all_reduce": (1, whole)},) * 3
-    row = next(r for r in render.to_rows(report) if r["regime"] == "zero:world_size=2")
+    row = next(r for r in to_rows(report) if r["regime"] == "zero:world_size=2")
     assert row["collectives"][0]["broadcast"] == {"calls": len(parameters), "bytes": whole}
 
 

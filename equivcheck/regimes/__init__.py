@@ -11,7 +11,7 @@ only), ``user_code`` (a team's own step or loop). A regime of your own is one mo
 
 from . import (checkpoint, ddp, ddp_hooks, ddp_join, ddp_partial, fsdp, local, pipeline, pitfalls, sync_batchnorm,
                user_code, zero)
-from .base import (DEFAULT_REGIMES, REGIMES, Chunked, CommunicationCounter, Regime, chunk_pairs, finish_step,
+from .base import (DEFAULT_REGIMES, REGIMES, Chunked, CommunicationCounter, Pitfall, Regime, chunk_pairs, finish_step,
                    parse_regime, regime_source, register_regime, spec_usage)
 from .loop import accumulate, backward_chunks, global_mean_part, inputs_only, meddling_part
 
@@ -50,7 +50,7 @@ from .user_code import UserLoop, UserStep  # noqa: E402
 
 __all__ = [
     "BUILT_IN", "DEFAULT_REGIMES", "REGIMES", "Accumulate", "Chunked", "CommunicationCounter", "DetachedPartial",
-    "Distributed", "FullBatch", "Regime", "RetainedGraph", "SampleBySample", "SummedLoss", "accumulate",
+    "Distributed", "FullBatch", "Pitfall", "Regime", "RetainedGraph", "SampleBySample", "SummedLoss", "accumulate",
     "backward_chunks", "chunk_pairs", "finish_step", "global_mean_part", "inputs_only", "meddling_part", "parse_regime",
     "regime_source", "register_regime", "spec_usage", "UserLoop", "UserStep",
 ]

@@ -4,7 +4,9 @@ A regime is a way of computing one optimizer step on one global batch: a frozen 
 from a short spec (``accumulate:chunks=4``). Its ``train_step`` performs exactly one optimizer step
 the way a training loop would and returns the batch loss. Faithful regimes normalise by the item
 count of the *global* batch, so they reproduce ``full_batch`` up to rounding; pitfall regimes
-reproduce a known bug, and equivcheck must report them as mismatches.
+reproduce a known bug, and equivcheck must report them as mismatches. A pitfall regime declares what
+it is once, on its class (``pitfall = Pitfall(bug, twin)``): the class of bug, as the audit names it,
+and its faithful twin, which the audit, the catalogue and its cases hold it against.
 
 Everything the rest of the harness needs to know about a regime is asked here, never probed:
 where it runs (``world_size``, ``distributed``, ``device``), how it cuts the batch
@@ -30,10 +32,46 @@ from ..precision import Precision, Tolerance
 
 
 @dataclasses.dataclass(frozen=True)
+class Pitfall:
+    """What a pitfall regime is: the class of bug it reproduces and the faithful twin it must be held against.
+
+    ``bug``: the class, as :mod:`equivcheck.suites.audit` names it (one of its ``BUG_CLASSES``); a tuple where the
+    bug shows as more than one (a micro-batch mean / K: uneven micro-batches, and uneven token counts).
+    ``twin``: the spec of the regime doing the same job right, with only what differs from the pitfall; every
+    parameter the two share is the pitfall's own (``naive_accumulate:chunks=4`` -> ``accumulate:chunks=4``,
+    ``ddp_mean_loss:world_size=2,backend=gloo`` -> ``ddp:world_size=2,backend=gloo``). A family whose faithful
+    member is one of its own settings names it (``per_token:detach=0``): that member is its own twin.
+    """
+
+    bug: str | tuple[str, ...]
+    twin: str
+
+    @property
+    def bugs(self) -> tuple[str, ...]:
+        return (self.bug,) if isinstance(self.bug, str) else tuple(self.bug)
+
+    def twin_of(self, regime: Regime | str) -> Regime:
+        """The faithful twin of ``regime`` (a spec or an instance of the class declaring this)."""
+        regime = parse_regime(regime)
+        name, _, given = self.twin.partition(":")
+        stated = [item.strip() for item in given.split(",") if item.strip()]
+        named = {item.partition("=")[0].strip() for item in stated}
+        own = {f.name for f in dataclasses.fields(regime)}
+        if name not in REGIMES:
+            raise InvalidArgument.unknown("regime", name, REGIMES)
+        shared = [f"{f.name}={_spec_value(getattr(regime, f.name))}" for f in dataclasses.fields(REGIMES[name])
+                  if f.name in own and f.name not in named]
+        params = ",".join(stated + shared)
+        return parse_regime(f"{name}:{params}" if params else name)
+
+
+@dataclasses.dataclass(frozen=True)
 class Regime:
     name: ClassVar[str]
     summary: ClassVar[str]
-    pitfall: ClassVar[bool] = False
+    # A pitfall regime's declaration (see Pitfall); None: a faithful regime. Read as a truth value, it says
+    # whether the regime is a pitfall (a regime of your own may still say ``pitfall = True``, without a twin).
+    pitfall: ClassVar[Pitfall | bool | None] = None
     # Where PyTorch itself refuses the regime in general (it crashes), why: kept to show the crash, and
     # never drawn by equivcheck.strategies as a regime that must stay equivalent.
     trap: ClassVar[str] = ""

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 from torch.utils.checkpoint import checkpoint
 
-from .base import Chunked
+from .base import Chunked, Pitfall
 from .loop import accumulate
 
 
@@ -34,5 +34,5 @@ class Checkpoint(Chunked):
 class CheckpointWithoutRngState(Checkpoint):
     name = "checkpoint_without_rng_state"
     summary = "PITFALL: checkpoint(preserve_rng_state=False) with dropout: the recomputed forward draws other masks"
-    pitfall = True
+    pitfall = Pitfall("dropout masks redrawn in a recomputed forward", twin="checkpoint")
     preserve_rng_state = False

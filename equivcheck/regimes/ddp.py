@@ -24,7 +24,7 @@ from ..case import Batch, Case, Objective
 from ..errors import InvalidArgument, expect_int, expect_number
 from ..measure.collectives import attach_counter
 from ..process.torch_imports import is_dtensor
-from .base import CommunicationCounter, Regime, finish_step
+from .base import CommunicationCounter, Pitfall, Regime, finish_step
 from .local import FullBatch
 from .loop import backward_chunks
 
@@ -215,7 +215,7 @@ class DdpNoSyncStaticGraph(Accumulating):
 class DdpSyncEveryMicroBatch(DdpOptions, Accumulating):
     name = "ddp_sync_every_micro_batch"
     summary = "PITFALL: accumulation under DDP without no_sync(): right numbers, K all-reduces per step"
-    pitfall = True
+    pitfall = Pitfall("gradient sync on every micro-batch", twin="ddp_no_sync")
 
     def sync_context(self, model, last):
         return contextlib.nullcontext()
@@ -225,7 +225,7 @@ class DdpSyncEveryMicroBatch(DdpOptions, Accumulating):
 class DdpMeanLoss(Distributed):
     name = "ddp_mean_loss"
     summary = "PITFALL: each rank's *mean* loss; DDP averages ranks equally, wrong when their item counts differ"
-    pitfall = True
+    pitfall = Pitfall("per-rank mean loss under DDP (token or shard imbalance)", twin="ddp")
 
     def train_step(self, model, optimizer, batch, objective):
         mine = self.rank_shard(batch)
@@ -239,6 +239,7 @@ class DdpMeanLoss(Distributed):
 class DdpPaddedSampler(DdpMeanLoss):
     name = "ddp_padded_sampler"
     summary = "PITFALL: a sampler pads shards to equal size by repeating samples; repeated ones count twice"
+    pitfall = Pitfall("sampler pads micro-batches by repeating samples", twin="ddp")
 
     def rank_shard(self, batch: Batch) -> Batch:
         """DistributedSampler's split: pad the index list from its start, then every W-th index per rank."""

@@ -35,7 +35,7 @@ from ..case import Case
 from ..errors import InvalidArgument, expect_int
 from ..measure.collectives import attach_counter
 from ..precision import Precision, Tolerance
-from .base import CommunicationCounter
+from .base import CommunicationCounter, Pitfall
 from .ddp import Ddp, DdpMeanLoss
 
 # Unit roundoff of each compressing hook's wire type: half the distance from 1 to the next number.
@@ -103,6 +103,6 @@ class DdpHook(Ddp):
 class DdpHookMeanLoss(DdpHook):
     name = "ddp_hook_mean_loss"
     summary = "PITFALL: ddp_mean_loss under a compressing comm hook: each rank's *mean* loss, wrong on uneven shards"
-    pitfall = True
+    pitfall = Pitfall("per-rank mean loss under DDP (token or shard imbalance)", twin="ddp_hook")
 
     train_step = DdpMeanLoss.train_step

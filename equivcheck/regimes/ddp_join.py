@@ -37,7 +37,7 @@ import dataclasses
 import torch.distributed as dist
 
 from ..case import Batch
-from .base import finish_step
+from .base import Pitfall, finish_step
 from .ddp import Accumulating, DdpOptions
 from .loop import backward_chunks
 
@@ -128,7 +128,7 @@ class DdpJoin(DdpOptions, Accumulating):
 class DdpUnevenWithoutJoin(DdpJoin):
     name = "ddp_uneven_without_join"
     summary = "PITFALL: ddp_join's uneven steps without model.join(): rank 0 waits in an all-reduce nobody joins (a hang)"
-    pitfall = True
+    pitfall = Pitfall("uneven inputs across DDP ranks without join", twin="ddp_join")
     trap = ("hangs by design: a rank out of data leaves its loop while rank 0 waits in the last step's all-reduce; "
             "equivcheck reports the hang as an error after the job timeout (ec.check(..., timeout=...))")
 
@@ -141,7 +141,7 @@ class DdpJoinRankMean(DdpJoin):
     name = "ddp_join_rank_mean"
     summary = ("PITFALL: ddp_join with each rank's loss normalised by its own items (its mean): joined ranks add "
                "zeros and DDP averages equally, so a step a rank sits out counts half")
-    pitfall = True
+    pitfall = Pitfall("per-rank mean loss under DDP (token or shard imbalance)", twin="ddp_join")
 
     def rank_part(self, objective, batch, mine=None):
         own = (mine or batch).items

@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import InvalidArgument
-from .base import finish_step
+from .base import Pitfall, finish_step
 from .ddp import Accumulating, OnEveryGpu
 from .local import DetachedPartial, backward_detached, backward_trunk
 from .loop import backward_chunks, inputs_only
@@ -88,7 +88,7 @@ class DdpDetachedPartial(Accumulating):
 class DdpDetachedPartialSyncEveryChunk(DdpDetachedPartial):
     name = "ddp_detached_partial_sync_every_chunk"
     summary = "PITFALL: ddp_detached_partial without no_sync(): right numbers, 1 + K all-reduces per step instead of 2"
-    pitfall = True
+    pitfall = Pitfall("gradient sync on every micro-batch", twin="ddp_detached_partial")
 
     def sync_context(self, model, last):
         return contextlib.nullcontext()
@@ -99,7 +99,7 @@ class DdpDetachedPartialBypass(DdpDetachedPartial):
     name = "ddp_detached_partial_bypass"
     summary = ("PITFALL: the whole model in one DDP, the step reaching its trunk and head inside it (model.module): "
                "DDP never all-reduces, every rank keeps its own gradients")
-    pitfall = True
+    pitfall = Pitfall("gradients never all-reduced", twin="ddp_detached_partial")
 
     def wrap(self, model, objective):
         return self.ddp(model)
@@ -139,7 +139,7 @@ class DdpDetachedPartialInForward(DdpDetachedPartial):
     name = "ddp_detached_partial_in_forward"
     summary = ("PITFALL: seed 000's accum_forward as the DDP-wrapped head's forward: DDP ignores a backward inside "
                "its own forward, so the head's gradients are not all-reduced")
-    pitfall = True
+    pitfall = Pitfall("gradients never all-reduced", twin="ddp_detached_partial_last_outside")
 
     last_outside: ClassVar[bool] = False  # the last chunk's backward after the wrapped forward returns
 
@@ -164,7 +164,7 @@ class DdpDetachedPartialLastOutside(DdpDetachedPartialInForward):
     name = "ddp_detached_partial_last_outside"
     summary = ("seed 000's accum_forward inside the DDP-wrapped head, all chunks but the last back-propagated in the "
                "forward, the last after it returns: DDP all-reduces the head's whole sum once")
-    pitfall = False
+    pitfall = None  # the faithful twin of its parent
     last_outside = True
 
 

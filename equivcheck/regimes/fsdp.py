@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from ..case import Objective
 from ..process.torch_imports import fsdp2, fsdp2_missing
+from .base import Pitfall
 from .ddp import Accumulating, Ddp, Distributed
 
 
@@ -87,7 +88,7 @@ class FsdpNoSync(ShardedByFsdp, Accumulating):
 class FsdpSyncEveryMicroBatch(ShardedByFsdp, Accumulating):
     name = "fsdp_sync_every_micro_batch"
     summary = "PITFALL: accumulation under FSDP2 with gradient sync left on: right numbers, K reduce-scatters per step"
-    pitfall = True
+    pitfall = Pitfall("gradient sync on every micro-batch", twin="fsdp_no_sync")
     reshard_after_forward: bool = True
 
     def sync_context(self, model, last):

@@ -51,7 +51,7 @@ from torch import Tensor, nn
 from ..case import Batch, Case, Objective
 from ..errors import InvalidArgument, expect_int
 from ..measure.collectives import StepTraffic, uncounted
-from .base import CommunicationCounter, Regime, finish_step
+from .base import CommunicationCounter, Pitfall, Regime, finish_step
 from .ddp import BACKENDS
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -279,7 +279,7 @@ class PipelineMeanLoss(Pipeline):
     name = "pipeline_mean_loss"
     summary = ("PITFALL: loss_fn = micro-batch mean, scale_grads=True (torch's pairing): wrong when micro-batches "
                "hold unequal item counts")
-    pitfall = True
+    pitfall = Pitfall("token normalisation across micro-batches", twin="pipeline")
     scale_grads = True
 
     def loss_fn(self, objective: Objective):
@@ -293,5 +293,5 @@ class PipelineMeanLoss(Pipeline):
 class PipelineScaledTwice(Pipeline):
     name = "pipeline_scaled_twice"
     summary = "PITFALL: loss_fn = micro-batch sum / global items, left with scale_grads=True: gradients 1/K too small"
-    pitfall = True
+    pitfall = Pitfall("loss scaled by 1 / K twice", twin="pipeline")
     scale_grads = True

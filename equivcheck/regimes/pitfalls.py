@@ -1,8 +1,9 @@
 """Pitfall regimes, each the way a real training loop goes wrong, beside the faithful twins that fix them.
 
-A pitfall regime reproduces a bug people write (``pitfall = True``); the harness must report it as a
-mismatch wherever the bug changes the mathematics. Its twin does the same job the right way and must
-match full-batch training. Most are the shared micro-batch loop with one difference (``loop.py``).
+A pitfall regime reproduces a bug people write; it declares the class of bug and its faithful twin on its
+class (``pitfall = Pitfall(bug, twin=...)``). The harness must report it as a mismatch wherever the bug
+changes the mathematics. Its twin does the same job the right way and must match full-batch training.
+Most are the shared micro-batch loop with one difference (``loop.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch import Tensor, nn
 from ..case import Batch, Objective, default_optimizer
 from ..errors import InvalidArgument, expect_number
 from ..process.seeding import DEFAULT_SEED, seeded
-from .base import Chunked, Regime, finish_step
+from .base import Chunked, Pitfall, Regime, finish_step
 from .loop import accumulate, backward_chunks, global_mean_part, meddling_part
 
 
@@ -29,7 +30,8 @@ from .loop import accumulate, backward_chunks, global_mean_part, meddling_part
 class NaiveAccumulate(Chunked):
     name = "naive_accumulate"
     summary = "PITFALL: micro-batch mean / K; wrong whenever chunks or their item counts are uneven"
-    pitfall = True
+    pitfall = Pitfall(("micro-batch mean / K, uneven micro-batches", "token normalisation across micro-batches"),
+                      twin="accumulate")
 
     def train_step(self, model, optimizer, batch, objective):
         return accumulate(model, optimizer, batch, objective, self.chunks,
@@ -40,7 +42,7 @@ class NaiveAccumulate(Chunked):
 class ZeroGradInside(Chunked):
     name = "zero_grad_inside"
     summary = "PITFALL: optimizer.zero_grad() inside the accumulation loop: only the last micro-batch counts"
-    pitfall = True
+    pitfall = Pitfall("zero_grad inside the accumulation loop", twin="accumulate")
 
     def train_step(self, model, optimizer, batch, objective):
         zeroing = meddling_part(optimizer.zero_grad, objective, batch)  # the bug: earlier parts thrown away
@@ -51,7 +53,7 @@ class ZeroGradInside(Chunked):
 class StepPerMicroBatch(Chunked):
     name = "step_per_micro_batch"
     summary = "PITFALL: optimizer.step() after every micro-batch: K small steps instead of one"
-    pitfall = True
+    pitfall = Pitfall("optimizer.step per micro-batch", twin="accumulate")
 
     def train_step(self, model, optimizer, batch, objective):
         return backward_chunks(objective.forward_of(model), batch.inputs, batch.targets, self.chunks,
@@ -66,7 +68,9 @@ class ClipPerMicroBatch(Chunked):
     max_norm: float = 1.0
     name = "clip_per_micro_batch"
     summary = "PITFALL: clip_grad_norm_ after every micro-batch backward instead of once before the step"
-    pitfall = True
+    # Its twin clips once, before the step, through the case's optimizer (see clipping_optimizer): it takes the
+    # pitfall's chunks but not its max_norm (accumulate's own max_norm would clip the sum a second time).
+    pitfall = Pitfall("clipping per micro-batch", twin="accumulate:max_norm=inf")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -131,7 +135,7 @@ class ScalerAccumulate(Chunked):
 class ScalerUnscalePerMicroBatch(Chunked):
     name = "scaler_unscale_per_micro_batch"
     summary = "PITFALL: GradScaler.unscale_ (+ update, to be allowed again) per micro-batch: earlier parts unscaled twice"
-    pitfall = True
+    pitfall = Pitfall("GradScaler unscale_ per micro-batch", twin="scaler_accumulate")
 
     def train_step(self, model, optimizer, batch, objective):
         objective = scaled(objective, model)
@@ -149,6 +153,7 @@ class ScalerUnscalePerMicroBatch(Chunked):
 class ScalerStepPerMicroBatch(StepPerMicroBatch):
     name = "scaler_step_per_micro_batch"
     summary = "PITFALL: GradScaler.step + update after every micro-batch: K small steps instead of one"
+    pitfall = Pitfall("optimizer.step per micro-batch", twin="scaler_accumulate")
 
     def train_step(self, model, optimizer, batch, objective):
         return super().train_step(model, optimizer, batch, scaled(objective, model))
@@ -255,7 +260,7 @@ class PerToken(Regime):
     summary = "one backward per token; detach=0 keeps the graph (full BPTT), detach=1 is seed 002's detach"
     # The family is seed 002's pitfall (detach=1); detach=0 is its faithful twin. Strategies never draw
     # it as a faithful regime: their cases have no trunk that steps one token.
-    pitfall = True
+    pitfall = Pitfall("hidden state detached between per-token backwards (truncated BPTT)", twin="per_token:detach=0")
     needs_split = True
     split_contract = "a function model -> (trunk, head) whose trunk steps one token (initial_hidden, step)"
 
@@ -304,7 +309,7 @@ class PerToken(Regime):
 class SamplerPad(Chunked):
     name = "sampler_pad"
     summary = "PITFALL: equal micro-batches made by repeating the first samples (DistributedSampler's padding)"
-    pitfall = True
+    pitfall = Pitfall("sampler pads micro-batches by repeating samples", twin="accumulate")
 
     def train_step(self, model, optimizer, batch, objective):
         size = math.ceil(len(batch) / self.chunks)
@@ -317,7 +322,7 @@ class SamplerPad(Chunked):
 class SamplerDrop(Chunked):
     name = "sampler_drop"
     summary = "PITFALL: equal micro-batches made by dropping the remainder (drop_last=True)"
-    pitfall = True
+    pitfall = Pitfall("sampler drops the remainder (drop_last)", twin="accumulate")
 
     def train_step(self, model, optimizer, batch, objective):
         kept = len(batch) // self.chunks * self.chunks

@@ -17,8 +17,9 @@ import math
 import torch
 
 from .._version import __version__
-from .text import AS_EXPECTED, LABELS, kernel_paths, overview_table
-from ..check import Status, Verdict
+from .text import AS_EXPECTED, LABELS, overview_table
+from .rows import kernel_paths
+from ..judge.verdict import Status, Verdict
 from ..regimes.ddp import auto_backend
 
 PLOTS_MISSING = "Divergence plots need matplotlib: pip install 'equivcheck[report]'."
@@ -84,12 +85,11 @@ def _split(table: list[list[str]]) -> tuple[list[str], list[list[str]]]:
 
 
 def _table(header: list[str], body: list[list[str]], *, caption: str = "", raw: bool = False, css: str = "") -> str:
-    """A table of escaped text, in a box that scrolls sideways where it is wider than the page; ``raw`` cells (and
-    headers) are HTML already (classes, bars, break points)."""
+    """A table of escaped text, in a box that scrolls sideways where it is wider than the page. ``raw``: each body
+    cell is a whole ``<td>`` element and each header HTML already (classes, bars, break points), made by the caller."""
     cell = (lambda c: c) if raw else _e
     head = "".join(f"<th>{cell(h)}</th>" for h in header) if any(header) else ""
-    rows = "".join("<tr>" + "".join(c if raw and c.startswith("<td") else f"<td>{cell(c)}</td>" for c in r) + "</tr>"
-                   for r in body)
+    rows = "".join("<tr>" + "".join(c if raw else f"<td>{_e(c)}</td>" for c in r) + "</tr>" for r in body)
     opening = f"<table class='{css}'>" if css else "<table>"
     return (f"<div class='scroll'>{opening}{f'<caption>{_e(caption)}</caption>' if caption else ''}"
             f"{f'<tr>{head}</tr>' if head else ''}{rows}</table></div>")

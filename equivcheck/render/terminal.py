@@ -19,7 +19,7 @@ def render_overview(rows: list[dict], width: int, *, colour: bool) -> str:
     except ImportError:
         return render.render_overview(rows, width, colour=colour)
     cells = render.overview_table(rows)
-    bad = render.cases_not_as_expected(cells)
+    bad = render.cases_not_as_expected(rows)
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold" if colour else "")
     case, counts, findings = cells[0]
     table.add_column(case, no_wrap=True)  # a case's name stays whole: it is what a reader looks for

@@ -1,13 +1,12 @@
-"""One report format, in two renderings: a text matrix for people and JSON rows for machines."""
+"""The report as text for people: the overview, the matrix, the memory matrix, failures, skips and the summary line.
+Built from outcomes, or from JSON rows (:mod:`equivcheck.render.rows`) where they came from other processes."""
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Iterable
 
-from ..check import Outcome, Report, Status, Verdict
-from ..process.kernels import decisions
+from ..diff import kind_of
+from ..judge.verdict import Outcome, Report, Status, Verdict
 from ..judge.memory import format_bytes
 
 LABELS = {
@@ -33,8 +32,14 @@ def cell(outcome: Outcome) -> str:
         return f"{label} (crash)" if outcome.verdict is Verdict.EXPECTED_MISMATCH else label
     comparison = outcome.comparison
     if comparison.problems and comparison.margin <= 1:  # the numbers match; the structure does not
-        return f"{label} ({comparison.problems[0].split(':')[0]})"
+        return f"{label} ({problem_label(comparison.problems[0])})"
     return f"{label} {comparison.margin:.0e}"
+
+
+def problem_label(problem: str) -> str:
+    """What a cell says of a problem: its kind (a problem made by hand, with no kind, is just a problem)."""
+    kind = kind_of(problem)
+    return "problem" if kind is None else kind.value
 
 
 NAME_WIDTH = 60  # a case's name in a table: longer ones are cut, so one cannot push every column off screen
@@ -132,7 +137,6 @@ def render_summary(report: Report, seconds: float, interrupted: str | None = Non
 
 
 AS_EXPECTED = {Verdict.EQUIVALENT.value, Verdict.EXPECTED_MISMATCH.value, Verdict.SKIPPED.value}
-NOT_AS_EXPECTED_LABELS = [LABELS[v] for v in Verdict if v.value not in AS_EXPECTED]
 RED, RESET = "\033[31m", "\033[0m"
 
 
@@ -148,9 +152,9 @@ def overview_table(rows: list[dict]) -> list[list[str]]:
         for row in found:
             label = LABELS[Verdict(row["verdict"])]
             counts[label] = counts.get(label, 0) + 1
-        wrong = [f"{LABELS[Verdict(r['verdict'])]} {r['regime']} {_margin(r)}" for r in found
+        wrong = [f"{LABELS[Verdict(r['verdict'])]} {r['regime']} {shown_margin(r)}" for r in found
                  if r["verdict"] not in AS_EXPECTED]
-        caught = [f"{r['regime']} {_margin(r)}" for r in found if r["verdict"] == Verdict.EXPECTED_MISMATCH.value]
+        caught = [f"{r['regime']} {shown_margin(r)}" for r in found if r["verdict"] == Verdict.EXPECTED_MISMATCH.value]
         table.append([shown(case), ", ".join(f"{n} {label}" for label, n in counts.items()),
                       "; ".join(wrong or caught) or "-"])
     return table
@@ -162,87 +166,20 @@ def render_overview(rows: list[dict], width: int = 120, *, colour: bool = False)
     lines = render_columns(table).splitlines()
     lines = [line if len(line) <= width else line[: width - 3] + "..." for line in lines]
     if colour:
-        bad = cases_not_as_expected(table)
+        bad = cases_not_as_expected(rows)
         lines = lines[:2] + [f"{RED}{line}{RESET}" if row[0] in bad else line for row, line in zip(table[1:], lines[2:])]
     return "\n".join(lines)
 
 
-def cases_not_as_expected(table: list[list[str]]) -> set[str]:
-    """The cases of an overview table with a verdict not as expected (shown in red on a terminal)."""
-    return {row[0] for row in table[1:] if any(v in row[1] for v in NOT_AS_EXPECTED_LABELS)}
+def cases_not_as_expected(rows: list[dict]) -> set[str]:
+    """The cases with a verdict not as expected (shown in red on a terminal), by name as the overview shows them."""
+    return {shown(row["case"]) for row in rows if row["verdict"] not in AS_EXPECTED}
 
 
-def _margin(row: dict) -> str:
+def shown_margin(row: dict) -> str:
     """As a matrix cell shows it: the margin, or what failed where the numbers match (communication)."""
     if row["margin"] is None:
         return "(crash)" if row["verdict"] == Verdict.EXPECTED_MISMATCH.value else ""
     if row["problems"] and float(row["margin"]) <= 1:
-        return f"({row['problems'][0].split(':')[0]})"
+        return f"({row['problem_kinds'][0] or 'problem'})"
     return f"{float(row['margin']):.0e}"
-
-
-def render_markdown(rows: list[dict], title: str = "equivcheck") -> str:
-    """A compact Markdown summary (what a CI job shows from ``$GITHUB_STEP_SUMMARY``): the overview, then
-    each check that was not as expected with its hint or reason."""
-    status = Status.of(Verdict(r["verdict"]) for r in rows).value
-    header, *body = overview_table(rows)
-    lines = [f"## {title}: {status.replace('_', ' ')}", "", "| " + " | ".join(header) + " |", "|---|---|---|"]
-    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in body]
-    failed = [r for r in rows if r["verdict"] not in AS_EXPECTED]
-    if failed:
-        lines += ["", "### Not as expected", ""]
-        lines += [f"- **{r['case']}** under `{r['regime']}`: {r['verdict']} {_margin(r)}".rstrip()
-                  + "".join(f"; {text}" for text in (r["hint"], r["reason"]) if text) for r in failed]
-    return "\n".join(lines) + "\n"
-
-
-def to_rows(report: Report) -> list[dict]:
-    return [_row(o) for o in report.outcomes]
-
-
-def json_document(rows: list[dict], interrupted: str | None = None) -> str:
-    """The one JSON format of the CLI and the plugin: the status of the whole run beside every row."""
-    status = "interrupted" if interrupted else Status.of(Verdict(r["verdict"]) for r in rows).value
-    return json.dumps({"status": status, "interrupted": bool(interrupted), "kernels": kernel_paths(), "rows": rows},
-                      indent=2) + "\n"
-
-
-def kernel_paths() -> dict[str, str]:
-    """The kernel path each probed precision ran on in this process, and why (kernels.py)."""
-    return {name: decision.summary for name, decision in decisions().items()}
-
-
-def _row(o: Outcome) -> dict:
-    c = o.comparison
-    return {
-        "case": o.case,
-        "regime": o.regime,
-        "verdict": o.verdict.value,
-        "max_abs": json_number(c.max_abs) if c else None,
-        "max_rel": json_number(c.max_rel) if c else None,
-        "margin": json_number(c.margin) if c else None,
-        "first_divergent_step": c.first_divergent_step if c else None,
-        "hint": c.hint if c else "",
-        "reason": o.reason,
-        "seconds": round(o.seconds, 6),
-        "optimizer_steps": o.result.optimizer_steps if o.result else None,
-        "syncs": list(o.result.syncs) if o.result and o.result.syncs is not None else None,  # all-reduces per step
-        "collectives": ([{kind: {"calls": calls, "bytes": sent} for kind, (calls, sent) in step.items()}
-                         for step in o.result.collectives]
-                        if o.result and o.result.collectives is not None else None),
-        "peak_activation_bytes": o.memory.peak_bytes if o.memory else None,
-        "memory_method": o.memory.method if o.memory else None,
-        "memory_ratio": o.memory.ratio if o.memory else None,
-        "memory_note": o.memory.note if o.memory else "",
-        "problems": list(c.problems) if c else [],
-        "mismatches": [
-            {"kind": m.kind, "name": m.name, "first_step": m.first_step, "max_abs": json_number(m.diff.max_abs),
-             "margin": json_number(m.diff.margin), "step_margins": [json_number(x) for x in m.step_margins]}
-            for m in (c.mismatches if c else ())
-        ],
-    }
-
-
-def json_number(value: float) -> float | str:
-    """JSON has no infinity or NaN: those become the strings 'inf' and 'nan'."""
-    return value if math.isfinite(value) else str(value)

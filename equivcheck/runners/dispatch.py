@@ -7,16 +7,17 @@ import dataclasses
 from collections.abc import Callable
 
 from ..case import Case
+from ..judge.compare import Expected
 from .ranks import launcher, pool, shared_reference
+from .ranks.jobs import TrainJob
 from ..errors import InvalidArgument, Unavailable, expect_timeout
 from .isolation import IsolatedRunner, can_isolate
-from ..precision import Precision, registered_name, resolve_precision
-from ..regimes import Regime, parse_regime, regime_source
+from ..regimes import Regime, parse_regime
 from ..registry import all_cases, case_source, resolve_case
 from ..result import RunResult
-from .train import train
+from .request import RunRequest
+from .train import run_request
 from ..process.seeding import DEFAULT_SEED
-from ..process import threads as intra_op
 
 DEFAULT_TIMEOUT = pool.DEFAULT_TIMEOUT
 
@@ -67,32 +68,29 @@ class Started:
 
 
 def start(case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED, timeout: float = DEFAULT_TIMEOUT,
-          runner: IsolatedRunner | None = None, **options) -> Started:
-    """Begin a run: a warm-pool job is sent to its ranks now; a run in this process (or in a launcher's
-    group, where every rank must run it together) happens when its result is asked for, in ``runner``'s
-    forked child where one is given and the run can leave this process (isolation.py)."""
-    case = resolve_case(case)
-    regime = parse_regime(regime)
+          runner: IsolatedRunner | None = None, against: Expected | None = None, **options) -> Started:
+    """Begin a run: its arguments checked once (:class:`RunRequest`), then :func:`start_request`."""
     expect_timeout(timeout)
-    regime.validate(case)
-    precision = resolve_precision(options.get("dtype"), default=case.dtype)
-    reason = regime.unavailable() or regime.unavailable_in(precision)
+    request = RunRequest.of(case, regime, seed=seed, **options)
+    return start_request(request, timeout=timeout, runner=runner, against=against)
+
+
+def start_request(request: RunRequest, *, timeout: float = DEFAULT_TIMEOUT, runner: IsolatedRunner | None = None,
+                  against: Expected | None = None) -> Started:
+    """Begin the run ``request`` asks for: a warm-pool job is sent to its ranks now; a run in this process (or in a
+    launcher's group, where every rank must run it together) happens when its result is asked for, in ``runner``'s
+    forked child where one is given and the run can leave this process (isolation.py). ``against``: the reference
+    the run is compared with as it trains (a forked child has none: its run comes back recorded whole)."""
+    regime = request.regime
+    reason = regime.unavailable() or regime.unavailable_in(request.precision)
     if reason is not None:
         raise Unavailable(reason)
-    # Resolved here, where the user's choice is visible: ranks train with the parent's count.
-    options["threads"] = intra_op.resolve(options.get("threads"))
-    against = options.pop("against", None)  # a forked child has no reference: its run comes back recorded whole
     if not regime.distributed:
-        if runner is not None and can_isolate(regime, precision.device, options["threads"]):
-            return Started(lambda: runner.train(case, regime, seed=seed, **options))
-        return Started(lambda: train(case, regime, seed=seed, against=against, **options))
-    source = importable_source(case)
-    if isinstance(options.get("dtype"), Precision):  # workers look precision modes up by name
-        options["dtype"] = registered_name(options["dtype"])
-    if against is not None:  # the ranks compare with the reference as they train, from a file they map
-        options["against"] = shared_reference.payload(against)
-    job = {"case": case.name, "source": source, "regime": str(regime),
-           "regime_source": regime_source(regime), "seed": seed, "options": options}
+        if runner is not None and can_isolate(regime, request.precision.device, request.threads):
+            return Started(lambda: runner.train(request))
+        return Started(lambda: run_request(request, against))
+    job = TrainJob.of(request, importable_source(request.case),
+                      None if against is None else shared_reference.payload(against))  # a file the ranks map
     backend = regime.resolved_backend
     if launcher.active():
         return Started(lambda: _assembled(launcher.run_job(backend, regime.world_size, job)))

@@ -10,15 +10,12 @@ import math
 from collections.abc import Callable, Mapping
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
 from ..case import Case
 from ..errors import InvalidArgument, NonFinite, exits_as_errors
 from ..precision import resolve_precision
-from ..registry import get_case, load_cases_from
-from ..process.import_paths import resolve
 from ..regimes.user_code import epoch_dataset
 from ..process.seeding import default_dtype, seeded
 from .train import build_model, load_batches
@@ -54,11 +51,3 @@ def metrics_of(value: object) -> dict[str, float]:
             raise NonFinite(f"evaluate returned a non-finite metric {name!r}: {number}")
         metrics[name] = float(number)
     return metrics
-
-
-def evaluation_job(job: dict) -> dict:
-    """One rank's part of a distributed evaluation (inside an initialised process group), as plain data."""
-    load_cases_from(job["source"])
-    device = (torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
-              if dist.get_backend() == "nccl" else None)
-    return evaluate(get_case(job["case"]), resolve(job["fn"]), seed=job["seed"], device=device)

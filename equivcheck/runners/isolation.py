@@ -35,6 +35,7 @@ from ..errors import RunDied
 from ..process.exit import exit_words, leave_with_parent
 from ..regimes import Regime
 from ..result import RunResult
+from .request import RunRequest
 from ..process.torch_imports import import_what_training_imports
 
 FRAMES_LIMIT = 20_000  # characters of faulthandler's dump kept in an error's details
@@ -61,9 +62,10 @@ class IsolatedRunner:
         self._runs = [(case, regime) for case, regimes in runs for regime in regimes]
         self._child: _Child | None = None
 
-    def train(self, case: Case, regime: Regime, **options) -> RunResult:
-        """``training.train(case, regime, **options)``, in the child. Raises what the run raised, or
-        :class:`RunDied` naming how the child ended when it died before answering."""
+    def train(self, request: RunRequest) -> RunResult:
+        """The run ``request`` asks for, in the child. Raises what the run raised, or :class:`RunDied` naming how
+        the child ended when it died before answering."""
+        case, regime = request.case, request.regime
         index = self._index(case, regime)
         if index is None:  # a run the child was not forked with: the next child knows it
             self._runs.append((case, regime))
@@ -73,7 +75,7 @@ class IsolatedRunner:
             self._child = _Child(self._runs)
         child = self._child
         try:
-            return child.train(index, options)
+            return child.train(index, request.settings())
         except BaseException:
             if not child.alive:  # it died, or was stopped mid-run (Ctrl-C): the next run forks a fresh child
                 self._child = None
@@ -109,9 +111,9 @@ class _Child:
         requests_in.close()
         self.pid, self._replies, self.alive = pid, receiving, True
 
-    def train(self, index: int, options: dict) -> RunResult:
+    def train(self, index: int, settings: dict) -> RunResult:
         try:
-            self._requests.send_bytes(pickle.dumps((index, options)))
+            self._requests.send_bytes(pickle.dumps((index, settings)))
             status, payload = receive(self._replies)
         except (EOFError, OSError):
             raise self._death() from None
@@ -180,7 +182,7 @@ def wait_for_exited() -> None:
 def _serve(runs: Sequence[tuple[Case, Regime]], requests: Connection, replies: Connection, crash_log: int,
            parent: int) -> None:
     """The child: train each requested run and answer it, until the parent closes its end. Never returns."""
-    from .train import train
+    from .train import run_request
 
     code = 0
     try:
@@ -192,12 +194,12 @@ def _serve(runs: Sequence[tuple[Case, Regime]], requests: Connection, replies: C
         leave_with_parent(parent)
         while True:
             try:
-                index, options = pickle.loads(requests.recv_bytes())
+                index, settings = pickle.loads(requests.recv_bytes())
             except EOFError:
                 break
             try:
                 case, regime = runs[index]
-                reply = ("ok", train(case, regime, **options).to_plain())
+                reply = ("ok", run_request(RunRequest.rebuilt(case, regime, settings)).to_plain())
             except Exception as error:
                 reply = ("raised", _portable(error))
             send(replies, reply)

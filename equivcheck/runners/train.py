@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ..case import Batch, Case, Objective
+from .request import RunRequest
 from .closure import evaluate_closure
 from ..judge.compare import Expected
 from ..diff import Measurement
@@ -26,8 +27,7 @@ from ..measure.activation import activation_meter
 from ..measure.collectives import add_traffic
 from ..measure.state import held_bytes, optimizer_state_bytes
 from ..precision import Precision, resolve_precision
-from ..regimes import CommunicationCounter, Regime, parse_regime
-from ..registry import resolve_case
+from ..regimes import CommunicationCounter, Regime
 from ..result import RunResult
 from ..process.seeding import DEFAULT_SEED, default_dtype, seeded
 from ..process import threads as intra_op
@@ -46,30 +46,34 @@ def train(
 ) -> RunResult:
     """Train ``case`` for its steps under ``regime`` in precision ``dtype`` (default: the case's dtype)
     and return what it produced, with its peak activation memory unless ``measure_memory`` is off;
-    with ``threads`` intra-op threads (default: one, unless the user chose: see ``threads.py``); with each
-    global batch's samples in ``order`` (``'given'``; ``'reversed'`` or ``'rolled'``: a witness, witness.py). ``against``
-    compares the run with a reference as it trains, keeping the differences and none of its tensors: what a check
-    needs of a run, in a recording's memory less (compare.py)."""
-    case = resolve_case(case)
-    regime = parse_regime(regime)
-    precision = resolve_precision(dtype, default=case.dtype)
-    regime.validate(case)
-    missing = precision.unavailable()
+    with ``threads`` intra-op threads (default: one, unless the user chose: see :mod:`equivcheck.process.threads`);
+    with each global batch's samples in ``order`` (``'given'``; ``'reversed'`` or ``'rolled'``: a witness,
+    :mod:`equivcheck.judge.witness`). ``against`` compares the run with a reference as it trains, keeping the
+    differences and none of its tensors: what a check needs of a run, in a recording's memory less
+    (:mod:`equivcheck.judge.compare`)."""
+    request = RunRequest.of(case, regime, seed=seed, dtype=dtype, measure_memory=measure_memory, threads=threads,
+                            order=order)
+    return run_request(request, against)
+
+
+def run_request(request: RunRequest, against: Expected | None = None) -> RunResult:
+    """The run ``request`` asks for, its arguments checked when it was made; on a precision's kernel path, decided by
+    a check before its runs, or probed here for a lone run."""
+    missing = request.precision.unavailable()
     if missing:
-        raise Unavailable(f"dtype={precision.name!r} cannot run here: {missing}")
-    precision = precision.with_kernels()  # decided by a check before its runs; probed here for a lone run
-    run = functools.partial(_train, case, regime, precision, seed=seed, measure_memory=measure_memory, threads=threads,
-                            order=order, against=against)
+        raise Unavailable(f"dtype={request.precision.name!r} cannot run here: {missing}")
+    request = dataclasses.replace(request, precision=request.precision.with_kernels())
+    run = functools.partial(_train, request, against=against)
     # None: something wrote to a gradient the recording kept after its step had used it: train again, copying each.
     with exits_as_errors():
-        return run(keeps_gradients=regime.releases_gradients) or run(keeps_gradients=False)
+        return run(keeps_gradients=request.regime.releases_gradients) or run(keeps_gradients=False)
 
 
-def _train(case: Case, regime: Regime, precision: Precision, *, seed: int, measure_memory: bool, threads: int | None,
-           order: str, against: Expected | None, keeps_gradients: bool) -> RunResult | None:
+def _train(request: RunRequest, *, against: Expected | None, keeps_gradients: bool) -> RunResult | None:
+    case, regime, precision, order = request.case, request.regime, request.precision, request.order
     started = time.perf_counter()
     device = regime.device() if regime.device().type != "cpu" else torch.device(precision.device)
-    with intra_op.using(intra_op.resolve(threads)), seeded(seed), default_dtype(precision.dtype), \
+    with intra_op.using(request.threads), seeded(request.seed), default_dtype(precision.dtype), \
             precision.kernel_path.applied():
         with default_dtype(precision.draw_dtype or precision.dtype):
             model = build_model(case, precision, device)
@@ -86,7 +90,7 @@ def _train(case: Case, regime: Regime, precision: Precision, *, seed: int, measu
         data = [t for batch in batches for t in (batch.inputs, batch.targets)]
         with GradRecorder(model, optimizer, counter, regime.full_tensor, against, norms=regime.clips_at() is not None,
                           keeps=keeps_gradients) as recorder, \
-                activation_meter(model, data, enabled=measure_memory) as memory:
+                activation_meter(model, data, enabled=request.measure_memory) as memory:
             watched = StepWatch(batches, recorder)
             losses = tuple(None if loss is None else float(loss)
                            for loss in regime.train(module, optimizer, watched if regime.steps_observable else batches,
@@ -175,14 +179,11 @@ def initial_weights(case: Case, precision: Precision, seed: int) -> dict[str, Te
     return {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
 
 
-SAMPLE_ORDERS = ("given", "reversed", "rolled")
 
 
 def reordered(batch: Batch, order: str) -> Batch:
     """``batch`` with its samples in ``order``: as given, reversed, or rolled by half. The mean over a global batch's
     items does not depend on the order of its samples, so only the summation order (rounding) changes."""
-    if order not in SAMPLE_ORDERS:
-        raise InvalidArgument.value("order", order, " or ".join(map(repr, SAMPLE_ORDERS)))
     if order == "given":
         return batch
     index = torch.arange(len(batch) - 1, -1, -1) if order == "reversed" else torch.arange(len(batch)).roll(len(batch) // 2)

@@ -18,11 +18,12 @@ import torch
 from torch import nn
 
 from ..case import Batch, Case
-from ..check import Outcome, check
+from ..judge.verdict import Outcome
+from ..check import check
 from ..runners.dispatch import run
 from ..errors import BlindSpotWarning, RunDied, warn
 from ..registry import all_cases, resolve_case
-from ..regimes import chunk_pairs
+from ..regimes import Pitfall, chunk_pairs, parse_regime
 from ..regimes.ddp import shard
 from ..regimes.pitfalls import clipping_optimizer
 from ..process.seeding import DEFAULT_SEED, seeded
@@ -30,6 +31,35 @@ from ..runners.train import load_batches
 
 MAX_CHUNKS = 8  # micro-batch counts tried: 2 .. 8 (and every divisor of the batch size, for equal micro-batches)
 WORLD_SIZE = 2  # the DDP classes are audited on 2 ranks of the warm pool
+
+# The classes of bug, as the findings name them and as each pitfall regime declares its own (Regime.pitfall.bug).
+UNEVEN_MEAN = "micro-batch mean / K, uneven micro-batches"
+TOKEN_NORMALISATION = "token normalisation across micro-batches"
+RANK_MEAN = "per-rank mean loss under DDP (token or shard imbalance)"
+SAMPLER_PAD = "sampler pads micro-batches by repeating samples"
+SAMPLER_DROP = "sampler drops the remainder (drop_last)"
+ZERO_GRAD_INSIDE = "zero_grad inside the accumulation loop"
+STEP_PER_MICRO_BATCH = "optimizer.step per micro-batch"
+UNSCALE_PER_MICRO_BATCH = "GradScaler unscale_ per micro-batch"
+BATCHNORM = "BatchNorm statistics per micro-batch"
+DROPOUT = "dropout masks drawn per micro-batch"
+CLIPPING = "clipping per micro-batch"
+EPOCH_END = "end of epoch: the last, smaller window"
+# The classes the audit probes on a case, in its findings' order.
+PROBED = (UNEVEN_MEAN, TOKEN_NORMALISATION, RANK_MEAN, SAMPLER_PAD, SAMPLER_DROP, ZERO_GRAD_INSIDE,
+          STEP_PER_MICRO_BATCH, UNSCALE_PER_MICRO_BATCH, BATCHNORM, DROPOUT, CLIPPING, EPOCH_END)
+# Classes a pitfall regime may declare that the audit does not probe: whether a case shows them does not depend on
+# its data (an exact count of syncs, a hang), or they need what only some cases give (several wrappers, a trunk that
+# steps one token, pipeline stages).
+NOT_PROBED = (
+    "gradient sync on every micro-batch",
+    "gradients never all-reduced",
+    "uneven inputs across DDP ranks without join",
+    "hidden state detached between per-token backwards (truncated BPTT)",
+    "dropout masks redrawn in a recomputed forward",
+    "loss scaled by 1 / K twice",
+)
+BUG_CLASSES = PROBED + NOT_PROBED
 
 
 class Sensitivity(enum.Enum):
@@ -169,36 +199,49 @@ def _probes(shape: Shape, model: nn.Module) -> list[Probe]:
         return f"micro-batches of equal size hold equal item counts for every K tried ({tried(equal)})"
 
     return [
-        Probe("micro-batch mean / K, uneven micro-batches", [(f"naive_accumulate:chunks={k}", f"accumulate:chunks={k}") for k in uneven],
+        Probe(UNEVEN_MEAN, _against_twins_of(UNEVEN_MEAN, [f"naive_accumulate:chunks={k}" for k in uneven]),
               lambda: (f"every chunking tried splits batch_size {batch} evenly" if not uneven else
                        f"no uneven chunking tried (K = {tried(uneven)}) shows an effect"), small),
-        Probe("token normalisation across micro-batches",
-              [(f"naive_accumulate:chunks={k}", f"accumulate:chunks={k}") for k in equal if shape.unequal_items(k)],
+        Probe(TOKEN_NORMALISATION,
+              _against_twins_of(TOKEN_NORMALISATION,
+                                [f"naive_accumulate:chunks={k}" for k in equal if shape.unequal_items(k)]),
               tokens_reason, small),
-        Probe("per-rank mean loss under DDP (token or shard imbalance)",
-              [(f"ddp_mean_loss:world_size={WORLD_SIZE}", f"ddp:world_size={WORLD_SIZE}")],
+        Probe(RANK_MEAN, _against_twins_of(RANK_MEAN, [f"ddp_mean_loss:world_size={WORLD_SIZE}"]),
               lambda: f"every rank's shard holds the same number of items ({shape.shard_items(WORLD_SIZE)}) on {WORLD_SIZE} ranks",
               f"batch_size {batch} cannot be sharded over {WORLD_SIZE} ranks" if batch < WORLD_SIZE else None, True),
-        Probe("sampler pads micro-batches by repeating samples",
-              [(f"sampler_pad:chunks={k}", f"accumulate:chunks={k}") for k in uneven],
+        Probe(SAMPLER_PAD, _against_twins_of(SAMPLER_PAD, [f"sampler_pad:chunks={k}" for k in uneven]),
               lambda: f"every chunking tried splits batch_size {batch} evenly: nothing to pad", small),
-        Probe("sampler drops the remainder (drop_last)", [(f"sampler_drop:chunks={k}", f"accumulate:chunks={k}") for k in uneven],
+        Probe(SAMPLER_DROP, _against_twins_of(SAMPLER_DROP, [f"sampler_drop:chunks={k}" for k in uneven]),
               lambda: f"every chunking tried splits batch_size {batch} evenly: nothing to drop", small),
-        Probe("zero_grad inside the accumulation loop", [("zero_grad_inside:chunks=2", "accumulate:chunks=2")],
+        Probe(ZERO_GRAD_INSIDE, _against_twins_of(ZERO_GRAD_INSIDE, ["zero_grad_inside:chunks=2"]),
               lambda: "the last micro-batch's gradient alone equals the whole batch's here", small),
-        Probe("optimizer.step per micro-batch", [("step_per_micro_batch:chunks=2", "accumulate:chunks=2")],
+        Probe(STEP_PER_MICRO_BATCH, _against_twins_of(STEP_PER_MICRO_BATCH, ["step_per_micro_batch:chunks=2"]),
               lambda: "stepping per micro-batch leaves the weights where one step does here", small),
-        Probe("GradScaler unscale_ per micro-batch",
-              [("scaler_unscale_per_micro_batch:chunks=2", "scaler_accumulate:chunks=2")],
+        Probe(UNSCALE_PER_MICRO_BATCH,
+              _against_twins_of(UNSCALE_PER_MICRO_BATCH, ["scaler_unscale_per_micro_batch:chunks=2"]),
               lambda: "unscaling partial sums changes nothing measurable here", small),
-        Probe("BatchNorm statistics per micro-batch", [("accumulate:chunks=2", "full_batch")],
+        # No regime is a BatchNorm or dropout bug: faithful accumulation shows it, against full batch.
+        Probe(BATCHNORM, [("accumulate:chunks=2", "full_batch")],
               lambda: f"BatchNorm ({', '.join(bn)}) sees the same statistics per micro-batch here",
               small or (None if bn else "the model has no BatchNorm")),
-        Probe("dropout masks drawn per micro-batch", [("accumulate:chunks=2", "full_batch")],
+        Probe(DROPOUT, [("accumulate:chunks=2", "full_batch")],
               lambda: (f"dropout ({', '.join(dropout)}) draws each micro-batch's masks in the global batch's "
                        "order: one dropout layer on CPU"),
               small or (None if dropout else "the model has no active dropout")),
     ]
+
+
+def _against_twins_of(bug: str, specs: Iterable[str]) -> list[tuple[str, str]]:
+    """Each pitfall spec beside the faithful twin its regime declares; each regime must declare ``bug``."""
+    return [(spec, str(_declared(spec, bug).twin_of(spec))) for spec in specs]
+
+
+def _declared(spec: str, bug: str) -> Pitfall:
+    declared = type(parse_regime(spec)).pitfall
+    if not isinstance(declared, Pitfall) or bug not in declared.bugs:
+        raise RuntimeError(f"the audit probes {bug!r} with {spec!r}, whose regime declares {declared!r}: expected "
+                           f"Pitfall({bug!r}, ...) on its class")
+    return declared
 
 
 def audit(case: Case | str, *, seed: int = DEFAULT_SEED, timeout: float | None = None, isolate: bool = False) -> Audit:
@@ -258,7 +301,7 @@ def _epoch_end(case: Case) -> Finding:
     """The end-of-epoch bugs (the last, smaller window still divided by K; a tail never stepped; its gradients
     leaking into the next epoch) live in a team's loop: no built-in regime has them, but a case can only show
     them with a smaller last batch, or more than one epoch."""
-    pitfall = "end of epoch: the last, smaller window"
+    pitfall = EPOCH_END
     if case.last_batch == "exact" and case.epochs == 1:
         return Finding(pitfall, Sensitivity.BLIND, "every global batch is full and there is one epoch: declare "
                        "last_batch='keep' with a remainder (and epochs=2 for gradients leaking across epochs)")
@@ -269,7 +312,7 @@ def _epoch_end(case: Case) -> Finding:
 def _clipping(case: Case, options: dict) -> Finding:
     """Clipping per micro-batch shows only where the clipping threshold engages: the reference's gradient
     norm must reach ``case.max_norm`` at some step."""
-    pitfall = "clipping per micro-batch"
+    pitfall = CLIPPING
     if case.max_norm is None:
         return Finding(pitfall, Sensitivity.NOT_APPLICABLE,
                        "no clipping declared: give Case(max_norm=M) if the code checked clips gradients")
@@ -278,7 +321,7 @@ def _clipping(case: Case, options: dict) -> Finding:
     clipped = dataclasses.replace(case, name=f"{case.name}_clipped", optimizer=clipping_optimizer(case.max_norm, case.optimizer),
                                   expect_mismatch={})
     spec = f"clip_per_micro_batch:chunks=2,max_norm={case.max_norm:g}"
-    (outcome,) = check(clipped, [spec], reference="accumulate:chunks=2", **options).outcomes
+    (outcome,) = check(clipped, [spec], reference=str(_declared(spec, pitfall).twin_of(spec)), **options).outcomes
     if outcome.comparison is None:  # the check could not run (an error, a skip): its outcome says why
         return _strongest(pitfall, [outcome], lambda: "")
     norms = [_norm(step) for step in run(case, "full_batch", **options).grads]  # unclipped: what clipping meets

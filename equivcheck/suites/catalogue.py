@@ -1,8 +1,9 @@
 """The pitfall catalogue: every known way accumulation goes wrong, next to the faithful way, measured.
 
 An entry names a registered case that declares the pitfall regime an expected mismatch, and the
-faithful twin that does the same job right. Running the catalogue checks both in each precision mode
-and holds them to the targets: a pitfall caught with a margin (error / allowed error) of at least
+faithful twin that does the same job right: by default the twin the pitfall regime declares on its
+class (``Regime.pitfall``). Running the catalogue checks both in each precision mode and holds them to
+the targets: a pitfall caught with a margin (error / allowed error) of at least
 ``PITFALL_MARGIN[mode]``, a twin passing with a headroom (allowed / error) of at least
 ``TWIN_HEADROOM[mode]``. Entries run through :func:`check`, so an entry whose regime runs elsewhere
 (a DDP regime) joins with :func:`add_entry` and nothing else changes.
@@ -13,14 +14,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-from ..check import Outcome, Plan, Verdict, isolated, iter_outcomes, plan
-from ..precision import Tolerance
+from ..judge.verdict import Outcome, Verdict
+from ..check import Plan, isolated, iter_outcomes, plan
 from ..errors import InvalidArgument
 from ..process.kernels import decisions
-from ..precision import PRECISIONS, resolve_precision
-from ..regimes import parse_regime
+from ..precision import PRECISIONS, PUBLIC_PRECISIONS, Tolerance, resolve_precision
+from ..regimes import Pitfall, parse_regime
 from ..registry import all_cases, get_case
-from ..render.text import json_number, render_columns
+from ..render.rows import json_number
+from ..render.text import render_columns
 from ..process.seeding import DEFAULT_SEED
 
 # Targets per mode (issue 5). A mode without a pitfall target reports caught or not and holds no line.
@@ -31,21 +33,30 @@ TWIN_HEADROOM = {"float64": 100.0}
 # its measured error of room (fp16 over 2 ranks: about 10), not orders of magnitude.
 OWN_BOUND_PITFALL_MARGIN = 10.0
 OWN_BOUND_TWIN_HEADROOM = 2.0
-DEFAULT_DTYPES = ("float64", "float32", "bf16-autocast", "fp16-autocast")
+DEFAULT_DTYPES = PUBLIC_PRECISIONS  # every mode a check can be asked for
 
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    """One pitfall: ``regime`` on ``case`` must be caught; ``twin`` on ``twin_case`` (default ``case``) must pass."""
+    """One pitfall: ``regime`` on ``case`` must be caught; ``twin`` on ``twin_case`` (default ``case``) must pass.
+    ``twin`` defaults to the faithful twin ``regime`` declares (its class's ``pitfall``); name one where the row
+    holds something else against it (a faithful regime on a case that breaks it, beside one that does not)."""
 
     pitfall: str
     case: str
     regime: str
-    twin: str
+    twin: str | None = None
     twin_case: str | None = None
     reference: str = "full_batch"
 
     def __post_init__(self) -> None:
+        if self.twin is None:
+            declared = type(parse_regime(self.regime)).pitfall
+            if not isinstance(declared, Pitfall):
+                raise InvalidArgument(f"catalogue entry {self.pitfall!r}: twin=None is not allowed: regime "
+                                      f"{self.regime!r} declares no faithful twin (its class's pitfall is "
+                                      f"{declared!r}): expected the twin's spec")
+            object.__setattr__(self, "twin", str(declared.twin_of(self.regime)))
         for argument in ("regime", "twin", "reference"):
             object.__setattr__(self, argument, str(parse_regime(getattr(self, argument))))
 

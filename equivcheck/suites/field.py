@@ -25,10 +25,11 @@ import warnings
 from collections.abc import Callable, Iterable
 from types import ModuleType
 
-from ..check import Report, Verdict
+from ..judge.verdict import Report, Verdict
 from ..errors import BlindSpotWarning, InvalidArgument
 from ..evaluation import EvalReport
-from ..render.text import json_number, render_columns
+from ..render.rows import json_number
+from ..render.text import render_columns
 
 PACKAGE = "equivcheck_cases.field"
 # The families of the field, in the order the table shows them (the list).

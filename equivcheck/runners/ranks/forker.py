@@ -11,7 +11,7 @@ The forker is the ranks' parent: it reaps them and reports each exit status, and
 through :class:`ForkedRank`, which answers what ``subprocess.Popen`` answers. Ranks are grouped by pool,
 so a pool whose start was interrupted has the forker kill every rank it forked for it, including one whose
 pid the interrupted start never learned. The forker leaves when the process that started it is gone; its
-ranks then see their parent change and leave too (``process_exit.leave_with_parent``).
+ranks then see their parent change and leave too (``process.exit.leave_with_parent``).
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from ...errors import WorkerError
 from ...process.exit import exit_words
 from ...process.torch_imports import TRAINING_IMPORTS
 
-PRELOADED = ("torch", "torch.distributed", *TRAINING_IMPORTS, "equivcheck.runners.ranks.worker")
+PRELOADED = ("torch", "torch.distributed", *TRAINING_IMPORTS, "equivcheck.runners.ranks.worker", "equivcheck.runners.ranks.jobs")
 # One thread in the forker: numpy's BLAS (which follows OpenMP's setting) would start one per core, and a thread
 # at work when the forker forks is lost mid-work in the rank. A rank sets its own count (worker_main).
 FORKER_ENVIRONMENT = {"OMP_NUM_THREADS": "1"}
 STANDARD_STREAMS = (0, 1, 2)
-ORPHANED_EXIT = 1  # how a rank whose forker died leaves (process_exit.leave_with_parent); nobody is left to reap it
+ORPHANED_EXIT = 1  # how a rank whose forker died leaves (process.exit.leave_with_parent); nobody is left to reap it
 # The forker's command. Not ``python -m``: that puts the working directory first on the import path, and a file lying
 # there (an ``opt_einsum.py``, which torch imports when it finds one) would run in the forker and so in every rank,
 # though the process that checks never imports it. The forker's path is its parent's (PYTHONPATH), nothing more.

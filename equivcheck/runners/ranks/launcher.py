@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import Unavailable
-from .worker import answer
+from .jobs import Job
 
 
 def active() -> bool:
@@ -31,7 +31,7 @@ def ensure_group(backend: str) -> None:
         dist.init_process_group(backend)
 
 
-def run_job(backend: str, world_size: int, job: dict) -> list[dict]:
+def run_job(backend: str, world_size: int, job: Job) -> list[dict]:
     """Run ``job`` on this rank; its world size must be the launcher's. Returns every rank's reply."""
     launched = int(os.environ["WORLD_SIZE"])
     if world_size != launched:
@@ -40,7 +40,7 @@ def run_job(backend: str, world_size: int, job: dict) -> list[dict]:
     if dist.get_backend() != backend:
         raise Unavailable(f"the launcher's process group uses {dist.get_backend()}; this regime asks for {backend}")
     replies: list[dict | None] = [None] * world_size
-    dist.all_gather_object(replies, answer(job))
+    dist.all_gather_object(replies, job.answer())
     return replies
 
 

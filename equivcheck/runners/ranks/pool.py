@@ -30,6 +30,7 @@ from ...errors import RAISE_TIMEOUT, InvalidArgument, WorkerError
 from .capacity import ensure_room
 from ...process.exit import exit_words
 from .forker import ForkedRank, forker, search_path
+from .jobs import Job
 from .shared_reference import REFERENCE_PREFIX
 from .worker import INSIDE_RANK_VARIABLE, stack_file
 
@@ -84,14 +85,14 @@ class WorkerPool:
     def alive(self) -> bool:
         return bool(self._processes) and all(p.poll() is None for p in self._processes)
 
-    def run(self, job: dict, timeout: float = DEFAULT_TIMEOUT) -> list[dict]:
+    def run(self, job: Job, timeout: float = DEFAULT_TIMEOUT) -> list[dict]:
         """Send ``job`` to every rank and return each rank's reply.
 
         A fault, and any exception while the job is in flight (KeyboardInterrupt included), closes
         the pool before it propagates: its ranks may still be working on this job."""
         return self.collect(self.submit(job, timeout))
 
-    def submit(self, job: dict, timeout: float = DEFAULT_TIMEOUT) -> Ticket:
+    def submit(self, job: Job, timeout: float = DEFAULT_TIMEOUT) -> Ticket:
         """Send ``job`` to every rank and return at once: the parent works on while the ranks train. One job
         is in flight at a time; :meth:`collect` must come next, or :meth:`close` (which any fault calls)."""
         if not self.alive:
@@ -99,7 +100,7 @@ class WorkerPool:
         if self._in_flight is not None:
             raise WorkerError(f"job {self._in_flight.number} is still in flight: collect it before the next")
         self._jobs += 1
-        ticket = Ticket(self._jobs, time.monotonic() + timeout, timeout, f"job {job.get('case')} under {job.get('regime')}")
+        ticket = Ticket(self._jobs, time.monotonic() + timeout, timeout, job.describe())
         try:
             for conn in self._conns:
                 conn.send((ticket.number, job))
@@ -303,7 +304,7 @@ def _refuse_inside_a_rank() -> None:
         )
 
 
-def run_job(backend: str, world_size: int, job: dict, timeout: float = DEFAULT_TIMEOUT) -> list[dict]:
+def run_job(backend: str, world_size: int, job: Job, timeout: float = DEFAULT_TIMEOUT) -> list[dict]:
     return submit_job(backend, world_size, job, timeout)()
 
 
@@ -311,7 +312,7 @@ class InFlight:
     """A job for a warm pool's ranks: call it for the replies, or ``abandon()`` it (a pool it was sent to is
     closed, so no reply left unread can answer a later job)."""
 
-    def __init__(self, backend: str, world_size: int, job: dict, timeout: float) -> None:
+    def __init__(self, backend: str, world_size: int, job: Job, timeout: float) -> None:
         self._key, self._job, self._timeout = (backend, world_size), job, timeout
         self._pool: WorkerPool | None = None
         self._ticket: Ticket | None = None
@@ -341,7 +342,7 @@ class InFlight:
             _pools.pop(self._key, None)
 
 
-def submit_job(backend: str, world_size: int, job: dict, timeout: float = DEFAULT_TIMEOUT) -> InFlight:
+def submit_job(backend: str, world_size: int, job: Job, timeout: float = DEFAULT_TIMEOUT) -> InFlight:
     """Send ``job`` to the warm pool's ranks now; the returned job gives their replies when called.
 
     A process's first pool waits for its forker to import torch: until the forker is ready the job is sent when

@@ -1,14 +1,10 @@
-"""The worker rank: join the pool's process group once, then train the jobs the pool sends.
-
-A job is plain data (case name, where to import it from, regime spec, seed); the reply is plain
-data too (numpy arrays, never shared-memory tensors, which break once their sender exits).
-"""
+"""The worker rank: join the pool's process group once, then answer the jobs the pool sends (``jobs``: a
+training run or an evaluation, each of which answers itself)."""
 
 from __future__ import annotations
 
 import datetime
 import faulthandler
-import importlib
 import os
 import shutil
 import signal
@@ -20,30 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import InvalidArgument
-from ..evaluate import evaluation_job
 from ...process.exit import leave_with_parent
-from ...regimes import parse_regime
-from ...registry import get_case, load_cases_from
-from ..train import train
-from . import shared_reference
-
-
-def train_job(job: dict) -> dict:
-    """Train one job in this process (inside an initialised process group) and return plain data.
-
-    The case's module and the regime's are imported first: they register the names the job uses."""
-    load_cases_from(job["source"])
-    importlib.import_module(job["regime_source"])
-    options = dict(job["options"])
-    if "against" in options:  # compared with the parent's reference as it trains: a reply of differences alone
-        options["against"] = shared_reference.expected(options["against"])
-    result = train(get_case(job["case"]), parse_regime(job["regime"]), seed=job["seed"], **options)
-    return result.to_plain()
-
-
-def answer(job: dict) -> dict:
-    """The reply to a job: an evaluation (``kind='evaluate'``, see equivcheck.runners.evaluate), else a training run."""
-    return evaluation_job(job) if job.get("kind") == "evaluate" else train_job(job)
 
 
 INSIDE_RANK_VARIABLE = "EQUIVCHECK_INSIDE_RANK"  # set in every rank: ranks never start pools of their own
@@ -76,7 +49,7 @@ def worker_main(rank: int, world_size: int, backend: str, store: str, conn: Conn
         if message is None:
             break
         number, job = message  # every reply names the job it answers
-        if not reply(conn, number, lambda: answer(job)):
+        if not reply(conn, number, job.answer):
             break
     dist.destroy_process_group()
 

@@ -1,0 +1,68 @@
+"""One run's arguments, checked once: a :class:`RunRequest` is made by :meth:`RunRequest.of` (or by a check's plan,
+which has checked them for all its runs) and trusted from then on, here, in a forked child and on ranks, where it
+crosses as plain data (:meth:`RunRequest.plain`, :meth:`RunRequest.from_plain`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..case import Case
+from ..errors import InvalidArgument, expect_int, expect_seed
+from ..precision import Precision, registered_name, resolve_precision
+from ..process import threads as intra_op
+from ..process.seeding import DEFAULT_SEED
+from ..regimes import Regime, parse_regime
+from ..registry import resolve_case
+
+SAMPLE_ORDERS = ("given", "reversed", "rolled")  # a global batch's samples as given, or reordered (a witness)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRequest:
+    """Train ``case`` for its steps under ``regime`` in ``precision`` from ``seed``: with its peak activation memory
+    where ``measure_memory``, on ``threads`` intra-op threads, each global batch's samples in ``order``."""
+
+    case: Case
+    regime: Regime
+    precision: Precision
+    seed: int = DEFAULT_SEED
+    measure_memory: bool = True
+    threads: int = 1
+    order: str = "given"
+
+    @classmethod
+    def of(cls, case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED,
+           dtype: str | torch.dtype | Precision | None = None, measure_memory: bool = True, threads: int | None = None,
+           order: str = "given") -> RunRequest:
+        """Every argument checked, every usage error raised here; the thread count resolved where the caller's
+        choice is visible (ranks and children train with it)."""
+        case, regime = resolve_case(case), parse_regime(regime)
+        expect_seed(seed)
+        if threads is not None:
+            expect_int("threads", threads)
+        if order not in SAMPLE_ORDERS:
+            raise InvalidArgument.value("order", order, " or ".join(map(repr, SAMPLE_ORDERS)))
+        regime.validate(case)
+        precision = resolve_precision(dtype, default=case.dtype)
+        if regime.distributed:
+            registered_name(precision)  # only registered modes cross to ranks
+        return cls(case, regime, precision, seed, measure_memory, intra_op.resolve(threads), order)
+
+    def settings(self) -> dict:
+        """Everything but the case and the regime, which a forked child holds already (it is found by its place)."""
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
+                if field.name not in ("case", "regime")}
+
+    def plain(self) -> dict:
+        """:meth:`settings` as plain data for ranks: the precision by its registered name."""
+        return {**self.settings(), "precision": registered_name(self.precision)}
+
+    @classmethod
+    def rebuilt(cls, case: Case, regime: Regime, settings: dict) -> RunRequest:
+        """The request :meth:`settings` or :meth:`plain` describes, for ``case`` and ``regime`` found again in
+        another process: trusted, not checked again."""
+        precision = settings["precision"]
+        return cls(case, regime, **{**settings, "precision": resolve_precision(precision) if isinstance(precision, str)
+                                    else precision})
