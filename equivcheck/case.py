@@ -64,6 +64,9 @@ class Case:
     item (a model's own loss). ``max_norm``: the clipping threshold the code checked uses (see audit.py).
     ``cpu_generator_only``: why the case's verdicts rest on the CPU generator's draw order (where it is
     non-empty, a precision mode that trains on CUDA skips the case with that reason instead of judging it).
+    ``tp_plan``: how tensor-parallel regimes shard the model, module names (``fnmatch`` patterns allowed) to
+    ``'colwise'``, ``'rowwise'`` or ``'sequence'``; plain data, so it crosses to ranks (None: derived where the model
+    has the common shape, see :mod:`equivcheck.regimes.tensor`).
     """
 
     name: str
@@ -87,6 +90,7 @@ class Case:
     last_batch: str = "exact"  # "keep": the last global batch of an epoch may hold fewer than batch_size samples
     epochs: int = 1  # passes over the data, each in the same order: steps * epochs optimizer steps in all
     cpu_generator_only: str = ""  # why the verdicts hold on the CPU generator only (CUDA draws by launch shape)
+    tp_plan: Mapping[str, str] | None = None  # module name or pattern -> 'colwise', 'rowwise' or 'sequence'
 
     def __post_init__(self) -> None:
         if (not isinstance(self.name, str) or not self.name.strip() or any(c in self.name for c in " ,:=")
@@ -122,6 +126,12 @@ class Case:
             raise InvalidArgument.type("expect_mismatch", self.expect_mismatch, "a mapping of regime -> reason")
         if self.regimes is not None:
             object.__setattr__(self, "regimes", tuple(self.regimes))
+        if self.tp_plan is not None:
+            if not isinstance(self.tp_plan, Mapping) or not all(
+                    isinstance(name, str) and style in TP_STYLES for name, style in self.tp_plan.items()):
+                raise InvalidArgument.value("tp_plan", self.tp_plan, "a mapping of module names (or patterns) to "
+                                            + ", ".join(map(repr, TP_STYLES)))
+            object.__setattr__(self, "tp_plan", dict(self.tp_plan))
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """The case's optimizer over ``model``'s parameters; a factory that returns no optimizer is told so here,
@@ -156,6 +166,9 @@ class Batch:
         return len(self.targets)
 
 
+TP_STYLES = ("colwise", "rowwise", "sequence")  # a tp_plan's styles: torch's ParallelStyle of each, by name
+
+
 class Objective:
     """What a regime may use of a case: its loss, checked to return one loss per item, and its split.
 
@@ -170,6 +183,10 @@ class Objective:
         self.scaler = self.precision.grad_scaler_for()
         self._loss = self.precision.autocasting(case.loss)
         self.loss_dtypes: set[torch.dtype] = set()  # what the loss was computed in: a float64 case may not be
+
+    @property
+    def case(self) -> Case:
+        return self._case
 
     def forward(self, model: Callable, inputs: Tensor, targets: Tensor) -> object:
         """The model's output for the loss: ``model(inputs)``, or the case's ``forward(model, inputs, targets)``

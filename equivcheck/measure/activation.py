@@ -54,7 +54,7 @@ class SavedTensorMeter(AbstractContextManager):
         # Hold a detached alias: the tensor itself may own the graph node that holds this record,
         # a cycle the garbage collector cannot see, which would keep the storage alive forever.
         detached = tensor.detach()
-        storage = tensor.untyped_storage()
+        storage = _local(tensor).untyped_storage()  # a DTensor (tensor parallelism) saves its local shard
         address = storage.data_ptr()
         if address in self._left_out or storage.nbytes() == 0:
             return _Saved(detached, None, 0)

@@ -4,13 +4,14 @@ faithful twin), ``ddp`` (DistributedDataParallel and DataParallel), ``ddp_hooks`
 hook, judged at its own error bound), ``ddp_join`` (uneven inputs under DDP, with and without join),
 ``ddp_partial`` (seed 000's accumulation over part of the model inside DDP and DataParallel), ``fsdp`` (FSDP2
 fully_shard), ``zero`` (ZeroRedundancyOptimizer), ``pipeline`` (torch.distributed.pipelining stages),
-``checkpoint`` (activation checkpointing inside accumulation), ``sync_batchnorm`` (SyncBatchNorm under DDP, GPUs
+``tensor`` (tensor parallelism: parallelize_module on a mesh), ``checkpoint`` (activation checkpointing inside
+accumulation), ``sync_batchnorm`` (SyncBatchNorm under DDP, GPUs
 only), ``user_code`` (a team's own step or loop). A regime of your own is one module that calls
 :func:`register_regime` on its class.
 """
 
 from . import (checkpoint, ddp, ddp_hooks, ddp_join, ddp_partial, fsdp, local, pipeline, pitfalls, sync_batchnorm,
-               user_code, zero)
+               tensor, user_code, zero)
 from .base import (DEFAULT_REGIMES, REGIMES, Chunked, CommunicationCounter, Pitfall, Regime, chunk_pairs, finish_step,
                    parse_regime, regime_source, register_regime, spec_usage)
 from .loop import accumulate, backward_chunks, global_mean_part, inputs_only, meddling_part
@@ -31,6 +32,8 @@ BUILT_IN: tuple[type[Regime], ...] = (
     ddp_partial.DdpDetachedPartialInForward, ddp_partial.DdpDetachedPartialSyncEveryChunk,
     ddp_partial.DataParallelDetachedPartial,
     fsdp.Fsdp, fsdp.FsdpNoSync, fsdp.FsdpSyncEveryMicroBatch,
+    tensor.TensorParallel, tensor.TensorParallelDifferentBatches, tensor.TensorParallelLossScaled,
+    tensor.TensorParallelClipLocal, tensor.FsdpTensorParallel, tensor.FsdpTensorParallelWorldScaled,
     zero.Zero,
     pipeline.Pipeline, pipeline.PipelineMeanLoss, pipeline.PipelineScaledTwice,
     checkpoint.Checkpoint, checkpoint.CheckpointWithoutRngState,

@@ -89,9 +89,10 @@ class Regime:
     split_contract: ClassVar[str] = "a function model -> (trunk, head) with head(trunk(x)) == model(x)"
 
     def __str__(self) -> str:
-        """The canonical spec: parameters in declaration order, those left at their default omitted."""
+        """The canonical spec: parameters in declaration order, those left at their default omitted, and those derived
+        from others (``fsdp_tp``'s world size, ``dp * tp``) too."""
         params = ",".join(f"{f.name}={_spec_value(getattr(self, f.name))}" for f in dataclasses.fields(self)
-                          if getattr(self, f.name) != f.default)
+                          if getattr(self, f.name) != f.default and not f.metadata.get("derived"))
         return f"{self.name}:{params}" if params else self.name
 
     def validate(self, case: Case) -> None:
@@ -298,7 +299,8 @@ def spec_usage(name: str) -> str:
     fields = dataclasses.fields(REGIMES[name])
     required = [f"{f.name}={_PLACEHOLDERS[str(f.type)]}" for f in fields
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    optional = [f"{f.name}={_spec_value(f.default)}" for f in fields if f.default is not dataclasses.MISSING]
+    optional = [f"{f.name}={_spec_value(f.default)}" for f in fields
+                if f.default is not dataclasses.MISSING and not f.metadata.get("derived")]
     usage = name + (":" + ",".join(required) if required else "")
     if optional:
         usage += "[" + ("," if required else ":") + ",".join(optional) + "]"

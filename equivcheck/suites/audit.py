@@ -58,6 +58,9 @@ NOT_PROBED = (
     "hidden state detached between per-token backwards (truncated BPTT)",
     "dropout masks redrawn in a recomputed forward",
     "loss scaled by 1 / K twice",
+    "tensor-parallel ranks fed different batches",
+    "loss scaled by the tensor-parallel size",
+    "clipping by the norm of local shards under tensor parallelism",
 )
 BUG_CLASSES = PROBED + NOT_PROBED
 

@@ -1,0 +1,291 @@
+"""Tensor parallelism: the case's plan applied with ``parallelize_module`` over W ranks (a mesh of one dimension),
+every rank seeing the whole global batch.
+
+A colwise Linear holds a slice of its output features on each rank, a rowwise Linear a slice of its input features
+(its partial outputs all-reduced in its forward). Every rank computes the same loss on the same batch, so each
+sharded gradient is its shard of the full one, and a replicated parameter (a rowwise bias) gets the full gradient on
+every rank with no collective of its own. The harness reads gradients and weights back whole (``full_tensor``), and a
+replicated parameter that drifts between ranks is the rank drift every distributed regime reports.
+
+The plan is the case's ``tp_plan`` (module names, ``fnmatch`` patterns allowed, to ``"colwise"``, ``"rowwise"``,
+``"sequence"``), or one derived for the common shape: Linear, parameter-free modules, Linear (colwise, then
+rowwise). A case with neither cannot take these regimes, which a matrix then skips there, saying so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import logging
+import math
+import warnings
+
+import torch
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from ..case import Case
+from .fsdp import shard_blocks
+from .ddp import shard
+from ..errors import InvalidArgument, expect_int
+from ..process.torch_imports import fsdp2_missing
+from ..process.seeding import DEFAULT_SEED, seeded
+from ..process.torch_imports import is_dtensor
+from .base import Pitfall, expect_max_norm, finish_step
+from .ddp import Distributed
+
+
+def derived_plan(model: nn.Module) -> dict[str, str]:
+    """Linear, parameter-free modules (an activation, dropout), Linear, in one ``nn.Sequential``: the first colwise,
+    the second rowwise, as Megatron shards an MLP; every such pair of every Sequential in the model. Empty where the
+    model has none."""
+    plan: dict[str, str] = {}
+    for prefix, module in model.named_modules():
+        if not isinstance(module, nn.Sequential):
+            continue
+        children = list(module.named_children())
+        first = None
+        for name, child in children:
+            full = f"{prefix}.{name}" if prefix else name
+            if isinstance(child, nn.Linear):
+                if first is not None and full not in plan:
+                    plan[first], plan[full] = "colwise", "rowwise"
+                    first = None
+                else:
+                    first = full
+            elif any(True for _ in child.parameters()):
+                first = None
+    return plan
+
+
+def plan_for(case: Case, model: nn.Module, world_size: int) -> dict[str, str]:
+    """The plan to apply to ``model``, each name resolved to a module; InvalidArgument naming what does not fit."""
+    given = case.tp_plan
+    plan = dict(given) if given is not None else derived_plan(model)
+    if not plan:
+        raise InvalidArgument(
+            f"case {case.name!r} has no tensor-parallel plan: its model has no Linear, activation, Linear in an "
+            "nn.Sequential to derive one from; expected tp_plan= on the case (module names to 'colwise', 'rowwise' "
+            "or 'sequence')")
+    modules = dict(model.named_modules())
+    resolved: dict[str, str] = {}
+    for pattern, style in plan.items():
+        names = [name for name in modules if name and fnmatch.fnmatchcase(name, pattern)]
+        if not names:
+            raise InvalidArgument(f"tp_plan of case {case.name!r}: {pattern!r} names no module of its model; its "
+                                  f"modules: {', '.join(name for name in modules if name)}")
+        for name in names:
+            resolved[name] = style
+            _expect_divisible(case, name, modules[name], style, world_size)
+    return resolved
+
+
+def _expect_divisible(case: Case, name: str, module: nn.Module, style: str, world_size: int) -> None:
+    """A Linear sharded over W ranks needs its sharded dimension divisible by W: torch would shard it unevenly."""
+    if not isinstance(module, nn.Linear) or style == "sequence":
+        return
+    features = module.out_features if style == "colwise" else module.in_features
+    if features % world_size:
+        side = "output" if style == "colwise" else "input"
+        raise InvalidArgument(f"tp_plan of case {case.name!r}: {name} ({style}) has {features} {side} features, "
+                              f"which do not divide over world_size={world_size}")
+
+
+def parallel_style(style: str):
+    """torch's ParallelStyle for a plan's style name."""
+    from torch.distributed.tensor import parallel
+
+    return {"colwise": parallel.ColwiseParallel, "rowwise": parallel.RowwiseParallel,
+            "sequence": parallel.SequenceParallel}[style]()
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallel(Distributed):
+    name = "tp"
+    summary = ("tensor parallelism: the case's plan (parallelize_module) over W ranks, each seeing the whole batch; "
+               "max_norm=M clips the whole gradient")
+    syncs_per_step = None  # TP synchronises activations in the forward and backward, never gradients
+    max_norm: float = math.inf
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        expect_max_norm(self.max_norm)
+
+    def clips_at(self) -> float | None:
+        return self.max_norm if self.max_norm < math.inf else None
+
+    def validate(self, case: Case) -> None:
+        """The plan too, read off the case's model built once (seeded, so no random state moves): a case with no
+        plan, or one that does not divide over the ranks, cannot take this regime, which a matrix skips there."""
+        super().validate(case)
+        try:
+            with seeded(DEFAULT_SEED):
+                model = case.model()
+        except Exception:  # a model that cannot be built here: training tells
+            return
+        plan_for(case, model, self.tp_size)
+
+    def count_communication(self, module: nn.Module):
+        return None  # DTensor's collectives are the plan's own, not a gradient synchronisation to count
+
+    def wrap(self, model: nn.Module, objective) -> nn.Module:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        plan = plan_for(objective.case, model, self.tp_size)
+        mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
+        return parallelize_module(model, mesh, {name: parallel_style(style) for name, style in plan.items()})
+
+    @property
+    def tp_size(self) -> int:
+        """The ranks one tensor-parallel group spans: all of them, on a mesh of one dimension."""
+        return self.world_size
+
+    def train_step(self, model, optimizer, batch, objective):
+        mine = self.rank_batch(batch)
+        loss = self.rank_part(objective, batch)(objective.forward(model, mine.inputs, mine.targets), mine.targets)
+        objective.backward(loss)
+        self.clip(optimizer, objective)
+        finish_step(optimizer, objective)
+        return loss.detach() / self.world_size  # each rank's share: dispatch adds them up to the loss
+
+    def clip(self, optimizer, objective) -> None:
+        """``clip_grad_norm_`` over the DTensor gradients: the norm of the whole gradient, every shard counted once."""
+        if self.max_norm < math.inf:
+            objective.scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(_parameters(optimizer), self.max_norm)
+
+    def rank_batch(self, batch):
+        """Every rank of a TP group sees the whole global batch."""
+        return batch
+
+    def rank_part(self, objective, batch):
+        """The loss a rank back-propagates: its batch's sum times :attr:`loss_scale` over the global batch's items."""
+        return lambda output, targets: objective.sum(output, targets) * self.loss_scale / batch.items
+
+    @property
+    def loss_scale(self) -> float:
+        """Every rank of a TP group back-propagates the global batch's loss, unscaled: no rank is a data-parallel one."""
+        return 1
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallelDifferentBatches(TensorParallel):
+    name = "tp_different_batches"
+    summary = "PITFALL: TP ranks fed different batches (each its data-parallel shard), as if TP were DP"
+    pitfall = Pitfall("tensor-parallel ranks fed different batches", twin="tp")
+
+    def rank_batch(self, batch):
+        return self.rank_shard(batch)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.world_size  # each shard's loss scaled as DDP would: right for data parallelism, not here
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallelLossScaled(TensorParallel):
+    name = "tp_loss_scaled"
+    summary = "PITFALL: the loss divided by the TP size, as if each TP rank were a data-parallel one"
+    pitfall = Pitfall("loss scaled by the tensor-parallel size", twin="tp")
+
+    @property
+    def loss_scale(self) -> float:
+        return 1 / self.world_size
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallelClipLocal(TensorParallel):
+    name = "tp_clip_local"
+    summary = "PITFALL: clipping by the norm of this rank's local shards, not the whole gradient's"
+    # Its max_norm is the bug's: the twin is plain TP, whose clipping is the case's own (clip_grad_norm_ over DTensors).
+    pitfall = Pitfall("clipping by the norm of local shards under tensor parallelism", twin="tp:max_norm=inf")
+
+    def clip(self, optimizer, objective) -> None:
+        if self.max_norm == math.inf:
+            return
+        objective.scaler.unscale_(optimizer)
+        local = [(p.grad.to_local() if is_dtensor(p.grad) else p.grad) for p in _parameters(optimizer)
+                 if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in local]))
+        scale = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)
+        for grad in local:  # each rank scales its own shard (and its replicas) by its own norm
+            grad.mul_(scale)
+
+
+def _quiet_mesh_warnings() -> None:
+    """On a rank of a 2-D mesh, two warnings about the harness's own doing, not the code checked: reading a
+    parameter back whole (``full_tensor``) gathers over both dimensions in turn (slower, and exact: a gather adds
+    nothing), and FSDP2 notes that a TP-sharded Linear returns a view (an in-place op on it would be the model's own
+    bug, which the comparison would show)."""
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+
+def _parameters(optimizer) -> list:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+@dataclasses.dataclass(frozen=True)
+class FsdpTensorParallel(TensorParallel):
+    """FSDP2 over ``dp`` and tensor parallelism over ``tp`` on a ``dp x tp`` mesh (torchtitan's 2-D layout): each TP
+    group sees its data-parallel rank's shard of the global batch, identical on every rank of the group; FSDP2 averages
+    the groups' gradients as DDP does."""
+
+    name = "fsdp_tp"
+    summary = "FSDP2 over dp and the case's TP plan over tp: a dp x tp mesh, each TP group its dp shard of the batch"
+    world_size: int = dataclasses.field(default=0, metadata={"derived": "dp * tp"})
+    dp: int = dataclasses.field(kw_only=True)
+    tp: int = dataclasses.field(kw_only=True)
+
+    def __post_init__(self) -> None:
+        expect_int("dp", self.dp)
+        expect_int("tp", self.tp)
+        if self.world_size not in (0, self.dp * self.tp):
+            raise InvalidArgument.value("world_size", self.world_size, f"dp * tp = {self.dp * self.tp}, or left out")
+        object.__setattr__(self, "world_size", self.dp * self.tp)
+        super().__post_init__()
+
+    @property
+    def tp_size(self) -> int:
+        return self.tp
+
+    def validate(self, case: Case) -> None:
+        super().validate(case)
+        if self.dp > case.batch_size:
+            raise InvalidArgument(f"regime {str(self)!r} on case {case.name!r}: dp={self.dp} is not allowed: expected "
+                                  f"an integer from 1 to {case.batch_size} (the case's batch_size: every group needs "
+                                  "a sample)")
+
+    def unavailable(self) -> str | None:
+        return fsdp2_missing() or super().unavailable()
+
+    def wrap(self, model: nn.Module, objective) -> nn.Module:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        plan = plan_for(objective.case, model, self.tp)
+        _quiet_mesh_warnings()
+        mesh = init_device_mesh(next(model.parameters()).device.type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
+        model = parallelize_module(model, mesh["tp"], {name: parallel_style(style) for name, style in plan.items()})
+        return shard_blocks(model, mesh["dp"], reshard_after_forward=True)
+
+    def rank_batch(self, batch):
+        """This rank's data-parallel shard: the mesh is row-major, so the ranks of one TP group are consecutive."""
+        return shard(batch, dist.get_rank() // self.tp, self.dp)
+
+    @property
+    def loss_scale(self) -> float:
+        """FSDP2 averages the dp groups' gradients, as DDP averages ranks: each shard's loss sum times dp."""
+        return self.dp
+
+
+@dataclasses.dataclass(frozen=True)
+class FsdpTensorParallelWorldScaled(FsdpTensorParallel):
+    name = "fsdp_tp_world_scaled"
+    summary = "PITFALL: on a dp x tp mesh, the loss scaled by every rank (dp * tp), each TP rank counted as a DP one"
+    pitfall = Pitfall("loss scaled by the tensor-parallel size", twin="fsdp_tp")
+
+    @property
+    def loss_scale(self) -> float:
+        return self.world_size
