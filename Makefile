@@ -11,7 +11,7 @@ export OMP_NUM_THREADS ?= 1
 # (commands, ranks, pytest sessions), which two workers overlap (bench/README.md#the-suite).
 WORKERS ?= 2
 
-.PHONY: install demo test test-dev test-frameworks bench bench-speed bench-threads bench-isolation bench-memory bench-scale bench-false-alarms bench-suite mutation clean
+.PHONY: install demo test test-dev test-frameworks bench bench-speed bench-threads bench-isolation bench-memory bench-scale bench-mesh bench-false-alarms bench-suite mutation clean
 
 # The developer's venv: an editable install, for make demo, make test-dev and the benchmarks.
 install: $(STAMP)
@@ -100,6 +100,10 @@ bench-speed: install $(PEER_VENV)/.installed
 # Peak activation memory, wall time and process peak per regime, and what measuring costs.
 bench-memory: install
 	$(BIN)/python bench/memory.py
+
+# A check on a 2 x 2 mesh (4 ranks) beside one on 2 ranks, and each beside torch alone training the same (a minute).
+bench-mesh: install
+	env -u OMP_NUM_THREADS $(BIN)/python bench/bench_mesh.py
 
 # A check at real model sizes (MLPs of 1M, 25M and 100M parameters in process and on 2 DDP ranks, a 124M GPT-2-shaped
 # transformer in process) beside torch alone training the same case: time and peak RSS as ratios (about 6 minutes).

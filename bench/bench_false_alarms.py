@@ -4,6 +4,9 @@ and pitfalls with a real effect must all be caught.
     python bench/bench_false_alarms.py [--in-process N] [--ddp N] [--attention N] [--attention-ddp N] [--pitfalls N]
                                        [--seed S] [--dtype MODE]
 
+``--tensor N`` draws N MLPs made shardable over 2 ranks under ``tp`` and ``fsdp_tp`` (2 and 2 x 2 ranks), and
+``--tensor-pitfalls N`` the tensor-parallel pitfalls on such MLPs.
+
 Draws N in-process configurations (a case from ``equivcheck.strategies.cases()`` and a faithful
 in-process regime), N more on attention LMs (``attention_cases()``: causal masks, padding, tied heads, key
 biases, Adam without epsilon) in process and on DDP, and N DDP ones (world size 2 or 3, every faithful distributed regime), checks each
@@ -47,7 +50,7 @@ IN_PROCESS = ["sample_by_sample", "accumulate", "retained_graph", "detached_part
 PITFALLS = ["naive_accumulate", "zero_grad_inside", "step_per_micro_batch", "sampler_pad", "sampler_drop",
             "scaler_unscale_per_micro_batch", "scaler_step_per_micro_batch"]
 DISTRIBUTED = sorted(n for n, cls in REGIMES.items() if cls.distributed and not cls.pitfall and not cls.trap
-                     and n != "data_parallel" and _drawable(cls))
+                     and not cls.fits_some_cases and n != "data_parallel" and _drawable(cls))
 
 
 def register_drawn(path: str) -> list[ec.Case]:
@@ -87,6 +90,23 @@ def configurations(draw, names: list[str], min_world_size: int = 1, max_world_si
     return spec, regime
 
 
+TENSOR = ["tp:world_size=2", "fsdp_tp:dp=2,tp=2"]
+TENSOR_PITFALLS = ["tp_different_batches:world_size=2", "tp_loss_scaled:world_size=2", "fsdp_tp_world_scaled:dp=2,tp=2"]
+
+
+@st.composite
+def tensor_configurations(draw, regimes: list[str]):
+    """A drawn MLP made shardable over 2 tensor-parallel ranks (a hidden layer at least, hidden widths doubled: even;
+    no norm between its Linears, so its plan is derived: colwise, rowwise per pair) and a regime of ``regimes``: TP on
+    2 ranks, or FSDP2 x TP on a 2 x 2 mesh."""
+    spec = draw(case_specs())
+    hidden = spec.widths[1:-1] or (2,)  # at least one hidden layer: a Linear pair to shard
+    widths = (spec.widths[0], *(2 * width for width in hidden), spec.widths[-1])
+    spec = dataclasses.replace(spec, widths=widths, norm="none", groups=(), batchnorm=False,
+                               batch_size=max(spec.batch_size, 2))  # two data-parallel groups each need a sample
+    return spec, draw(st.sampled_from(regimes))
+
+
 def run(configs: list[tuple[CaseSpec, str]], label: str, dtype: str | None = None) -> dict:
     """Check every configuration; tally the verdicts and print each false alarm."""
     tally, notes, chunks_one, alarms = collections.Counter(), 0, 0, []
@@ -111,13 +131,13 @@ def run(configs: list[tuple[CaseSpec, str]], label: str, dtype: str | None = Non
             "false_alarms": len(alarms), "seconds": round(seconds, 1)}
 
 
-def missed_pitfalls(configs: list[tuple[CaseSpec, str]], dtype: str | None = None, label: str = "MLPs") -> dict:
+def missed_pitfalls(configs: list[tuple[CaseSpec, str]], label: str = "MLPs", dtype: str | None = None) -> dict:
     """Each pitfall regime on a drawn case, in the case's dtype: missed where it has a real effect (in
     float64 from the same draws it differs from the reference) and the verdict is still equivalent."""
     tally, missed = collections.Counter(), []
     started = time.perf_counter()
     for spec, regime in configs:
-        case = spec.build()
+        case = ec.get_case(spec.name) if spec.name in ec.all_cases() else spec.build()
         try:
             (outcome,) = ec.check(case, [regime], measure_memory=False, dtype=dtype).outcomes
             # The exact maths from the same draws: the run itself in float64, the shadow of a float32 one.
@@ -128,7 +148,10 @@ def missed_pitfalls(configs: list[tuple[CaseSpec, str]], dtype: str | None = Non
             continue
         effect = maths.verdict is not Verdict.EQUIVALENT
         caught = outcome.verdict is not Verdict.EQUIVALENT
-        tally[("effect" if effect else "no effect") + (", caught" if caught else ", passed")] += 1
+        # A pitfall that crashes its ranks (TP ranks fed shards of different sizes: a collective of mismatched
+        # sizes) is no silent pass, but no verdict on the numbers either: counted apart.
+        shown = ", crashed" if outcome.verdict is Verdict.ERROR else ", caught" if caught else ", passed"
+        tally[("effect" if effect else "no effect") + shown] += 1
         if effect and not caught:
             missed.append(outcome)
             print(f"MISSED PITFALL: {outcome.describe()[:400]}\n  float64: {maths.describe()[:300]}\n  case: {spec}",
@@ -147,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention", type=int, default=2000, help="in-process configurations of attention LMs")
     parser.add_argument("--attention-ddp", type=int, default=200, help="DDP configurations of attention LMs")
     parser.add_argument("--attention-pitfalls", type=int, default=300, help="pitfall regimes on attention LMs")
+    parser.add_argument("--tensor", type=int, default=300, help="drawn MLPs under tp and fsdp_tp (2 and 2 x 2 ranks)")
+    parser.add_argument("--tensor-pitfalls", type=int, default=100, help="TP pitfalls on drawn MLPs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=sorted(PRECISIONS), help="one precision mode for every check "
                         "(default: each drawn case's dtype)")
@@ -158,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     distributed = {label: draws(configurations(DISTRIBUTED, min_world_size=2, max_world_size=3,
                                                attention=label == "attention DDP"), count, args.seed)
                    for label, count in (("DDP", args.ddp), ("attention DDP", args.attention_ddp)) if count}
+    distributed |= {label: draws(tensor_configurations(regimes), count, args.seed)
+                    for label, regimes, count in (("tensor", TENSOR, args.tensor),
+                                                  ("tensor pitfalls", TENSOR_PITFALLS, args.tensor_pitfalls)) if count}
     if distributed:
         listing = tempfile.NamedTemporaryFile("w", suffix=".json", prefix="equivcheck-drawn-", delete=False)
         with listing:
@@ -167,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             register_drawn(listing.name)
             for label, configs in distributed.items():
-                results[label.replace(" ", "_").lower()] = run(configs, label, args.dtype)
+                judge = missed_pitfalls if label == "tensor pitfalls" else run
+                results[label.replace(" ", "_").lower()] = judge(configs, label, args.dtype)
         finally:
             os.unlink(listing.name)
     if args.in_process:
@@ -177,11 +206,12 @@ def main(argv: list[str] | None = None) -> int:
         results["attention"] = run(draws(configurations(IN_PROCESS, attention=True), args.attention, args.seed),
                                    "attention in-process", args.dtype)
     if args.pitfalls:
-        results["pitfalls"] = missed_pitfalls(draws(configurations(PITFALLS), args.pitfalls, args.seed), args.dtype)
+        results["pitfalls"] = missed_pitfalls(draws(configurations(PITFALLS), args.pitfalls, args.seed), "MLPs",
+                                              args.dtype)
     if args.attention_pitfalls:
         results["attention_pitfalls"] = missed_pitfalls(
-            draws(configurations(PITFALLS, attention=True), args.attention_pitfalls, args.seed), args.dtype,
-            "attention LMs")
+            draws(configurations(PITFALLS, attention=True), args.attention_pitfalls, args.seed), "attention LMs",
+            args.dtype)
     print(json.dumps(results))
     return 1 if any(r.get("false_alarms") or r.get("missed") for r in results.values()) else 0
 

@@ -44,6 +44,7 @@ class RunResult:
     # and "all_gather" (FSDP2): (calls, bytes this rank handed over).
     collectives: tuple[dict[str, tuple[int, int]], ...] | None = None
     rank_spread: float | None = None
+    rank_drift: str = ""  # where the ranks' weights ended furthest apart: "'2.bias', rank 1 against rank 0"
     rank_grad_spread: tuple[tuple[float, ...], ...] | None = None  # [step][rank]: max |grad - rank 0's grad|
     precision: str = ""  # the precision mode's name (equivcheck.precision); "" means the weights' dtype
     peak_activation_bytes: int | None = None

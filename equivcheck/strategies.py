@@ -85,9 +85,11 @@ def regime_specs(
         return [f.name for f in dataclasses.fields(REGIMES[name])
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
 
-    if names is None:  # traps crash in PyTorch itself: never drawn as a regime that must stay equivalent
+    if names is None:  # traps crash in PyTorch itself: never drawn as a regime that must stay equivalent; a regime
+        # that fits only some cases (a tensor-parallel plan, a sequence to cut) is drawn only when named
         chosen = [n for n, cls in REGIMES.items()
-                  if (pitfalls or not cls.pitfall) and not cls.trap and set(required(n)) <= drawable]
+                  if (pitfalls or not cls.pitfall) and not cls.trap and not cls.fits_some_cases
+                  and set(required(n)) <= drawable]
     else:
         chosen = list(names)
         for name in chosen:

@@ -24,7 +24,8 @@ from .regimes import Regime
 from .process.seeding import DEFAULT_SEED
 from .regimes.ddp import DDP_OPTIONS
 from .process.import_paths import import_path
-from .regimes.user_code import DdpLoop, DdpStep, LoopFn, PipelineLoop, PipelineStep, StepFn, UserLoop, UserStep
+from .regimes.user_code import (MESH_DIMENSIONS, DdpLoop, DdpStep, LoopFn, MeshLoop, MeshStep, PipelineLoop,
+                                PipelineStep, StepFn, UserLoop, UserStep)
 
 
 def check_step(
@@ -39,6 +40,8 @@ def check_step(
     optimizer_wrap: Callable[[Optimizer], Optimizer] | None = None,
     pipeline: bool = False,
     syncs_per_step: int | None = None,
+    mesh: dict[str, int] | None = None,
+    parallelize: Callable | None = None,
     **options,
 ) -> Report:
     """Check a team's ``step(model, optimizer, batch)`` against ``reference``: a regime spec, or another
@@ -66,15 +69,28 @@ def check_step(
     schedule's sends and receives are). A flag, not a wrapping function like ``wrap``: the harness wraps nothing
     (the team's step cuts the stages and makes the schedule); it only changes what every rank is handed and
     gathers the stages' gradients back. It takes no ``wrap``, ``ddp_options`` or ``optimizer_wrap`` (a
-    pipeline takes no DDP). ``options`` go to :func:`equivcheck.check` (rtol, atol, seed, backend, timeout).
+    pipeline takes no DDP).
+
+    With ``mesh={"dp": D, "tp": T}`` (either left out: 1) the step runs on ``D * T`` ranks laid out as a ``D x T``
+    mesh (``init_device_mesh`` with those names), after the team's ``parallelize(model, mesh)`` has applied its own
+    plan and returned the model: ``parallelize_module`` with its styles, ``fully_shard`` over ``mesh["dp"]``, its
+    own layers built on raw collectives. The case's optimizer is made over what it returns. Each TP group is
+    handed its data-parallel rank's shard of every global batch, the same on every rank of the group; weights and
+    gradients are read back whole through DTensor's ``full_tensor()``, and a plain-tensor parameter is taken as
+    replicated: it must end the same on every rank (else ``ranks disagree``). ``parallelize`` is found by name as
+    ``wrap`` is. ``options`` go to :func:`equivcheck.check` (rtol, atol, seed, backend, timeout).
     """
     reference = reference if isinstance(reference, (str, Regime)) else UserStep(reference)
     if not isinstance(per_run, bool):
         raise InvalidArgument.type("per_run", per_run, "bool")
     ranks_only = {"wrap": wrap, "ddp_options": ddp_options, "optimizer_wrap": optimizer_wrap, "pipeline": pipeline,
                   "syncs_per_step": syncs_per_step}
-    candidate = (UserStep(step, per_run) if _in_process(world_size, **ranks_only)
-                 else _on_ranks((DdpStep, PipelineStep), "step", step, world_size, **ranks_only, per_run=per_run))
+    if mesh is not None or parallelize is not None:
+        candidate = _on_mesh(MeshStep, "step", step, mesh, parallelize, world_size, ranks_only, per_run=per_run)
+    elif _in_process(world_size, **ranks_only):
+        candidate = UserStep(step, per_run)
+    else:
+        candidate = _on_ranks((DdpStep, PipelineStep), "step", step, world_size, **ranks_only, per_run=per_run)
     warn_blind_spots(case, seed=options.get("seed", DEFAULT_SEED), isolate=options.get("isolate", False))
     return check(case, [candidate], reference=reference, **options)
 
@@ -90,17 +106,25 @@ def check_loop(
     optimizer_wrap: Callable[[Optimizer], Optimizer] | None = None,
     pipeline: bool = False,
     syncs_per_step: int | None = None,
+    mesh: dict[str, int] | None = None,
+    parallelize: Callable | None = None,
     **options,
 ) -> Report:
     """Check a team's ``loop(model, optimizer, batches)`` against ``reference`` (a spec or another loop);
     with ``world_size``, the loop on that many DDP ranks, each given its shard of every global batch, the
     model in DDP made with ``ddp_options`` and the optimizer made by ``optimizer_wrap``, or with ``pipeline=True``
-    the loop running its own pipeline schedule on every rank, given every whole global batch (as :func:`check_step`)."""
+    the loop running its own pipeline schedule on every rank, given every whole global batch; with ``mesh`` and
+    ``parallelize``, on a mesh, each TP group given its data-parallel shard of every global batch (as
+    :func:`check_step`)."""
     reference = reference if isinstance(reference, (str, Regime)) else UserLoop(reference)
     ranks_only = {"wrap": wrap, "ddp_options": ddp_options, "optimizer_wrap": optimizer_wrap, "pipeline": pipeline,
                   "syncs_per_step": syncs_per_step}
-    candidate = (UserLoop(loop) if _in_process(world_size, **ranks_only)
-                 else _on_ranks((DdpLoop, PipelineLoop), "loop", loop, world_size, **ranks_only))
+    if mesh is not None or parallelize is not None:
+        candidate = _on_mesh(MeshLoop, "loop", loop, mesh, parallelize, world_size, ranks_only)
+    elif _in_process(world_size, **ranks_only):
+        candidate = UserLoop(loop)
+    else:
+        candidate = _on_ranks((DdpLoop, PipelineLoop), "loop", loop, world_size, **ranks_only)
     warn_blind_spots(case, seed=options.get("seed", DEFAULT_SEED), isolate=options.get("isolate", False))
     return check(case, [candidate], reference=reference, **options)
 
@@ -122,6 +146,30 @@ def _in_process(world_size: int | None, **ranks_only) -> bool:
                 raise InvalidArgument(f"{argument}={value!r} is not allowed without world_size: expected world_size= "
                                       f"with it ({_RANKS_ONLY[argument]})")
     return world_size is None
+
+
+def _on_mesh(regime: type[MeshStep], argument: str, fn: Callable, mesh: dict[str, int] | None,
+             parallelize: Callable | None, world_size: int | None, ranks_only: dict, **fields) -> MeshStep:
+    """The team's code on a mesh: it and its parallelize travel by import path, which the ranks resolve."""
+    if mesh is None or parallelize is None:
+        missing = "mesh" if mesh is None else "parallelize"
+        raise InvalidArgument(f"{missing}=None is not allowed with {'parallelize' if mesh is None else 'mesh'}=: "
+                              "expected both (the mesh's sizes by name, and the team's parallelize(model, mesh))")
+    if not isinstance(mesh, dict) or not mesh or not set(mesh) <= set(MESH_DIMENSIONS):
+        raise InvalidArgument.value("mesh", mesh, "a dict of dimension sizes by name, among "
+                                    + ", ".join(map(repr, MESH_DIMENSIONS)) + ' ({"dp": 2, "tp": 2})')
+    for name, value in ranks_only.items():
+        if _given(value):
+            raise InvalidArgument(f"{name}={value!r} is not allowed with mesh=: expected {name} left out (the "
+                                  "team's parallelize applies its whole plan, data parallelism included)")
+    expect_callable(argument, fn)
+    expect_callable("parallelize", parallelize)
+    dp, tp = (mesh.get(name, 1) for name in MESH_DIMENSIONS)
+    made = regime(fn=import_path(fn, argument), parallelizer=import_path(parallelize, "parallelize"), dp=dp, tp=tp,
+                  **fields)
+    if world_size is not None and world_size != made.world_size:
+        raise InvalidArgument.value("world_size", world_size, f"{made.world_size} (the mesh's ranks), or left out")
+    return made
 
 
 def _given(value: object) -> bool:

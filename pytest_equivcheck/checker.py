@@ -38,17 +38,15 @@ class Checker:
 
     def check_step(self, case: ec.Case | str, step: Callable, reference: object = None, **options) -> ec.Report:
         """Check a team's ``step(model, optimizer, batch)`` against ``reference`` (default: full batch);
-        ``world_size=W`` runs it on W DDP ranks."""
+        ``world_size=W`` runs it on W DDP ranks, ``mesh={"dp": D, "tp": T}`` with ``parallelize=`` on a mesh."""
         return self._run(lambda kw: ec.check_step(case, step, **kw),
-                         {**options, "reference": reference}, f"check_step of {case}",
-                         options.get("world_size") is not None)
+                         {**options, "reference": reference}, f"check_step of {case}", _on_ranks(options))
 
     def check_loop(self, case: ec.Case | str, loop: Callable, reference: object = None, **options) -> ec.Report:
         """Check a team's ``loop(model, optimizer, batches)`` against ``reference`` (default: full batch);
-        ``world_size=W`` runs it on W ranks."""
+        ``world_size=W`` runs it on W ranks, ``mesh={"dp": D, "tp": T}`` with ``parallelize=`` on a mesh."""
         return self._run(lambda kw: ec.check_loop(case, loop, **kw),
-                         {**options, "reference": reference}, f"check_loop of {case}",
-                         options.get("world_size") is not None)
+                         {**options, "reference": reference}, f"check_loop of {case}", _on_ranks(options))
 
     def audit(self, case: ec.Case | str, *, require: Iterable[str] = ()) -> ec.Audit:
         """Audit ``case`` (``ec.audit``); fail the test unless it catches every class of bug named in ``require``
@@ -93,6 +91,11 @@ class Checker:
         if skipped and len(skipped) == len(report.outcomes):  # this machine cannot run any of it (no GPUs)
             pytest.skip("; ".join(dict.fromkeys(o.reason for o in skipped)))
         return report
+
+
+def _on_ranks(options: dict) -> bool:
+    """Whether a team's code runs on ranks (the pool bounds it, not an alarm): on DDP ranks or on a mesh."""
+    return options.get("world_size") is not None or options.get("mesh") is not None
 
 
 def record(node: pytest.Item, report: ec.Report) -> None:

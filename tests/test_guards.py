@@ -87,6 +87,7 @@ def test_ranks_that_drift_apart_are_caught_even_when_rank_0_matches(monkeypatch,
     assert 0 < drifting.result.rank_spread < 1
     (problem,) = drifting.comparison.problems
     assert problem.startswith("ranks disagree: their final weights differ by up to")
+    assert problem.endswith(", rank 1 against rank 0)") and "(at '" in problem  # the parameter and the ranks named
 
 
 def test_a_single_rank_has_no_drift():

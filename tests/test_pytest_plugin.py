@@ -469,3 +469,21 @@ def test_a_team_check_on_ranks_is_bounded_by_its_pool_and_in_process_by_the_alar
     check("mlp", print, world_size=2)
     check("mlp", print)
     assert bounds == [None, 5]
+
+
+def test_the_fixture_checks_a_teams_step_on_a_mesh(pytester):
+    pytester.makepyfile(test_mesh='''
+import mesh_team
+
+
+def test_tp_step(equivcheck):
+    equivcheck.check_step("tp_mlp", mesh_team.train_step, mesh={"tp": 2}, parallelize=mesh_team.tensor_parallel)
+
+
+def test_tp_bug(equivcheck):
+    equivcheck.check_step("tp_mlp", mesh_team.train_step_divided_by_tp, mesh={"tp": 2},
+                          parallelize=mesh_team.tensor_parallel)
+''')
+    result = pytester.runpytest("-p", "no:cacheprovider", "--equivcheck-timeout", "0.5")  # an alarm would cut a rank job
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*mesh_step:fn=mesh_team:train_step_divided_by_tp,parallelizer=mesh_team:tensor_parallel,tp=2: mismatch*"])

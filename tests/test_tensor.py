@@ -84,7 +84,8 @@ def test_clipping_by_local_shards_is_caught_and_its_replicas_drift_apart():
     _, faithful, local = report.outcomes  # full_batch against itself, then the two TP regimes
     assert faithful.verdict is Verdict.EQUIVALENT
     assert local.verdict is Verdict.EXPECTED_MISMATCH and local.comparison.margin > 100
-    assert ProblemKind.RANK_DRIFT in {kind_of(problem) for problem in local.comparison.problems}
+    (drift,) = [problem for problem in local.comparison.problems if kind_of(problem) is ProblemKind.RANK_DRIFT]
+    assert "(at '2.bias', rank 1 against rank 0)" in drift  # the replicated bias, scaled by each rank's own norm
 
 
 def test_fsdp_tp_spells_its_mesh_and_derives_its_world_size():

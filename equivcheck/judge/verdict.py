@@ -199,8 +199,9 @@ def _distributed_problems(spec: Regime, result: RunResult, comparison: Compariso
     """What numbers alone miss: replicas that drifted apart, and communication a regime should not make."""
     problems = []
     if result.rank_spread is not None and result.rank_spread > comparison.tolerance.atol:
+        where = f" (at {result.rank_drift})" if result.rank_drift else ""
         problems.append(Problem(ProblemKind.RANK_DRIFT,
-                                f"ranks disagree: their final weights differ by up to {result.rank_spread:.3g}"))
+                                f"ranks disagree: their final weights differ by up to {result.rank_spread:.3g}{where}"))
     if spec.syncs_per_step is not None and result.syncs is not None:
         wrappers = result.sync_wrappers or 1
         expected = spec.syncs_per_step * wrappers

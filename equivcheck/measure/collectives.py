@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from ..errors import InvalidArgument
 from ..process.torch_imports import fsdp2, is_fsdp_module
 
 
@@ -28,7 +29,11 @@ class CommCounter:
 
     A *sync* is one synchronised backward pass of one wrapper: DDP hands its buckets to the hook one by
     one and the last bucket closes the round, whatever the number of buckets. A model wrapped in parts
-    (trunk and head each in DDP) makes one sync per wrapper per step.
+    (trunk and head each in DDP) makes one sync per wrapper per step. A hook that all-reduces a bucket's
+    worth of gradients more than once while it runs (a team's hook all-reducing every bucket twice) makes
+    that round count as many syncs: the most whole buckets' worth of elements it all-reduced for one bucket,
+    and always at least one (a compressing hook sends a bucket's worth or less: PowerSGD's factors, a
+    float16 copy of the same elements).
     """
 
     process_group: dist.ProcessGroup | None = None
@@ -46,14 +51,20 @@ class CommCounter:
         DDP takes one comm hook per wrapper, and this counter is it: a regime that communicates through a
         hook of its own (fp16 compression, PowerSGD) hands ``hook``, which makes each wrapper's (state,
         hook) pair from its process group; every bucket is counted, then handed to that hook instead of
-        the default all-reduce."""
+        the default all-reduce. A hook the team registered on a wrapper itself (``register_comm_hook`` in
+        its wrap, before this, or in its step, after) is wrapped the same way: the team's hook runs, each
+        call of it counted as the default's would be (see :func:`_take_over_teams_hook`)."""
         counter = cls()
         for wrapper in (m for m in module.modules() if isinstance(m, DistributedDataParallel)):
             counter.process_group = wrapper.process_group
             counter.wrappers += 1
             state, inner = hook(wrapper.process_group) if hook is not None else (wrapper.process_group,
                                                                                 default_hooks.allreduce_hook)
-            wrapper.register_comm_hook(_Counted(counter, inner, state), _counting_hook)
+            teams = _take_over_teams_hook(wrapper, regimes=hook is not None)
+            counted = _Counted(counter, inner, state) if teams is None else _Counted(counter, teams[0], teams[1],
+                                                                                     teams=True)
+            wrapper.register_comm_hook(counted, _counting_hook)
+            _adopt_later_hooks(wrapper, counted)
         return counter
 
     def take(self) -> tuple[int, int]:
@@ -70,14 +81,90 @@ class _Counted:
     counter: CommCounter
     hook: CommHook
     state: Any
+    teams: bool = False  # the hook is one the team registered on the wrapper itself
+    most: int = 1  # the most whole buckets' worth one bucket of the round in progress was all-reduced
 
 
 # DDP inspects the hook's annotations at run time, so they must be real objects, not strings.
 def _counting_hook(counted: _Counted, bucket: dist.GradBucket):
     buffer = bucket.buffer()
-    counted.counter.bytes += buffer.numel() * buffer.element_size()
-    counted.counter.syncs += int(bucket.is_last())
-    return counted.hook(counted.state, bucket)
+    outer = getattr(_in_hook, "elements", None)  # a hook run from inside another's: both see its all-reduces
+    _in_hook.elements = 0
+    try:
+        future = counted.hook(counted.state, bucket)
+        times = max(1, _in_hook.elements // buffer.numel()) if buffer.numel() else 1
+    finally:
+        _in_hook.elements = outer if outer is None else outer + _in_hook.elements
+    counted.counter.bytes += buffer.numel() * buffer.element_size() * times
+    counted.most = max(counted.most, times)
+    if bucket.is_last():
+        counted.counter.syncs += counted.most
+        counted.most = 1
+    return future
+
+
+# The words torch refuses a second comm hook with, kept for a team's second registration.
+ONE_HOOK = "register_comm_hook or register_builtin_comm_hook can only be called once."
+
+
+def _take_over_teams_hook(wrapper: DistributedDataParallel, *, regimes: bool) -> tuple[CommHook, Any] | None:
+    """The (hook, state) the team registered on ``wrapper`` before the counter came, or None where it registered none.
+
+    DDP's reducer takes one comm hook for its lifetime, and torch has no call that replaces it; so where the team's
+    is in place the reducer is built again, as torch's own unpickling of a DDP model builds it (same parameters,
+    buckets and options), the old one's autograd hooks removed first, and the team's hook goes inside the counting
+    one. A built-in hook (``_register_builtin_comm_hook``, C++) has nothing to call from Python: refused, naming
+    the Python twin to register instead."""
+    teams = list(getattr(wrapper, "_comm_hooks", ()))
+    if not teams:
+        logged = wrapper._get_ddp_logging_data().get("comm_hook", "") if hasattr(wrapper, "_get_ddp_logging_data") \
+            else ""
+        if logged.startswith("BuiltinCommHookType"):
+            raise InvalidArgument(
+                f"a DDP wrapper carries the built-in comm hook {logged} (registered with "
+                "_register_builtin_comm_hook): it runs in C++, so equivcheck cannot count its all-reduces. Expected "
+                "a Python hook registered with register_comm_hook: torch's default_hooks.allreduce_hook or "
+                "default_hooks.fp16_compress_hook do what ALLREDUCE and FP16_COMPRESS do")
+        return None
+    if len(teams) > 1 or regimes:
+        raise InvalidArgument(
+            f"a DDP wrapper carries the comm hook(s) {', '.join(h.__qualname__ for h, _ in teams)} and "
+            f"{'this regime brings its own' if regimes else 'torch takes one per wrapper'}: expected one hook per "
+            "wrapper")
+    hook, state = teams[0]
+    _rebuild_reducer(wrapper)
+    return hook, state
+
+
+def _rebuild_reducer(wrapper: DistributedDataParallel) -> None:
+    """``wrapper``'s reducer made again with no comm hook: what ``DistributedDataParallel.__setstate__`` does (a
+    private path of torch's, the only one that builds a reducer), plus the mixed-precision dtype its constructor
+    sets; the old reducer's autograd hooks are removed, so it never reduces again."""
+    old = wrapper.reducer
+    old._remove_autograd_hooks()
+    parameters, expect_sparse_gradient = wrapper._build_params_for_reducer()
+    wrapper._ddp_init_helper(parameters, expect_sparse_gradient,
+                             wrapper._build_debug_param_to_name_mapping(parameters), wrapper.static_graph)
+    if wrapper.static_graph:
+        wrapper.reducer._set_static_graph()
+        wrapper.logger._set_static_graph()
+    if getattr(wrapper, "mixed_precision", None) is not None:
+        wrapper.reducer._set_mixed_precision_param_dtype(wrapper.mixed_precision.param_dtype)
+    wrapper._comm_hooks = []
+
+
+def _adopt_later_hooks(wrapper: DistributedDataParallel, counted: _Counted) -> None:
+    """A hook the team registers after the counter (in its step) goes inside the counting one, on this wrapper
+    only, as torch would take it: checked as torch checks it, and a second one refused in torch's words."""
+
+    def register_comm_hook(state: object, hook: Callable) -> None:
+        if counted.teams:
+            raise RuntimeError(ONE_HOOK)
+        wrapper._check_comm_hook(hook)
+        counted.hook, counted.state, counted.teams = hook, state, True
+
+    register_comm_hook.__doc__ = DistributedDataParallel.register_comm_hook.__doc__
+    wrapper.register_comm_hook = register_comm_hook
 
 
 @dataclasses.dataclass
@@ -168,6 +255,8 @@ def _counting_collectives() -> tuple[type, type]:
 CALLED_KINDS = {"broadcast": "broadcast", "_broadcast_coalesced": "broadcast", "all_reduce": "all_reduce",
                 "send": "send", "isend": "send", "recv": "recv", "irecv": "recv"}
 _paused = threading.local()
+# The elements all-reduced by the comm hook this thread is running (None outside one): what _counting_hook reads.
+_in_hook = threading.local()
 
 
 @contextlib.contextmanager
@@ -218,6 +307,8 @@ class CallCounter:
                     figures = self.counts.setdefault(kind, [0, 0])
                     figures[0] += 1
                     figures[1] += sent
+                if kind == "all_reduce" and getattr(_in_hook, "elements", None) is not None:
+                    _in_hook.elements += sum(t.numel() for t in tensors)
             return original(*args, **kwargs)
 
         return counted

@@ -10,8 +10,8 @@ only), ``user_code`` (a team's own step or loop). A regime of your own is one mo
 :func:`register_regime` on its class.
 """
 
-from . import (checkpoint, ddp, ddp_hooks, ddp_join, ddp_partial, fsdp, local, pipeline, pitfalls, sync_batchnorm,
-               tensor, user_code, zero)
+from . import (checkpoint, context, ddp, ddp_hooks, ddp_join, ddp_partial, fsdp, local, pipeline, pitfalls, sequence,
+               sync_batchnorm, tensor, user_code, zero)
 from .base import (DEFAULT_REGIMES, REGIMES, Chunked, CommunicationCounter, Pitfall, Regime, chunk_pairs, finish_step,
                    parse_regime, regime_source, register_regime, spec_usage)
 from .loop import accumulate, backward_chunks, global_mean_part, inputs_only, meddling_part
@@ -32,8 +32,10 @@ BUILT_IN: tuple[type[Regime], ...] = (
     ddp_partial.DdpDetachedPartialInForward, ddp_partial.DdpDetachedPartialSyncEveryChunk,
     ddp_partial.DataParallelDetachedPartial,
     fsdp.Fsdp, fsdp.FsdpNoSync, fsdp.FsdpSyncEveryMicroBatch,
+    fsdp.Hsdp, context.ContextParallel,
     tensor.TensorParallel, tensor.TensorParallelDifferentBatches, tensor.TensorParallelLossScaled,
     tensor.TensorParallelClipLocal, tensor.FsdpTensorParallel, tensor.FsdpTensorParallelWorldScaled,
+    sequence.TensorSequenceParallel, sequence.TensorSequenceParallelNormUnreduced,
     zero.Zero,
     pipeline.Pipeline, pipeline.PipelineMeanLoss, pipeline.PipelineScaledTwice,
     checkpoint.Checkpoint, checkpoint.CheckpointWithoutRngState,
@@ -42,6 +44,8 @@ BUILT_IN: tuple[type[Regime], ...] = (
     user_code.DdpLoop,
     user_code.PipelineStep,
     user_code.PipelineLoop,
+    user_code.MeshStep,
+    user_code.MeshLoop,
 )
 for _regime in BUILT_IN:
     register_regime(_regime)

@@ -83,6 +83,8 @@ class Regime:
     # may keep the very tensors each step used instead of copies (training.py checks that nothing wrote to them).
     releases_gradients: ClassVar[bool] = False
     needs_split: ClassVar[bool] = False  # trains the case's trunk and head apart: the case must give split=
+    # Needs what only some cases have (a tensor-parallel plan, a sequence to cut): drawn by the strategies only when named
+    fits_some_cases: ClassVar[bool] = False
     # The harness may tell which global batch each optimizer step belongs to: batches are taken one at a time.
     # A whole loop may take them all at once (to build a DataLoader), and then nobody can tell.
     steps_observable: ClassVar[bool] = True

@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from ..case import Objective
+from ..errors import InvalidArgument, expect_int
 from ..process.torch_imports import fsdp2, fsdp2_missing
 from .base import Pitfall
 from .ddp import Accumulating, Ddp, Distributed
@@ -71,6 +72,51 @@ class Fsdp(ShardedByFsdp, Distributed):
     summary = "FSDP2 fully_shard per block and root, W ranks each its shard; reduce-scatter averages like DDP"
     reshard_after_forward: bool = True
     train_step = Ddp.train_step  # the same step: FSDP2 averages ranks as DDP does
+
+
+@dataclasses.dataclass(frozen=True)
+class Hsdp(ShardedByFsdp, Distributed):
+    """HSDP: FSDP2 on a ``replicate x shard`` mesh (``fully_shard(..., mesh=mesh)`` with a 2-D mesh): R replicas, each
+    sharding the model over its S ranks. A block's gradient is reduce-scattered within its shard group, then its shard
+    all-reduced across the replicas; both average, so the R * S ranks are averaged as DDP averages ranks and a rank's
+    faithful loss is ``fsdp``'s: its sum times the world size (R * S) over the global batch's items. Each of the R * S
+    ranks takes its own contiguous shard of the global batch (row-major mesh: rank = replica * S + shard index).
+
+    Counted as ``fsdp`` is (``ShardedCommCounter``): one sync per block per step, the block's reduce-scatter, or where
+    its shard group holds one rank (``shard=1``: pure replication) its replicas' all-reduce, which FSDP2's all-reduce
+    hook counts. A sync's bytes are the reduce-scatter's (the padded unsharded gradient), with ``shard=1`` the
+    all-reduced gradient's; FSDP2's all-reduces across replicas are in ``collectives`` as ``all_reduce``."""
+
+    name = "hsdp"
+    summary = ("HSDP: FSDP2 on a replicate x shard mesh (R replicas of S shards), R * S ranks each its shard of the "
+               "batch; FSDP2 averages over every rank")
+    world_size: int = dataclasses.field(default=0, metadata={"derived": "replicate * shard"})
+    replicate: int = dataclasses.field(kw_only=True)
+    shard: int = dataclasses.field(kw_only=True)
+    reshard_after_forward: bool = True
+    train_step = Ddp.train_step  # each rank its shard, loss sum * world size / items: FSDP2 averages all R * S ranks
+
+    def __post_init__(self) -> None:
+        expect_int("replicate", self.replicate)
+        expect_int("shard", self.shard)
+        if self.world_size not in (0, self.replicate * self.shard):
+            raise InvalidArgument.value("world_size", self.world_size,
+                                        f"replicate * shard = {self.replicate * self.shard}, or left out")
+        object.__setattr__(self, "world_size", self.replicate * self.shard)
+        super().__post_init__()
+
+    @property
+    def sync_collective(self) -> str:
+        """What one sync does, as the communication verdict says it: with one rank per shard group FSDP2 only
+        all-reduces across the replicas."""
+        if self.shard == 1:
+            return "all-reduced"
+        return "reduce-scattered" if self.replicate == 1 else "reduce-scattered (then all-reduced over replicas)"
+
+    def wrap(self, model: nn.Module, objective: Objective) -> nn.Module:
+        mesh = init_device_mesh(next(model.parameters()).device.type, (self.replicate, self.shard),
+                                mesh_dim_names=("replicate", "shard"))
+        return shard_blocks(model, mesh, self.reshard_after_forward)
 
 
 @dataclasses.dataclass(frozen=True)

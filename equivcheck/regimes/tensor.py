@@ -33,7 +33,7 @@ from ..errors import InvalidArgument, expect_int
 from ..process.torch_imports import fsdp2_missing
 from ..process.seeding import DEFAULT_SEED, seeded
 from ..process.torch_imports import is_dtensor
-from .base import Pitfall, expect_max_norm, finish_step
+from .base import Pitfall, Regime, expect_max_norm, finish_step
 from .ddp import Distributed
 
 
@@ -107,6 +107,7 @@ class TensorParallel(Distributed):
     summary = ("tensor parallelism: the case's plan (parallelize_module) over W ranks, each seeing the whole batch; "
                "max_norm=M clips the whole gradient")
     syncs_per_step = None  # TP synchronises activations in the forward and backward, never gradients
+    fits_some_cases = True  # a tensor-parallel plan: the case's tp_plan, or one derived from its model's shape
     max_norm: float = math.inf
 
     def __post_init__(self) -> None:
@@ -118,8 +119,9 @@ class TensorParallel(Distributed):
 
     def validate(self, case: Case) -> None:
         """The plan too, read off the case's model built once (seeded, so no random state moves): a case with no
-        plan, or one that does not divide over the ranks, cannot take this regime, which a matrix skips there."""
-        super().validate(case)
+        plan, or one that does not divide over the ranks, cannot take this regime, which a matrix skips there. Every
+        rank sees the whole batch: unlike a data-parallel regime, more ranks than samples is no misfit."""
+        Regime.validate(self, case)
         try:
             with seeded(DEFAULT_SEED):
                 model = case.model()
@@ -214,13 +216,17 @@ class TensorParallelClipLocal(TensorParallel):
             grad.mul_(scale)
 
 
-def _quiet_mesh_warnings() -> None:
-    """On a rank of a 2-D mesh, two warnings about the harness's own doing, not the code checked: reading a
-    parameter back whole (``full_tensor``) gathers over both dimensions in turn (slower, and exact: a gather adds
-    nothing), and FSDP2 notes that a TP-sharded Linear returns a view (an in-place op on it would be the model's own
-    bug, which the comparison would show)."""
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
+def quiet_read_back() -> None:
+    """On a rank of a 2-D mesh, reading a parameter back whole (``full_tensor``) gathers over both dimensions in turn,
+    and torch warns that this is slower: the harness's own doing, exact (a gather adds nothing), once per tensor."""
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+
+def _quiet_mesh_warnings() -> None:
+    """On ``fsdp_tp``'s mesh, besides the read-back, FSDP2 notes that a TP-sharded Linear of the regime's own plan
+    returns a view (an in-place op on it would be the model's own bug, which the comparison would show)."""
+    quiet_read_back()
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
 
 
 def _parameters(optimizer) -> list:

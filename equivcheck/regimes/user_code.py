@@ -29,7 +29,8 @@ from ..errors import InvalidArgument, expect_callable, expect_int
 from ..process.import_paths import resolve
 from ..measure.collectives import StepTraffic, uncounted
 from .base import Regime
-from .ddp import DdpOptions, Distributed
+from .ddp import DdpOptions, Distributed, shard
+from .tensor import quiet_read_back
 from .pipeline import share_team_gradients
 from .zero import local_part
 
@@ -263,6 +264,71 @@ class PipelineLoop(PipelineStep):
     def train(self, model, optimizer, batches, objective):
         losses = resolve(self.fn)(model, optimizer, LoopBatches(batches, objective.epochs))
         return stage_losses(loop_losses(self.fn, losses, len(batches)))
+
+
+MESH_DIMENSIONS = ("dp", "tp")  # the named dimensions a team's mesh may have, in the order the mesh lays them out
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshStep(Distributed):
+    """A team's own step on a mesh of named dimensions (``dp`` x ``tp``, row-major: the ranks of one TP group are
+    consecutive): the team's ``parallelizer(model, mesh)`` applies its own plan (``parallelize_module``,
+    ``fully_shard``, its own Megatron-style layers) and returns the model, over whose parameters the case's optimizer
+    is made; each TP group is handed its data-parallel rank's shard of every global batch, the same on every rank of
+    the group. Weights and gradients are read back whole through DTensor's ``full_tensor()``; a parameter that is a
+    plain tensor is taken as replicated, and one that ends different on two ranks is a ``ranks disagree`` finding."""
+
+    name = "mesh_step"
+    summary = "a team's own step on a dp x tp mesh, its own parallelize(model, mesh) applied first; each TP group its dp shard"
+    world_size: int = dataclasses.field(default=0, metadata={"derived": "dp * tp"})
+    fn: str = dataclasses.field(kw_only=True)  # module:function of the step
+    parallelizer: str = dataclasses.field(kw_only=True)  # module:function of the team's parallelize(model, mesh)
+    dp: int = dataclasses.field(default=1, kw_only=True)
+    tp: int = dataclasses.field(default=1, kw_only=True)
+    per_run: bool = dataclasses.field(default=False, kw_only=True)  # fn is a factory of the step, called per run
+    syncs_per_step = None  # what a team's plan synchronises is its own: nothing is counted on a mesh yet
+
+    def __post_init__(self) -> None:
+        expect_int("dp", self.dp)
+        expect_int("tp", self.tp)
+        if self.world_size not in (0, self.dp * self.tp):
+            raise InvalidArgument.value("world_size", self.world_size, f"dp * tp = {self.dp * self.tp}, or left out")
+        object.__setattr__(self, "world_size", self.dp * self.tp)
+        super().__post_init__()
+        expect_import_paths(self, "fn", "parallelizer")
+
+    def count_communication(self, module):
+        return None
+
+    def wrap(self, model, objective):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        quiet_read_back()  # the team's own warnings stay: only the harness's read-back of a 2-D DTensor is quieted
+        mesh = init_device_mesh(next(model.parameters()).device.type, (self.dp, self.tp), mesh_dim_names=MESH_DIMENSIONS)
+        made = resolve(self.parallelizer)(model, mesh)
+        if not isinstance(made, nn.Module):
+            raise InvalidArgument(f"parallelize {self.parallelizer!r} returned a {type(made).__name__}: expected the "
+                                  "model (an nn.Module), its plan applied")
+        return made
+
+    def rank_shard(self, batch: Batch) -> Batch:
+        """This rank's data-parallel shard: the same for every rank of one TP group."""
+        return shard(batch, dist.get_rank() // self.tp, self.dp)
+
+    # A team's step, its shards and its loss's share as on DDP ranks; the shard is this rank's data-parallel one.
+    train = DdpStep.train
+    team_shard = DdpStep.team_shard
+    share = DdpStep.share
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshLoop(MeshStep):
+    """The team's own loop on a mesh: each global batch reaches it as its TP group's data-parallel shard."""
+
+    name = "mesh_loop"
+    summary = "a team's own training loop on a dp x tp mesh, its own parallelize(model, mesh) applied first"
+    steps_observable = False
+    train = DdpLoop.train
 
 
 def stage_losses(returned: Sequence[object]) -> list[float | None]:

@@ -16,7 +16,7 @@ from ..regimes import Regime, parse_regime
 from ..registry import all_cases, case_source, resolve_case
 from ..result import RunResult
 from .request import RunRequest
-from .train import run_request
+from .train import drift_place, run_request
 from ..process.seeding import DEFAULT_SEED
 
 DEFAULT_TIMEOUT = pool.DEFAULT_TIMEOUT
@@ -106,7 +106,8 @@ def _assembled(replies: list[dict]) -> RunResult:
     losses = tuple(None if None in shares else sum(shares) for shares in zip(*(r.losses for r in results)))
     if results[0].measured is not None:
         return dataclasses.replace(results[0], losses=losses)
-    return dataclasses.replace(results[0], losses=losses, rank_spread=_spread(results),
+    spread, drift = _spread(results)
+    return dataclasses.replace(results[0], losses=losses, rank_spread=spread, rank_drift=drift,
                                rank_grad_spread=_grad_spread(results))
 
 
@@ -120,10 +121,14 @@ def importable_source(case: Case) -> str:
     return case_source(case.name)
 
 
-def _spread(results: list[RunResult]) -> float:
-    """How far the ranks' final weights ended apart: DDP keeps replicas identical, so 0."""
+def _spread(results: list[RunResult]) -> tuple[float, str]:
+    """How far the ranks' final weights ended apart (DDP keeps replicas identical, so 0), and where: the weight and the
+    rank furthest from rank 0's."""
     first = results[0].weights
-    return max((float((r.weights[n] - first[n]).abs().max()) for r in results[1:] for n in first), default=0.0)
+    apart = [(float((r.weights[n] - first[n]).abs().max()), n, rank) for rank, r in enumerate(results[1:], 1)
+             for n in first if first[n].numel()]
+    spread, name, rank = max(apart, default=(0.0, "", 0))
+    return spread, drift_place(name, rank) if spread else ""
 
 
 def _grad_spread(results: list[RunResult]) -> tuple[tuple[float, ...], ...]:

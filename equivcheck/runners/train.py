@@ -130,6 +130,7 @@ def _train(request: RunRequest, *, against: Expected | None, keeps_gradients: bo
         state_bytes=held,
         grad_norms=tuple(recorder.grad_norms),
         rank_spread=recorder.rank_spread,
+        rank_drift=recorder.rank_drift,
         measured=recorder.measurement,
     )
 
@@ -268,6 +269,7 @@ class GradRecorder:
         self.measurement = None if against is None else Measurement(against.tolerance)
         self.grad_norms: list[float] = []
         self.rank_spread: float | None = None  # measured on the ranks by a run compared as it trains
+        self.rank_drift = ""
         self.grads: list[dict[str, Tensor]] = []
         self.syncs: list[int] = []
         self.sync_bytes: list[int] = []
@@ -328,7 +330,7 @@ class GradRecorder:
         self._measure("weight", None, weights)
         self._measure("buffer", None, {n: self._full_tensor(t.detach()) for n, t in buffers})
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            self.rank_spread = rank_spread(weights)
+            self.rank_spread, self.rank_drift = rank_spread(weights)
 
     def _after_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
         syncs, sent = self._counter.take()
@@ -347,18 +349,26 @@ class GradRecorder:
 
 
 
-def rank_spread(weights: dict[str, Tensor]) -> float:
-    """The greatest difference of any rank's final weights from rank 0's (DDP keeps replicas identical: 0), rank 0's
-    broadcast one tensor at a time; after training, so no regime's communication count sees it."""
-    local = 0.0
-    for weight in weights.values():
+def rank_spread(weights: dict[str, Tensor]) -> tuple[float, str]:
+    """The greatest difference of any rank's final weights from rank 0's (DDP keeps replicas identical: 0), and where
+    (:func:`drift_place`); rank 0's broadcast one tensor at a time, after training, so no regime's communication
+    count sees it."""
+    local, name = 0.0, ""
+    for weight_name, weight in weights.items():
         theirs = weight.clone() if dist.get_rank() == 0 else torch.empty_like(weight)
         dist.broadcast(theirs, 0)
         if weight.numel():
-            local = max(local, float((weight - theirs).abs().max()))
-    spread = torch.tensor([local], dtype=torch.float64, device=next(iter(weights.values())).device)
-    dist.all_reduce(spread, op=dist.ReduceOp.MAX)
-    return float(spread)
+            apart = float((weight - theirs).abs().max())
+            if apart > local:
+                local, name = apart, weight_name
+    every: list[tuple[float, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (local, name))
+    spread, rank = max((apart, rank) for rank, (apart, _) in enumerate(every))
+    return spread, drift_place(every[rank][1], rank) if spread else ""
+
+
+def drift_place(name: str, rank: int) -> str:
+    return f"{name!r}, rank {rank} against rank 0"
 
 
 def _wide(tensor: Tensor) -> torch.dtype:

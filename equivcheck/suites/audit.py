@@ -61,6 +61,7 @@ NOT_PROBED = (
     "tensor-parallel ranks fed different batches",
     "loss scaled by the tensor-parallel size",
     "clipping by the norm of local shards under tensor parallelism",
+    "sequence-parallel norm gradients not all-reduced over tensor parallelism",
 )
 BUG_CLASSES = PROBED + NOT_PROBED
 

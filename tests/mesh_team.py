@@ -1,0 +1,50 @@
+"""A team's own tensor-parallel code, as the ranks import it by name: its plan (TP alone, or FSDP2 over dp beside
+TP over tp), its step, and the step as a bug report would have it (the loss divided by the TP size)."""
+
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+PLAN = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+
+
+def tensor_parallel(model, mesh):
+    return parallelize_module(model, mesh["tp"], PLAN)
+
+
+def fsdp_and_tensor_parallel(model, mesh):
+    """torchtitan's order: TP inside each block first, then FSDP2 over the data-parallel dimension."""
+    model = parallelize_module(model, mesh["tp"], PLAN)
+    return fully_shard(model, mesh=mesh["dp"])
+
+
+def returns_nothing(model, mesh):
+    parallelize_module(model, mesh["tp"], PLAN)
+
+
+def train_step(model, optimizer, batch):
+    inputs, targets = batch
+    loss = F.cross_entropy(model(inputs), targets)  # this data-parallel shard's mean
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.detach()
+
+
+def train_step_divided_by_tp(model, optimizer, batch):
+    """Each TP rank counted as a data-parallel one: the loss over the TP size, every gradient too small."""
+    inputs, targets = batch
+    loss = F.cross_entropy(model(inputs), targets) / 2
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.detach() * 2
+
+
+def train_loop(model, optimizer, batches):
+    return [train_step(model, optimizer, batch) for batch in batches]
+
+
+def rank() -> int:
+    return dist.get_rank()
