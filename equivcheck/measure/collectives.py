@@ -365,3 +365,131 @@ def attach_counter(module: nn.Module, hook: HookFactory | None = None) -> StepTr
     if any(is_fsdp_module(m) for m in module.modules()):
         return StepTraffic(ShardedCommCounter.attach(module))
     return StepTraffic(CommCounter.attach(module, hook))
+
+
+# What DTensor communicates (tensor parallelism, FSDP2 on a mesh) goes through no torch.distributed function that
+# CallCounter replaces: its redistributions call functional collectives (torch.distributed._functional_collectives),
+# which are dispatcher ops, and FSDP2's plain calls reach the dispatcher too (c10d's ops). So these are counted where
+# every one of them passes, the dispatcher, by op: the functional ops by kind, and c10d's in-place ones.
+DISPATCHED_KINDS = {
+    "_c10d_functional.all_reduce": "all_reduce", "_c10d_functional.all_reduce_coalesced": "all_reduce",
+    "_c10d_functional.all_gather_into_tensor": "all_gather",
+    "_c10d_functional.all_gather_into_tensor_coalesced": "all_gather",
+    "_c10d_functional.reduce_scatter_tensor": "reduce_scatter",
+    "_c10d_functional.reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "_c10d_functional.all_to_all_single": "all_to_all", "_c10d_functional.broadcast": "broadcast",
+    "_dtensor.shard_dim_alltoall": "all_to_all",
+    "c10d.allreduce_": "all_reduce", "c10d.allreduce_coalesced_": "all_reduce",
+    "c10d._allgather_base_": "all_gather", "c10d.allgather_": "all_gather", "c10d.allgather_coalesced_": "all_gather",
+    "c10d.allgather_into_tensor_coalesced_": "all_gather",
+    "c10d._reduce_scatter_base_": "reduce_scatter", "c10d.reduce_scatter_": "reduce_scatter",
+    "c10d.reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "c10d.alltoall_": "all_to_all", "c10d.alltoall_base_": "all_to_all", "c10d.broadcast_": "broadcast",
+    "c10d.gather_": "gather", "c10d.scatter_": "scatter", "c10d.reduce_": "reduce", "c10d.send": "send",
+    "c10d.recv_": "recv", "c10d.recv_any_source_": "recv",
+}
+# c10d's in-place ops that take their outputs first: what this rank hands over is their second argument.
+_OUTPUT_FIRST = {"c10d._allgather_base_", "c10d.allgather_", "c10d.allgather_coalesced_",
+                 "c10d.allgather_into_tensor_coalesced_", "c10d._reduce_scatter_base_", "c10d.reduce_scatter_",
+                 "c10d.reduce_scatter_tensor_coalesced_", "c10d.alltoall_", "c10d.alltoall_base_", "c10d.gather_",
+                 "c10d.scatter_"}
+
+
+def mesh_dimensions(module: nn.Module, names: tuple[str, ...] = ()) -> dict[tuple[int, ...], str]:
+    """Each process group a DTensor of ``module`` lives on (its parameters' meshes), by its ranks, to the name of its
+    mesh dimension: the mesh's own (``mesh_dim_names``), else ``names`` (the regime's words for an unnamed mesh's
+    dimensions), else ``dim<i>``. By ranks, not by group name: a warm rank that built a mesh before holds groups of the
+    same ranks under other names (FSDP2 may shard over one of them), and the ranks are what a dimension is."""
+    dims: dict[tuple[int, ...], str] = {}
+    meshes = {id(p.device_mesh): p.device_mesh for p in module.parameters() if hasattr(p, "device_mesh")}
+    for mesh in meshes.values():
+        own = getattr(mesh, "mesh_dim_names", None) or names
+        for index in range(mesh.ndim):
+            ranks = tuple(dist.get_process_group_ranks(mesh.get_group(index)))
+            dims.setdefault(ranks, own[index] if index < len(own) else f"dim{index}")
+    return dims
+
+
+@dataclasses.dataclass
+class DispatchedCounter(CallCounter):
+    """Every collective that reaches the dispatcher while :meth:`counting` on this thread (DTensor's functional
+    collectives, FSDP2's and torch.distributed's c10d ops), by kind and mesh dimension: ``"all_reduce[tp]"``, with
+    the bytes of the tensors this rank hands over. A group on no dimension of ``dims`` is named by its ranks
+    (``"all_reduce[ranks 0,1]"``). The harness's own read-back (``DTensor.full_tensor`` for the report) is left out, as
+    :func:`uncounted` leaves out any other."""
+
+    dims: dict[tuple[int, ...], str] = dataclasses.field(default_factory=dict)  # a group's ranks -> mesh dimension
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        from torch.distributed.tensor import DTensor
+
+        read_back = DTensor.full_tensor
+
+        @functools.wraps(read_back)
+        def full_tensor(tensor, *args, **kwargs):
+            with uncounted():
+                return read_back(tensor, *args, **kwargs)
+
+        DTensor.full_tensor = full_tensor
+        try:
+            with _Dispatched(self):
+                yield
+        finally:
+            DTensor.full_tensor = read_back
+
+    def count(self, func, args: tuple, kwargs: dict) -> None:
+        name = func._schema.name.replace("::", ".")
+        kind = DISPATCHED_KINDS.get(name)
+        if kind is None or getattr(_paused, "depth", 0):
+            return
+        values = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
+        group = values.get("group_name", values.get("process_group"))
+        if isinstance(group, torch.ScriptObject):  # c10d's ops take the group boxed
+            group = dist.ProcessGroup.unbox(group)
+        if isinstance(group, str):
+            group = dist.distributed_c10d._resolve_process_group(group)
+        ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else None
+        where = "world" if ranks is None else self.dims.get(ranks, "ranks " + ",".join(map(str, ranks)))
+        handed = args[1] if name in _OUTPUT_FIRST else args[0]
+        tensors = [t for t in torch.utils._pytree.tree_leaves(handed) if isinstance(t, torch.Tensor)]
+        sent = sum(t.numel() * t.element_size() for t in tensors)
+        with self.lock:
+            figures = self.counts.setdefault(f"{kind}[{where}]", [0, 0])
+            figures[0] += 1
+            figures[1] += sent
+
+
+def _dispatch_mode() -> type:
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Dispatched(TorchDispatchMode):
+        """Sees every op; a DTensor's it hands back to DTensor first (NotImplemented, as torch's CommDebugMode does),
+        so that the collectives DTensor makes of it reach this mode as plain tensors' ops."""
+
+        def __init__(self, counter: DispatchedCounter) -> None:
+            super().__init__()
+            self.supports_higher_order_operators = True
+            self.counter = counter
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if isinstance(func, torch._ops.HigherOrderOperator):
+                return func(*args, **kwargs)
+            if any(t is DTensor or issubclass(t, DTensor) for t in types):
+                return NotImplemented
+            self.counter.count(func, args, kwargs)
+            return func(*args, **kwargs)
+
+    return Dispatched
+
+
+def _Dispatched(counter: DispatchedCounter):  # noqa: N802 - a mode made on first use: DTensor is imported only then
+    return _dispatch_mode()(counter)
+
+
+def attach_mesh_counter(module: nn.Module, names: tuple[str, ...] = ()) -> StepTraffic:
+    """The counter for a model on a device mesh (tensor parallelism, with FSDP2 or not): no gradient sync counted
+    (tensor parallelism synchronises activations, not gradients), every collective by kind and mesh dimension."""
+    return StepTraffic(None, DispatchedCounter(dims=mesh_dimensions(module, names)))

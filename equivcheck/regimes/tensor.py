@@ -130,7 +130,11 @@ class TensorParallel(Distributed):
         plan_for(case, model, self.tp_size)
 
     def count_communication(self, module: nn.Module):
-        return None  # DTensor's collectives are the plan's own, not a gradient synchronisation to count
+        """Every collective of a step by kind and mesh dimension (``"all_reduce[tp]"``); no gradient sync: DTensor's
+        collectives carry the plan's activations, FSDP2's (``fsdp_tp``) its dp shards."""
+        from ..measure.collectives import attach_mesh_counter
+
+        return attach_mesh_counter(module, ("tp",))
 
     def wrap(self, model: nn.Module, objective) -> nn.Module:
         from torch.distributed.tensor.parallel import parallelize_module
