@@ -296,3 +296,15 @@ def test_a_forker_whose_parent_stopped_listening_leaves_quietly():
                                                  "forker.forker(60.0).close()"], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0 and done.stderr == ""
+
+
+def test_the_context_parallel_probe_runs_no_file_of_the_working_directory(tmp_path):
+    """The cp probe is a `python -c` helper too: with the working directory first on its path, torch would import the
+    planted opt_einsum.py there."""
+    (tmp_path / "opt_einsum.py").write_text(PLANTED)
+    checker = ("import sys; del sys.path[0]\n"  # the checking process itself does not look there, as the CLI does not
+               "from equivcheck.regimes.context import probe\nprint(probe('cpu', 'float32').ran)")
+    done = subprocess.run([sys.executable, "-c", checker],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert not glob.glob(str(tmp_path / "ran-in-*")), "the probe ran the working directory's opt_einsum.py"

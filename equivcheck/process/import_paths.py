@@ -24,6 +24,9 @@ from types import FrameType, ModuleType
 from ..errors import InvalidArgument
 
 SCRIPT_SUFFIX = ".py"
+# The start of every ``python -c`` command equivcheck runs: ``-c`` puts the working directory first on the import path,
+# and a file lying there (an ``opt_einsum.py``, which torch imports where it finds one) would run in the helper.
+WITHOUT_WORKING_DIRECTORY = "import sys; del sys.path[0]; "
 FILE_MODULE_PREFIX = "equivcheck_user_cases_"  # the names files imported by path are given
 SOURCE_ATTRIBUTE = "__equivcheck_source__"  # set on modules loaded from a file path: the file they came from
 

@@ -32,6 +32,7 @@ from torch import nn
 
 from ..case import Case
 from ..errors import InvalidArgument
+from ..process.import_paths import WITHOUT_WORKING_DIRECTORY
 from ..process.seeding import DEFAULT_SEED, seeded
 from .base import finish_step
 from .ddp import Distributed
@@ -111,7 +112,8 @@ def probe(device: str, dtype: str, causal: bool = True, backends: tuple[str, ...
     env = dict(os.environ, OMP_NUM_THREADS="1")
     try:
         arguments = [device, dtype, "causal" if causal else "full", ",".join(backends)]
-        done = subprocess.run([sys.executable, "-c", _PROBE, *arguments], capture_output=True, text=True,
+        done = subprocess.run([sys.executable, "-c", WITHOUT_WORKING_DIRECTORY + _PROBE, *arguments], capture_output=True,
+                              text=True,
                               timeout=PROBE_TIMEOUT, env=env, check=False)
     except subprocess.TimeoutExpired:
         return Probed(device, dtype, causal, None, {}, f"the probe gave no answer within {PROBE_TIMEOUT:g} s")

@@ -28,6 +28,7 @@ from multiprocessing.connection import Connection
 
 from ...errors import WorkerError
 from ...process.exit import exit_words
+from ...process.import_paths import WITHOUT_WORKING_DIRECTORY
 from ...process.torch_imports import TRAINING_IMPORTS
 
 PRELOADED = ("torch", "torch.distributed", *TRAINING_IMPORTS, "equivcheck.runners.ranks.worker", "equivcheck.runners.ranks.jobs")
@@ -36,10 +37,9 @@ PRELOADED = ("torch", "torch.distributed", *TRAINING_IMPORTS, "equivcheck.runner
 FORKER_ENVIRONMENT = {"OMP_NUM_THREADS": "1"}
 STANDARD_STREAMS = (0, 1, 2)
 ORPHANED_EXIT = 1  # how a rank whose forker died leaves (process.exit.leave_with_parent); nobody is left to reap it
-# The forker's command. Not ``python -m``: that puts the working directory first on the import path, and a file lying
-# there (an ``opt_einsum.py``, which torch imports when it finds one) would run in the forker and so in every rank,
-# though the process that checks never imports it. The forker's path is its parent's (PYTHONPATH), nothing more.
-FORKER_COMMAND = "import sys; del sys.path[0]; from equivcheck.runners.ranks.forker import main; main()"
+# The forker's command. Not ``python -m``, and no working directory on its path: a file lying there would run in the
+# forker and so in every rank, though the process that checks never imports it. Its path is its parent's (PYTHONPATH).
+FORKER_COMMAND = WITHOUT_WORKING_DIRECTORY + "from equivcheck.runners.ranks.forker import main; main()"
 POLL_SECONDS = 0.05  # how often the forker reaps its ranks and looks whether its parent lives
 
 
