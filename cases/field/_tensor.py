@@ -249,17 +249,16 @@ def plain_sgd(parameters):
     return torch.optim.SGD(parameters, lr=0.1, momentum=0.9, foreach=False)
 
 
-tiny_gpt = ec.register_case(ec.Case(
-    name="field_tiny_gpt",
-    model=TinyGPT,
-    data=token_data,
-    loss=token_loss,
-    items=lambda targets: targets.numel(),
-    optimizer=plain_sgd,
-    batch_size=12,
-    steps=3,
-    description="pre-norm MLP block, final norm and output layer over (12, 8, 8) tokens, 4 classes per token",
-))
+def token_case(name: str, model, description: str) -> ec.Case:
+    """The tensor rows' case shape: 3 steps of 12 sequences of 8 tokens, a loss per token, SGD one tensor at a time.
+    The row's own module registers it (``ec.register_case``): ranks import the case from where it was registered."""
+    return ec.Case(name=name, model=model, data=token_data, loss=token_loss, items=lambda targets: targets.numel(),
+                   optimizer=plain_sgd, batch_size=12, steps=3, description=description)
+
+
+tiny_gpt = ec.register_case(token_case(
+    "field_tiny_gpt", TinyGPT,
+    "pre-norm MLP block, final norm and output layer over (12, 8, 8) tokens, 4 classes per token"))
 
 
 def token_mean(logits, targets):
@@ -348,18 +347,10 @@ class MoEModel(nn.Module):
 
 
 def moe_case(name, score_before_experts):
-    return ec.register_case(ec.Case(
-        name=name,
-        model=lambda: MoEModel(score_before_experts),
-        data=token_data,
-        loss=token_loss,
-        items=lambda targets: targets.numel(),
-        optimizer=plain_sgd,
-        batch_size=12,
-        steps=3,
-        description=f"input projection, a top-{TOP_K} MoE of {EXPERTS} SwiGLU experts (scores applied "
-                    f"{'before' if score_before_experts else 'after'} the experts), per-token head, (12, 8, 8)",
-    ))
+    return ec.register_case(token_case(
+        name, lambda: MoEModel(score_before_experts),
+        f"input projection, a top-{TOP_K} MoE of {EXPERTS} SwiGLU experts (scores applied "
+        f"{'before' if score_before_experts else 'after'} the experts), per-token head, (12, 8, 8)"))
 
 
 moe_scores_before = moe_case("field_moe_scores_before", score_before_experts=True)
@@ -484,18 +475,10 @@ class SinkAttention(nn.Module):
         return self.head(mixed)
 
 
-sink_attention = ec.register_case(ec.Case(
-    name="field_sink_attention",
-    model=SinkAttention,
-    data=token_data,
-    loss=token_loss,
-    items=lambda targets: targets.numel(),
-    optimizer=plain_sgd,
-    batch_size=12,
-    steps=3,
-    description="replicated input projection, 2-head attention with learnable sinks (qkv column-, proj row-parallel "
-                "under TP), per-token head, (12, 8, 8)",
-))
+sink_attention = ec.register_case(token_case(
+    "field_sink_attention", SinkAttention,
+    "replicated input projection, 2-head attention with learnable sinks (qkv column-, proj row-parallel "
+    "under TP), per-token head, (12, 8, 8)"))
 
 
 def sink_attention_tensor_parallel(model, mesh, sink_marked=True, down_proj_marked=False):

@@ -23,8 +23,8 @@ from torch import nn
 import equivcheck as ec
 from equivcheck.suites.field import Bug
 from equivcheck_cases.field._tensor import (
-    CLASSES, FEATURES, CopyToTensorParallelRegion, ReduceFromTensorParallelRegion, local, plain_sgd, shard_,
-    token_data, token_loss, token_mean,
+    CLASSES, FEATURES, CopyToTensorParallelRegion, ReduceFromTensorParallelRegion, local, shard_, token_case,
+    token_mean,
 )
 
 BUG = Bug("bigcode-project/Megatron-LM", "issue", 35, "tensor",
@@ -71,18 +71,10 @@ class MultiQueryBlock(nn.Module):
         return self.head(x + mixed)
 
 
-multi_query_block = ec.register_case(ec.Case(
-    name="field_multi_query_block",
-    model=MultiQueryBlock,
-    data=token_data,
-    loss=token_loss,
-    items=lambda targets: targets.numel(),
-    optimizer=plain_sgd,
-    batch_size=12,
-    steps=3,
-    description="input layernorm, multi-query attention (2 query heads, 1 shared key/value head), output projection, "
-                "residual, per-token head, (12, 8, 8)",
-))
+multi_query_block = ec.register_case(token_case(
+    "field_multi_query_block", MultiQueryBlock,
+    "input layernorm, multi-query attention (2 query heads, 1 shared key/value head), output projection, "
+    "residual, per-token head, (12, 8, 8)"))
 
 
 def tensor_parallel(model, mesh, reduce_kv_output=True):

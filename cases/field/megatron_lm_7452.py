@@ -22,8 +22,8 @@ from torch import nn
 import equivcheck as ec
 from equivcheck.suites.field import Bug
 from equivcheck_cases.field._tensor import (
-    CLASSES, FEATURES, CopyToTensorParallelRegion, ReduceFromTensorParallelRegion, local, plain_sgd, shard_,
-    token_data, token_loss, token_mean,
+    CLASSES, FEATURES, CopyToTensorParallelRegion, ReduceFromTensorParallelRegion, local, shard_, token_case,
+    token_mean,
 )
 
 BUG = Bug("NVIDIA/Megatron-LM", "issue", 7452, "tensor",
@@ -61,17 +61,9 @@ class GatedNormBlock(nn.Module):
         return self.head(x + mixed)
 
 
-gated_norm_block = ec.register_case(ec.Case(
-    name="field_gated_norm_block",
-    model=GatedNormBlock,
-    data=token_data,
-    loss=token_loss,
-    items=lambda targets: targets.numel(),
-    optimizer=plain_sgd,
-    batch_size=12,
-    steps=3,
-    description="in projection to 2 heads of (value, gate), a shared gated RMSNorm, output projection, per-token head",
-))
+gated_norm_block = ec.register_case(token_case(
+    "field_gated_norm_block", GatedNormBlock,
+    "in projection to 2 heads of (value, gate), a shared gated RMSNorm, output projection, per-token head"))
 
 
 def tensor_parallel(model, mesh, mark_out_norm=True):
