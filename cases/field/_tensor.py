@@ -531,12 +531,19 @@ def clipped_token_step(max_norm):
     return clipped_full_batch
 
 
-def megatron_clipped_step(model, optimizer, batch, max_norm):
-    """The team's step: the mean token loss, backward, Megatron's clip over the TP group, one step."""
+def token_step(model, optimizer, batch, after_backward=lambda model: None):
+    """The rows' team step: the mean token loss, backward, then what the team does to the gradients before stepping
+    (Megatron's ``finalize_model_grads``, its clip), one optimizer step."""
     inputs, targets = batch
     loss = token_mean(model(inputs), targets)
     loss.backward()
-    megatron_clip_grad_norm(model.parameters(), max_norm, model.tp_group)
+    after_backward(model)
     optimizer.step()
     optimizer.zero_grad()
     return loss.detach()
+
+
+def megatron_clipped_step(model, optimizer, batch, max_norm):
+    """The team's step: the mean token loss, backward, Megatron's clip over the TP group, one step."""
+    return token_step(model, optimizer, batch,
+                      lambda model: megatron_clip_grad_norm(model.parameters(), max_norm, model.tp_group))

@@ -24,7 +24,7 @@ import equivcheck as ec
 from equivcheck.suites.field import Bug
 from equivcheck_cases.field._tensor import (
     CLASSES, FEATURES, CopyToTensorParallelRegion, ReduceFromTensorParallelRegion, local, shard_, token_case,
-    token_mean,
+    token_step,
 )
 
 BUG = Bug("bigcode-project/Megatron-LM", "issue", 35, "tensor",
@@ -91,16 +91,15 @@ def tensor_parallel_as_reported(model, mesh):
     return tensor_parallel(model, mesh, reduce_kv_output=False)
 
 
-def train_step(model, optimizer, batch):
-    inputs, targets = batch
-    loss = token_mean(model(inputs), targets)
-    loss.backward()
-    if not model.reduce_kv_output:  # as reported: the optimizer's allreduce_key_value_grads (after #39: SP only)
+def allreduce_key_value_grads(model):
+    """As reported: the optimizer's all-reduce of the key/value layer's gradients (after #39: under SP only)."""
+    if not model.reduce_kv_output:
         for parameter in model.key_value.parameters():
             dist.all_reduce(parameter.grad, group=model.tp_group)
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss.detach()
+
+
+def train_step(model, optimizer, batch):
+    return token_step(model, optimizer, batch, allreduce_key_value_grads)
 
 
 def buggy():

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import equivcheck as ec
 from equivcheck.suites.field import Bug
-from equivcheck_cases.field._tensor import megatron_parallelize, token_mean
+from equivcheck_cases.field._tensor import megatron_parallelize, token_step
 
 BUG = Bug("EleutherAI/gpt-neox", "pull", 1259, "tensor",
           "SP LayerNorm grad hook averaged over the TP group instead of summing: norms stepped 1/TP too little")
@@ -61,12 +61,7 @@ def sequence_parallel_as_reported(model, mesh):
 
 
 def train_step(model, optimizer, batch):
-    inputs, targets = batch
-    loss = token_mean(model(inputs), targets)
-    loss.backward()  # the hooks sum the norms' chunks as each gradient arrives
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss.detach()
+    return token_step(model, optimizer, batch)  # the hooks sum the norms' chunks as each gradient arrives
 
 
 def buggy():

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import equivcheck as ec
 from equivcheck.suites.field import Bug
-from equivcheck_cases.field._tensor import megatron_parallelize, token_mean
+from equivcheck_cases.field._tensor import megatron_parallelize, token_step
 
 BUG = Bug("NVIDIA/Megatron-LM", "issue", 1446, "tensor",
           "TP + SP: final_layernorm params lacked the sequence_parallel flag, so its grads were never summed",
@@ -50,13 +50,7 @@ def finalize_model_grads(model):
 
 
 def train_step(model, optimizer, batch):
-    inputs, targets = batch
-    loss = token_mean(model(inputs), targets)
-    loss.backward()
-    finalize_model_grads(model)
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss.detach()
+    return token_step(model, optimizer, batch, finalize_model_grads)
 
 
 def buggy():

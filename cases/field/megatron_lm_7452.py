@@ -23,7 +23,7 @@ import equivcheck as ec
 from equivcheck.suites.field import Bug
 from equivcheck_cases.field._tensor import (
     CLASSES, FEATURES, CopyToTensorParallelRegion, ReduceFromTensorParallelRegion, local, shard_, token_case,
-    token_mean,
+    token_step,
 )
 
 BUG = Bug("NVIDIA/Megatron-LM", "issue", 7452, "tensor",
@@ -90,13 +90,7 @@ def finalize_model_grads(model):
 
 
 def train_step(model, optimizer, batch):
-    inputs, targets = batch
-    loss = token_mean(model(inputs), targets)
-    loss.backward()
-    finalize_model_grads(model)
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss.detach()
+    return token_step(model, optimizer, batch, finalize_model_grads)
 
 
 def buggy():
