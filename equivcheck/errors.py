@@ -146,6 +146,12 @@ def exits_as_errors() -> Iterator[None]:
         raise CodeExited(f"the code checked raised SystemExit({done.code!r}){place}") from done
 
 
+class DropoutNotPlaced(EquivcheckError, RuntimeError):
+    """A rank cannot tell which part of the global batch's dropout masks is its own (the batch not on dim 0, inputs
+    that are no slice of a global batch, an attention kernel's own ``dropout_p``): that check is an error saying why,
+    never a run with other masks."""
+
+
 class Unavailable(EquivcheckError):
     """This machine cannot run the regime (for example: no GPUs for nccl or DataParallel)."""
 

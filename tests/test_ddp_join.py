@@ -6,7 +6,7 @@ accumulation over different micro-batch counts needs no join, and inside join it
 import time
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import find, given, settings
 
 import equivcheck as ec
 from equivcheck import Verdict
@@ -115,15 +115,19 @@ def test_no_sync_inside_join_with_different_micro_batch_counts_crashes_a_rank():
 
 def test_the_hang_and_the_crash_are_never_drawn():
     names = set()
+    specs = regime_specs(12, pitfalls=True)
 
-    @settings(max_examples=150, deadline=None)
-    @given(spec=regime_specs(12, pitfalls=True))
+    @settings(max_examples=150, derandomize=True, database=None, deadline=None)
+    @given(spec=specs)
     def collect(spec):
         names.add(ec.parse_regime(spec).name)
 
     collect()
-    assert {"ddp_join", "ddp_join_rank_mean", "ddp_uneven_micro_batches"} <= names
     assert not names & {"ddp_uneven_without_join", "ddp_uneven_micro_batches_join"}
+    # Drawable, each found by a search: which ones 150 draws meet depends on how many regimes the process registered.
+    for name in ("ddp_join", "ddp_join_rank_mean", "ddp_uneven_micro_batches"):
+        assert ec.parse_regime(find(specs, lambda spec: ec.parse_regime(spec).name == name,
+                                    settings=settings(max_examples=2000, database=None))).name == name
     assert ec.REGIMES["ddp_uneven_without_join"].pitfall and not ec.REGIMES["ddp_join"].pitfall
 
 

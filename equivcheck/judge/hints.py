@@ -31,6 +31,11 @@ def diagnose(reference: RunResult, candidate: RunResult, comparison: Comparison)
                                                       comparison.tolerance.atol))
 
 
+def _over_tp(run: RunResult) -> bool:
+    """Whether the run communicated over a tensor-parallel mesh dimension (``"all_reduce[tp]"``)."""
+    return any(kind.endswith("[tp]") for step in run.collectives or () for kind in step)
+
+
 def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch, ...], atol: float) -> str:
     """The one line for a comparison that failed, or "" where no rule fits."""
     first_grads = {m.name for m in mismatches if m.kind == "grad" and m.first_step == 0}
@@ -39,10 +44,14 @@ def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch
         step, ranks, spread = unsynchronised
         some = (f" (at step 0 only {', '.join(sorted(first_grads))} differ from the reference's)"
                 if first_grads and len(first_grads) < len(reference.grads[0]) else "")
+        likely = ("a tensor-parallel group's ranks computing what they hold alike differently (other batches, other "
+                  "dropout masks), or a replicated gradient not all-reduced over tp (a sequence-parallel norm's)"
+                  if _over_tp(candidate) else
+                  "a module reached around its DDP wrapper (model.module), a backward() inside the wrapped module's "
+                  "own forward, or no_sync() still on for the last micro-batch")
         return (f"gradients were not all-reduced: at step {step} rank{'s' if len(ranks) > 1 else ''} "
                 f"{', '.join(map(str, ranks))} held gradients up to {spread:.3g} away from rank 0's when the optimizer "
-                f"stepped{some}; likely a module reached around its DDP wrapper (model.module), a backward() inside "
-                "the wrapped module's own forward, or no_sync() still on for the last micro-batch")
+                f"stepped{some}; likely {likely}")
     kinds = {m.kind for m in mismatches}
     loss_first = next((m.first_step for m in mismatches if m.kind == "loss"), None)
 

@@ -34,7 +34,7 @@ BUILT_IN: tuple[type[Regime], ...] = (
     fsdp.Fsdp, fsdp.FsdpNoSync, fsdp.FsdpSyncEveryMicroBatch,
     fsdp.Hsdp, context.ContextParallel,
     tensor.TensorParallel, tensor.TensorParallelDifferentBatches, tensor.TensorParallelLossScaled,
-    tensor.TensorParallelClipLocal, tensor.FsdpTensorParallel, tensor.FsdpTensorParallelWorldScaled,
+    tensor.TensorParallelClipLocal, tensor.TensorParallelDropoutRankSeeded, tensor.FsdpTensorParallel, tensor.FsdpTensorParallelWorldScaled,
     sequence.TensorSequenceParallel, sequence.TensorSequenceParallelNormUnreduced,
     zero.Zero,
     pipeline.Pipeline, pipeline.PipelineMeanLoss, pipeline.PipelineScaledTwice,

@@ -16,6 +16,7 @@ the optimizer, how it counts communication and reads full tensors back.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -151,6 +152,12 @@ class Regime:
     def full_tensor(self, tensor: Tensor) -> Tensor:
         """``tensor`` whole, as full-batch training holds it (a sharded wrapper gathers its shards here)."""
         return tensor
+
+    def random_streams(self, model: nn.Module, optimizer: Optimizer, inputs: Sequence[Tensor]) -> AbstractContextManager:
+        """The context training runs in, as far as the random draws of the model's forwards go: as they come in one
+        process; on ranks, dropout drawing the global batch's masks (each global batch's ``inputs``: see
+        :mod:`equivcheck.regimes.aligned_dropout`)."""
+        return contextlib.nullcontext()
 
     def train_step(self, model: nn.Module, optimizer: Optimizer, batch: Batch, objective: Objective) -> Tensor:
         raise NotImplementedError

@@ -24,6 +24,7 @@ from ..case import Batch, Case, Objective
 from ..errors import InvalidArgument, expect_int, expect_number
 from ..measure.collectives import attach_counter
 from ..process.torch_imports import is_dtensor
+from .aligned_dropout import aligned_dropout
 from .base import CommunicationCounter, Pitfall, Regime, finish_step
 from .local import FullBatch
 from .loop import backward_chunks
@@ -99,6 +100,10 @@ class Distributed(Regime):
 
     def count_communication(self, module: nn.Module) -> CommunicationCounter:
         return attach_counter(module)
+
+    def random_streams(self, model, optimizer, inputs):
+        """Every rank draws the masks one process draws for the global batch, and applies its own rows of them."""
+        return aligned_dropout(model, optimizer, inputs, str(self))
 
     def full_tensor(self, tensor: Tensor) -> Tensor:
         """A sharded tensor (FSDP2's DTensor, from a regime or a team's own wrap) gathered whole."""

@@ -14,11 +14,13 @@ rowwise). A case with neither cannot take these regimes, which a matrix then ski
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import logging
 import math
 import warnings
+from collections.abc import Iterator
 
 import torch
 
@@ -31,7 +33,7 @@ from .fsdp import shard_blocks
 from .ddp import shard
 from ..errors import InvalidArgument, expect_int
 from ..process.torch_imports import fsdp2_missing
-from ..process.seeding import DEFAULT_SEED, seeded
+from ..process.seeding import DEFAULT_SEED, seed_torch, seeded
 from ..process.torch_imports import is_dtensor
 from .base import Pitfall, Regime, expect_max_norm, finish_step
 from .ddp import Distributed
@@ -97,8 +99,9 @@ def parallel_style(style: str):
     """torch's ParallelStyle for a plan's style name."""
     from torch.distributed.tensor import parallel
 
-    return {"colwise": parallel.ColwiseParallel, "rowwise": parallel.RowwiseParallel,
-            "sequence": parallel.SequenceParallel}[style]()
+    if style == "colwise":  # its output stays a DTensor: dropout on it can be placed in the global batch's masks
+        return parallel.ColwiseParallel(use_local_output=False)
+    return {"rowwise": parallel.RowwiseParallel, "sequence": parallel.SequenceParallel}[style]()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,6 +221,27 @@ class TensorParallelClipLocal(TensorParallel):
         scale = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)
         for grad in local:  # each rank scales its own shard (and its replicas) by its own norm
             grad.mul_(scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallelDropoutRankSeeded(TensorParallel):
+    name = "tp_dropout_rank_seeded"
+    summary = ("PITFALL: every rank seeds its dropout with seed + rank, as data-parallel code does: the ranks of a TP "
+               "group draw other masks for the activations they hold alike")
+    pitfall = Pitfall("dropout seeded per rank inside a tensor-parallel group", twin="tp")
+
+    def random_streams(self, model, optimizer, inputs):
+        return _seeded_by_rank()
+
+
+@contextlib.contextmanager
+def _seeded_by_rank() -> Iterator[None]:
+    """The generator seeded with seed + rank, and each rank drawing its own masks: right across data-parallel ranks,
+    wrong inside a TP group, whose ranks must draw alike where they hold the same activation."""
+    seed_torch(torch.initial_seed() + dist.get_rank())
+    with warnings.catch_warnings():  # torch's own word on DTensor's dropout of a CPU mesh, which is the bug's draws
+        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+        yield
 
 
 def quiet_read_back() -> None:

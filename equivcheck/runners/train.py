@@ -92,9 +92,10 @@ def _train(request: RunRequest, *, against: Expected | None, keeps_gradients: bo
                           keeps=keeps_gradients) as recorder, \
                 activation_meter(model, data, enabled=request.measure_memory) as memory:
             watched = StepWatch(batches, recorder)
-            losses = tuple(None if loss is None else float(loss)
-                           for loss in regime.train(module, optimizer, watched if regime.steps_observable else batches,
-                                                    objective))
+            with regime.random_streams(model, optimizer, [batch.inputs for batch in batches]):
+                losses = tuple(None if loss is None else float(loss)
+                               for loss in regime.train(module, optimizer,
+                                                        watched if regime.steps_observable else batches, objective))
     if not recorder.intact():
         return None
     held = (held_bytes(model.parameters()), recorder.grad_bytes,
