@@ -21,6 +21,7 @@ from .judge.verdict import Report
 from .check import check
 from .errors import InvalidArgument, expect_callable
 from .regimes import Regime
+from .regimes.base import COLLECTIVE_KIND, collectives_spec
 from .process.seeding import DEFAULT_SEED
 from .regimes.ddp import DDP_OPTIONS
 from .process.import_paths import import_path
@@ -42,6 +43,7 @@ def check_step(
     syncs_per_step: int | None = None,
     mesh: dict[str, int] | None = None,
     parallelize: Callable | None = None,
+    collectives: dict[str, int] | None = None,
     **options,
 ) -> Report:
     """Check a team's ``step(model, optimizer, batch)`` against ``reference``: a regime spec, or another
@@ -78,15 +80,20 @@ def check_step(
     handed its data-parallel rank's shard of every global batch, the same on every rank of the group; weights and
     gradients are read back whole through DTensor's ``full_tensor()``, and a plain-tensor parameter is taken as
     replicated: it must end the same on every rank (else ``ranks disagree``). ``parallelize`` is found by name as
-    ``wrap`` is. ``options`` go to :func:`equivcheck.check` (rtol, atol, seed, backend, timeout).
+    ``wrap`` is. Every collective of a step is counted by kind and mesh dimension (``"all_reduce[tp]"``,
+    ``"all_gather[dp]"``); ``collectives={"all_reduce[tp]": 2}`` declares what a faithful step makes, and a step that
+    makes another count of any kind is a ``communication`` verdict. ``options`` go to :func:`equivcheck.check` (rtol,
+    atol, seed, backend, timeout).
     """
     reference = reference if isinstance(reference, (str, Regime)) else UserStep(reference)
     if not isinstance(per_run, bool):
         raise InvalidArgument.type("per_run", per_run, "bool")
     ranks_only = {"wrap": wrap, "ddp_options": ddp_options, "optimizer_wrap": optimizer_wrap, "pipeline": pipeline,
                   "syncs_per_step": syncs_per_step}
+    _expect_mesh_for_collectives(collectives, mesh, parallelize)
     if mesh is not None or parallelize is not None:
-        candidate = _on_mesh(MeshStep, "step", step, mesh, parallelize, world_size, ranks_only, per_run=per_run)
+        candidate = _on_mesh(MeshStep, "step", step, mesh, parallelize, world_size, ranks_only,
+                             collectives=_declared(collectives), per_run=per_run)
     elif _in_process(world_size, **ranks_only):
         candidate = UserStep(step, per_run)
     else:
@@ -108,6 +115,7 @@ def check_loop(
     syncs_per_step: int | None = None,
     mesh: dict[str, int] | None = None,
     parallelize: Callable | None = None,
+    collectives: dict[str, int] | None = None,
     **options,
 ) -> Report:
     """Check a team's ``loop(model, optimizer, batches)`` against ``reference`` (a spec or another loop);
@@ -119,8 +127,10 @@ def check_loop(
     reference = reference if isinstance(reference, (str, Regime)) else UserLoop(reference)
     ranks_only = {"wrap": wrap, "ddp_options": ddp_options, "optimizer_wrap": optimizer_wrap, "pipeline": pipeline,
                   "syncs_per_step": syncs_per_step}
+    _expect_mesh_for_collectives(collectives, mesh, parallelize)
     if mesh is not None or parallelize is not None:
-        candidate = _on_mesh(MeshLoop, "loop", loop, mesh, parallelize, world_size, ranks_only)
+        candidate = _on_mesh(MeshLoop, "loop", loop, mesh, parallelize, world_size, ranks_only,
+                             collectives=_declared(collectives))
     elif _in_process(world_size, **ranks_only):
         candidate = UserLoop(loop)
     else:
@@ -170,6 +180,25 @@ def _on_mesh(regime: type[MeshStep], argument: str, fn: Callable, mesh: dict[str
     if world_size is not None and world_size != made.world_size:
         raise InvalidArgument.value("world_size", world_size, f"{made.world_size} (the mesh's ranks), or left out")
     return made
+
+
+def _expect_mesh_for_collectives(collectives: object, mesh: object, parallelize: object) -> None:
+    if collectives is not None and mesh is None and parallelize is None:
+        raise InvalidArgument(f"collectives={collectives!r} is not allowed without mesh=: expected mesh= and "
+                              "parallelize= (a step's collectives are declared by mesh dimension; on DDP ranks, "
+                              "syncs_per_step= declares its gradient syncs)")
+
+
+def _declared(collectives: dict[str, int] | None) -> str:
+    """A team's declared collectives as the mesh regime's spec field; '' where none are declared."""
+    if collectives is None:
+        return ""
+    if not isinstance(collectives, dict) or not all(
+            isinstance(kind, str) and COLLECTIVE_KIND.fullmatch(kind) and isinstance(calls, int)
+            and not isinstance(calls, bool) and calls >= 0 for kind, calls in collectives.items()):
+        raise InvalidArgument.value("collectives", collectives, 'a dict of collective kinds to calls per step '
+                                    '({"all_reduce[tp]": 2, "all_gather[dp]": 4}; kinds as a check counts them)')
+    return collectives_spec(collectives)
 
 
 def _given(value: object) -> bool:

@@ -42,6 +42,15 @@ def train_step_divided_by_tp(model, optimizer, batch):
     return loss.detach() * 2
 
 
+def train_step_gathering_again(model, optimizer, batch):
+    """Debugging code left in a step: the rowwise Linear's weight gathered whole once per step (an all-gather over tp);
+    the numbers unchanged."""
+    from torch.distributed.tensor import Replicate
+
+    model[2].weight.detach().redistribute(placements=[Replicate()])
+    return train_step(model, optimizer, batch)
+
+
 def train_loop(model, optimizer, batches):
     return [train_step(model, optimizer, batch) for batch in batches]
 

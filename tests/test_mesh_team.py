@@ -34,6 +34,25 @@ def test_a_teams_loop_on_a_mesh_is_equivalent():
     assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
 
 
+def test_a_teams_collectives_are_counted_by_dimension_and_held_to_what_it_declares():
+    """The step on a 2 x 2 mesh makes what FSDP2 over dp and the plan over tp make (counted as the fsdp_tp regime's);
+    declared, it passes; the same step gathering a weight once more is a communication verdict naming the kind."""
+    declared = {"all_reduce[tp]": 1, "all_gather[dp]": 1, "reduce_scatter[dp]": 1}  # the root only: kept for the backward
+    (counted,) = ec.check_step("tp_mlp", mesh_team.train_step, mesh={"dp": 2, "tp": 2},
+                               parallelize=mesh_team.fsdp_and_tensor_parallel).outcomes
+    assert counted.verdict is Verdict.EQUIVALENT, counted.describe()
+    assert [{kind: calls for kind, (calls, _) in step.items()} for step in counted.result.collectives] == [declared] * 3
+    (held,) = ec.check_step("tp_mlp", mesh_team.train_step, mesh={"dp": 2, "tp": 2},
+                            parallelize=mesh_team.fsdp_and_tensor_parallel, collectives=declared).outcomes
+    assert held.verdict is Verdict.EQUIVALENT and held.regime.endswith(
+        ",collectives=all_gather[dp]*1+all_reduce[tp]*1+reduce_scatter[dp]*1"), held.describe()
+    (extra,) = ec.check_step("tp_mlp", mesh_team.train_step_gathering_again, mesh={"tp": 2},
+                             parallelize=mesh_team.tensor_parallel, collectives={"all_reduce[tp]": 1}).outcomes
+    assert extra.verdict is Verdict.COMMUNICATION, extra.describe()
+    assert ("communication: step 0 made all_gather[tp] 1 time (192 bytes per rank), all_reduce[tp] 1 time "
+            "(288 bytes per rank); the spec declares all_reduce[tp] 1 time") in extra.comparison.problems
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"mesh": {"tp": 2}}, r"parallelize=None is not allowed with mesh=: expected both"),
     ({"mesh": {"pp": 2}, "parallelize": mesh_team.tensor_parallel},
@@ -43,6 +62,10 @@ def test_a_teams_loop_on_a_mesh_is_equivalent():
     ({"mesh": {"tp": 2}, "parallelize": mesh_team.tensor_parallel, "world_size": 4},
      r"world_size=4 is not allowed: expected 2 \(the mesh's ranks\), or left out"),
     ({"mesh": {"tp": 0}, "parallelize": mesh_team.tensor_parallel}, r"tp=0 is not allowed"),
+    ({"world_size": 2, "collectives": {"all_reduce": 1}},
+     r"collectives=\{'all_reduce': 1\} is not allowed without mesh=: expected mesh= and parallelize="),
+    ({"mesh": {"tp": 2}, "parallelize": mesh_team.tensor_parallel, "collectives": {"all reduce": 1}},
+     r"collectives=\{'all reduce': 1\} is not allowed: expected a dict of collective kinds to calls per step"),
 ])
 def test_mesh_arguments_that_cannot_work_are_refused_naming_them(kwargs, message):
     with pytest.raises(ec.InvalidArgument, match=message):

@@ -64,3 +64,31 @@ def test_rows_show_the_counts_by_kind_and_mesh_dimension(report):
                                      "all_reduce[tp]": {"calls": 1, "bytes": 18 * F64}}
     assert row["syncs"] is None
     report.assert_equivalent()
+
+
+def test_a_spec_declares_what_a_step_communicates_and_any_other_count_is_a_communication_verdict():
+    """``collectives=`` on a TP spec: the count it declares passes; the planted extra gather, or a declaration the step
+    does not meet, is a communication verdict naming each kind, the step and the bytes."""
+    import tensor_cases
+
+    declared = "all_reduce[tp]*1"
+    report = ec.check(tensor_cases.UNDECLARED, [f"{TP},collectives={declared}", f"{PLANTED},collectives={declared}",
+                                               f"{TP},collectives=all_reduce[tp]*2",
+                                               f"{FSDP_TP},collectives=all_reduce[tp]*1+all_gather[dp]*4"
+                                               "+reduce_scatter[dp]*2", f"{TP},collectives=none"])
+    met, planted, unmet, mesh, nothing = report.outcomes
+    assert met.verdict is Verdict.EQUIVALENT and mesh.verdict is Verdict.EQUIVALENT, report.describe()
+    assert planted.verdict is Verdict.COMMUNICATION and planted.comparison.problems == (
+        "communication: step 0 made all_gather[tp] 1 time (192 bytes per rank), all_reduce[tp] 1 time (288 bytes per "
+        "rank); the spec declares all_reduce[tp] 1 time",)
+    assert unmet.verdict is Verdict.COMMUNICATION and "the spec declares all_reduce[tp] 2 times" in \
+        unmet.comparison.problems[0]
+    assert nothing.verdict is Verdict.COMMUNICATION and "the spec declares none" in nothing.comparison.problems[0]
+
+
+@pytest.mark.parametrize("spec", ["tp:world_size=2,collectives=all_reduce[tp]", "tp:world_size=2,collectives=x*y",
+                                  "tp:world_size=2,collectives=all_reduce*1+all_reduce*2"])
+def test_a_declaration_that_does_not_read_is_refused_naming_it(spec):
+    with pytest.raises(ec.InvalidArgument, match=r"collectives=.* is not allowed: expected kinds times their calls "
+                                                 r"per step, each kind once, joined by '\+'"):
+        ec.parse_regime(spec)

@@ -213,4 +213,19 @@ def _distributed_problems(spec: Regime, result: RunResult, comparison: Compariso
                     f"communication: step {step} {spec.sync_collective} gradients {syncs} time(s) "
                     f"({result.sync_bytes[step]} bytes per rank); a faithful step does it {expected} time(s){each}"))
                 break
+    declared = spec.declared_collectives()
+    if declared is not None and result.collectives is not None:
+        for step, made in enumerate(result.collectives):
+            if {kind: calls for kind, (calls, _) in made.items() if calls} != declared:
+                problems.append(Problem(
+                    ProblemKind.COMMUNICATION,
+                    f"communication: step {step} made {_collectives(made) or 'no collective'}; the spec declares "
+                    f"{_collectives({kind: (calls, None) for kind, calls in declared.items()}) or 'none'}"))
+                break
     return tuple(problems)
+
+
+def _collectives(made: dict[str, tuple[int, int | None]]) -> str:
+    """``all_reduce[tp] 2 times (576 bytes per rank), all_gather[dp] 1 time (...)``, kinds sorted."""
+    return ", ".join(f"{kind} {calls} time{'s' * (calls != 1)}" + ("" if sent is None else f" ({sent} bytes per rank)")
+                     for kind, (calls, sent) in sorted(made.items()) if calls)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import re
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import ClassVar, Protocol
@@ -94,7 +95,7 @@ class Regime:
     def __str__(self) -> str:
         """The canonical spec: parameters in declaration order, those left at their default omitted, and those derived
         from others (``fsdp_tp``'s world size, ``dp * tp``) too."""
-        params = ",".join(f"{f.name}={_spec_value(getattr(self, f.name))}" for f in dataclasses.fields(self)
+        params = ",".join(f"{f.name}={_spec_value(getattr(self, f.name))}" for f in spec_fields(self)
                           if getattr(self, f.name) != f.default and not f.metadata.get("derived"))
         return f"{self.name}:{params}" if params else self.name
 
@@ -145,6 +146,11 @@ class Regime:
         itself. A tolerance the call gives (``rtol=``, ``atol=``) overrides this."""
         return None
 
+    def declared_collectives(self) -> dict[str, int] | None:
+        """What a faithful step communicates, by kind (``"all_reduce[tp]"``) and calls, where the spec declares it
+        (``collectives=``): any other count is a ``communication`` verdict. None: not declared, not judged."""
+        return None
+
     def clips_at(self) -> float | None:
         """The gradient norm this regime clips to before each step (a clipped reference), or None."""
         return None
@@ -168,6 +174,43 @@ class Regime:
         """Train on every global batch in turn; the batch losses (None: not reported). A whole-loop
         regime (a team's own training loop) overrides this instead of ``train_step``."""
         return [self.train_step(model, optimizer, batch, objective) for batch in batches]
+
+
+COLLECTIVE_KIND = re.compile(r"[a-z_]+(\[[A-Za-z0-9_]+\])?")
+
+
+def parse_collectives(text: str) -> dict[str, int]:
+    """A spec's ``collectives=all_reduce[tp]*1+all_gather[dp]*4``: each kind a faithful step makes, times its calls
+    per step (a kind left out: none; ``none``: no collective at all). InvalidArgument naming what does not read."""
+    declared: dict[str, int] = {}
+    for part in filter(None, text.split("+") if text != "none" else ()):
+        kind, times, calls = part.partition("*")
+        if not (COLLECTIVE_KIND.fullmatch(kind) and times and calls.isdigit()) or kind in declared:
+            raise InvalidArgument.value(
+                "collectives", text, "kinds times their calls per step, each kind once, joined by '+' "
+                "('all_reduce[tp]*1+all_gather[dp]*4'; a kind as a count names it: all_reduce, all_gather[dp])")
+        declared[kind] = int(calls)
+    return {kind: calls for kind, calls in declared.items() if calls}
+
+
+def collectives_spec(declared: dict[str, int]) -> str:
+    """``{"all_reduce[tp]": 1}`` as a spec writes it (``all_reduce[tp]*1``), kinds sorted; ``none`` for no collective."""
+    return "+".join(f"{kind}*{calls}" for kind, calls in sorted(declared.items()) if calls) or "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class DeclaresCollectives:
+    """A regime whose spec may declare what a faithful step communicates (``collectives=all_reduce[tp]*1``): a step
+    that makes another count of any kind, one declared or not, is a ``communication`` verdict."""
+
+    collectives: str = dataclasses.field(default="", kw_only=True, metadata={"trailing": True})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        parse_collectives(self.collectives)
+
+    def declared_collectives(self) -> dict[str, int] | None:
+        return parse_collectives(self.collectives) if self.collectives else None
 
 
 def finish_step(optimizer: Optimizer, objective: Objective | None = None, max_norm: float = math.inf) -> None:
@@ -305,7 +348,7 @@ _PLACEHOLDERS = {"int": "N", "float": "X", "str": "NAME", "bool": "0|1"}
 def spec_usage(name: str) -> str:
     """How a spec of regime ``name`` is written: its required parameters with a placeholder for their
     type, its optional ones in brackets with their defaults (``ddp:world_size=N[,backend=auto,...]``)."""
-    fields = dataclasses.fields(REGIMES[name])
+    fields = spec_fields(REGIMES[name])
     required = [f"{f.name}={_PLACEHOLDERS[str(f.type)]}" for f in fields
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     optional = [f"{f.name}={_spec_value(f.default)}" for f in fields
@@ -314,6 +357,12 @@ def spec_usage(name: str) -> str:
     if optional:
         usage += "[" + ("," if required else ":") + ",".join(optional) + "]"
     return usage
+
+
+def spec_fields(regime: Regime | type[Regime]) -> list[dataclasses.Field]:
+    """A regime's fields in the order a spec writes them: declaration order, the trailing ones (a declaration of what
+    a step communicates) last."""
+    return sorted(dataclasses.fields(regime), key=lambda field: bool(field.metadata.get("trailing")))
 
 
 def _spec_value(value: object) -> str:

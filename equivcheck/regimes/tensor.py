@@ -35,7 +35,7 @@ from ..errors import InvalidArgument, expect_int
 from ..process.torch_imports import fsdp2_missing
 from ..process.seeding import DEFAULT_SEED, seed_torch, seeded
 from ..process.torch_imports import is_dtensor
-from .base import Pitfall, Regime, expect_max_norm, finish_step
+from .base import DeclaresCollectives, Pitfall, Regime, expect_max_norm, finish_step
 from .ddp import Distributed
 
 
@@ -105,10 +105,10 @@ def parallel_style(style: str):
 
 
 @dataclasses.dataclass(frozen=True)
-class TensorParallel(Distributed):
+class TensorParallel(DeclaresCollectives, Distributed):
     name = "tp"
     summary = ("tensor parallelism: the case's plan (parallelize_module) over W ranks, each seeing the whole batch; "
-               "max_norm=M clips the whole gradient")
+               "max_norm=M clips the whole gradient; collectives=all_reduce[tp]*1 declares a step's communication")
     syncs_per_step = None  # TP synchronises activations in the forward and backward, never gradients
     fits_some_cases = True  # a tensor-parallel plan: the case's tp_plan, or one derived from its model's shape
     max_norm: float = math.inf

@@ -27,8 +27,8 @@ from torch.utils.data import TensorDataset
 from ..case import Batch, Objective
 from ..errors import InvalidArgument, expect_callable, expect_int
 from ..process.import_paths import resolve
-from ..measure.collectives import StepTraffic, uncounted
-from .base import Regime
+from ..measure.collectives import StepTraffic, attach_mesh_counter, uncounted
+from .base import DeclaresCollectives, Regime
 from .ddp import DdpOptions, Distributed, shard
 from .tensor import quiet_read_back
 from .pipeline import share_team_gradients
@@ -270,7 +270,7 @@ MESH_DIMENSIONS = ("dp", "tp")  # the named dimensions a team's mesh may have, i
 
 
 @dataclasses.dataclass(frozen=True)
-class MeshStep(Distributed):
+class MeshStep(DeclaresCollectives, Distributed):
     """A team's own step on a mesh of named dimensions (``dp`` x ``tp``, row-major: the ranks of one TP group are
     consecutive): the team's ``parallelizer(model, mesh)`` applies its own plan (``parallelize_module``,
     ``fully_shard``, its own Megatron-style layers) and returns the model, over whose parameters the case's optimizer
@@ -286,7 +286,7 @@ class MeshStep(Distributed):
     dp: int = dataclasses.field(default=1, kw_only=True)
     tp: int = dataclasses.field(default=1, kw_only=True)
     per_run: bool = dataclasses.field(default=False, kw_only=True)  # fn is a factory of the step, called per run
-    syncs_per_step = None  # what a team's plan synchronises is its own: nothing is counted on a mesh yet
+    syncs_per_step = None  # a team's plan synchronises in its own way: its collectives are counted, by kind and dimension
 
     def __post_init__(self) -> None:
         expect_int("dp", self.dp)
@@ -298,7 +298,8 @@ class MeshStep(Distributed):
         expect_import_paths(self, "fn", "parallelizer")
 
     def count_communication(self, module):
-        return None
+        """Every collective of a step by kind and mesh dimension (``"all_reduce[tp]"``), as the TP regimes count."""
+        return attach_mesh_counter(module, MESH_DIMENSIONS)
 
     def wrap(self, model, objective):
         from torch.distributed.device_mesh import init_device_mesh
