@@ -4,8 +4,9 @@ and pitfalls with a real effect must all be caught.
     python bench/bench_false_alarms.py [--in-process N] [--ddp N] [--attention N] [--attention-ddp N] [--pitfalls N]
                                        [--seed S] [--dtype MODE]
 
-``--tensor N`` draws N MLPs made shardable over 2 ranks under ``tp`` and ``fsdp_tp`` (2 and 2 x 2 ranks), and
-``--tensor-pitfalls N`` the tensor-parallel pitfalls on such MLPs.
+``--tensor N`` draws N MLPs and attention LMs (projections of their own, heads local per rank) made shardable over 2
+ranks under ``tp`` and ``fsdp_tp`` (2 and 2 x 2 ranks), and ``--tensor-pitfalls N`` the tensor-parallel pitfalls on
+such models.
 
 Draws N in-process configurations (a case from ``equivcheck.strategies.cases()`` and a faithful
 in-process regime), N more on attention LMs (``attention_cases()``: causal masks, padding, tied heads, key
@@ -96,14 +97,18 @@ TENSOR_PITFALLS = ["tp_different_batches:world_size=2", "tp_loss_scaled:world_si
 
 @st.composite
 def tensor_configurations(draw, regimes: list[str]):
-    """A drawn MLP made shardable over 2 tensor-parallel ranks (a hidden layer at least, hidden widths doubled: even;
-    no norm between its Linears, so its plan is derived: colwise, rowwise per pair) and a regime of ``regimes``: TP on
-    2 ranks, or FSDP2 x TP on a 2 x 2 mesh."""
-    spec = draw(case_specs())
-    hidden = spec.widths[1:-1] or (2,)  # at least one hidden layer: a Linear pair to shard
-    widths = (spec.widths[0], *(2 * width for width in hidden), spec.widths[-1])
-    spec = dataclasses.replace(spec, widths=widths, norm="none", groups=(), batchnorm=False,
-                               batch_size=max(spec.batch_size, 2))  # two data-parallel groups each need a sample
+    """A drawn model made shardable over 2 tensor-parallel ranks, and a regime of ``regimes``: TP on 2 ranks, or
+    FSDP2 x TP on a 2 x 2 mesh. Half are MLPs (a hidden layer at least, hidden widths doubled: even; no norm between
+    their Linears, so the derived plan is colwise, rowwise per pair), half causal attention LMs whose attention has
+    projections of its own (an even number of heads: the plan keeps half on each rank) beside its MLP."""
+    if draw(st.booleans()):
+        spec = draw(attention_specs(heads=st.sampled_from([2, 4]), split_attention=st.just(True)))
+    else:
+        spec = draw(case_specs())
+        hidden = spec.widths[1:-1] or (2,)  # at least one hidden layer: a Linear pair to shard
+        widths = (spec.widths[0], *(2 * width for width in hidden), spec.widths[-1])
+        spec = dataclasses.replace(spec, widths=widths, norm="none", groups=(), batchnorm=False)
+    spec = dataclasses.replace(spec, batch_size=max(spec.batch_size, 2))  # two data-parallel groups: a sample each
     return spec, draw(st.sampled_from(regimes))
 
 
@@ -170,8 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention", type=int, default=2000, help="in-process configurations of attention LMs")
     parser.add_argument("--attention-ddp", type=int, default=200, help="DDP configurations of attention LMs")
     parser.add_argument("--attention-pitfalls", type=int, default=300, help="pitfall regimes on attention LMs")
-    parser.add_argument("--tensor", type=int, default=300, help="drawn MLPs under tp and fsdp_tp (2 and 2 x 2 ranks)")
-    parser.add_argument("--tensor-pitfalls", type=int, default=100, help="TP pitfalls on drawn MLPs")
+    parser.add_argument("--tensor", type=int, default=300,
+                        help="drawn MLPs and attention LMs under tp and fsdp_tp (2 and 2 x 2 ranks)")
+    parser.add_argument("--tensor-pitfalls", type=int, default=100, help="TP pitfalls on drawn MLPs and attention LMs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=sorted(PRECISIONS), help="one precision mode for every check "
                         "(default: each drawn case's dtype)")

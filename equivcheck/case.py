@@ -166,7 +166,9 @@ class Batch:
         return len(self.targets)
 
 
-TP_STYLES = ("colwise", "rowwise", "sequence")  # a tp_plan's styles: torch's ParallelStyle of each, by name
+# A tp_plan's styles: torch's ParallelStyle of each, by name; "colwise_local" is colwise with the rank's local shard
+# as its output (attention's projections: heads local per rank), "colwise" keeps a DTensor.
+TP_STYLES = ("colwise", "colwise_local", "rowwise", "sequence")
 
 
 class Objective:

@@ -158,6 +158,7 @@ class CaseSpec:
     block: int = 0  # the attention LM's sequence length (padded)
     attention_bias: bool = True  # the attention's in-projection bias, whose key part has a true gradient of zero
     tied: bool = False  # the LM's head shares the token embedding's weight
+    split_attention: bool = False  # q, k, v and output projections of their own (SplitAttention), not fused
 
     @property
     def name(self) -> str:
@@ -166,7 +167,7 @@ class CaseSpec:
         parts += [self.norm + "".join(f"g{g}" for g in self.groups)] if self.norm != "none" else []
         parts += [f"vocab{self.vocab}"] if self.vocab else []
         parts += [f"attn{self.heads}h_block{self.block}" + ("_bias" if self.attention_bias else "")
-                  + ("_tied" if self.tied else "")] if self.heads else []
+                  + ("_tied" if self.tied else "") + ("_split" if self.split_attention else "")] if self.heads else []
         return "_".join(parts + (["batchnorm"] if self.batchnorm else []))
 
     def build(self) -> Case:
@@ -239,16 +240,18 @@ class AttentionLM(nn.Module):
     attention under a causal mask (right padding: a real token never attends to a pad) and an MLP, a final
     LayerNorm and a head, tied to the token embedding or not. Split for detached_partial: (trunk, head)."""
 
-    def __init__(self, vocab: int, dim: int, heads: int, block: int, bias: bool, tied: bool) -> None:
+    def __init__(self, vocab: int, dim: int, heads: int, block: int, bias: bool, tied: bool,
+                 split_attention: bool = False) -> None:
         super().__init__()
-        self.trunk = _AttentionTrunk(vocab, dim, heads, block, bias)
+        self.trunk = _AttentionTrunk(vocab, dim, heads, block, bias, split_attention)
         self.head = nn.Linear(dim, vocab, bias=False)
         if tied:
             self.head.weight = self.trunk.tokens.weight
 
     @classmethod
     def of(cls, spec: CaseSpec) -> AttentionLM:
-        return cls(spec.widths[-1], spec.widths[0], spec.heads, spec.block, spec.attention_bias, spec.tied)
+        return cls(spec.widths[-1], spec.widths[0], spec.heads, spec.block, spec.attention_bias, spec.tied,
+                   spec.split_attention)
 
     def forward(self, tokens):
         return self.head(self.trunk(tokens))
@@ -258,11 +261,12 @@ class AttentionLM(nn.Module):
 
 
 class _AttentionTrunk(nn.Module):
-    def __init__(self, vocab: int, dim: int, heads: int, block: int, bias: bool) -> None:
+    def __init__(self, vocab: int, dim: int, heads: int, block: int, bias: bool, split: bool) -> None:
         super().__init__()
         self.tokens, self.positions = nn.Embedding(vocab, dim), nn.Embedding(block, dim)
         self.norm1, self.norm2, self.norm_final = nn.LayerNorm(dim), nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = nn.MultiheadAttention(dim, heads, bias=bias, batch_first=True)
+        self.attn = (SplitAttention(dim, heads, bias) if split else
+                     nn.MultiheadAttention(dim, heads, bias=bias, batch_first=True))
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
     def forward(self, tokens):
@@ -270,8 +274,30 @@ class _AttentionTrunk(nn.Module):
         x = self.tokens(tokens) + self.positions(torch.arange(length, device=tokens.device))
         causal = torch.ones(length, length, dtype=torch.bool, device=tokens.device).triu(1)
         h = self.norm1(x)
-        x = x + self.attn(h, h, h, attn_mask=causal, need_weights=False)[0]
+        if isinstance(self.attn, SplitAttention):
+            x = x + self.attn(h, causal)
+        else:
+            x = x + self.attn(h, h, h, attn_mask=causal, need_weights=False)[0]
         return self.norm_final(x + self.mlp(self.norm2(x)))
+
+
+class SplitAttention(nn.Module):
+    """Multi-head self-attention with projections of their own, as Llama's and torchtitan's: a tensor-parallel plan
+    shards q, k and v by heads (kept local per rank) and the output projection by its inputs, and ``n_heads`` counts
+    the heads this rank holds (the derived plan divides it by the TP size)."""
+
+    def __init__(self, dim: int, heads: int, bias: bool) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(dim, dim, bias=bias) for _ in range(4))
+        self.n_heads = heads
+
+    def forward(self, x, blocked):
+        """``blocked``: True where a position may not attend (the causal mask)."""
+        samples, length, _ = x.shape
+        q, k, v = (proj(x).view(samples, length, self.n_heads, -1).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=~blocked)
+        return self.o_proj(attended.transpose(1, 2).reshape(samples, length, -1))
 
 
 def _token_data(spec: CaseSpec):
@@ -354,6 +380,7 @@ def attention_specs(
     batch_sizes: st.SearchStrategy[int] = batch_sizes(1, 32),
     steps: st.SearchStrategy[int] = st.integers(1, 4),
     optimizers: st.SearchStrategy[str] = st.sampled_from(("sgd", "momentum", "adam", "adamw", *NO_EPS_OPTIMIZERS)),
+    split_attention: st.SearchStrategy[bool] = st.just(False),
 ) -> CaseSpec:
     """The plain values of a drawn attention LM case (see :func:`attention_cases`)."""
     dim = draw(dims)
@@ -363,7 +390,7 @@ def attention_specs(
         steps=draw(steps), loss="cross_entropy", optimizer=optimizer,
         lr=draw(st.sampled_from(LEARNING_RATES["adam" if optimizer.startswith("adam") else "sgd"])),
         heads=draw(heads.filter(lambda h: dim % h == 0)), block=draw(blocks), attention_bias=draw(st.booleans()),
-        tied=draw(st.booleans()),
+        tied=draw(st.booleans()), split_attention=draw(split_attention),
     )
 
 
@@ -372,6 +399,7 @@ def attention_cases(**options) -> st.SearchStrategy[Case]:
     ignored (the mean is over real tokens): a width, heads, a sequence length, a vocabulary, the in-projection
     bias on or off (its key part has a true gradient of zero: softmax ignores a constant added to a row), a head
     tied to the embedding or not, a dtype, a batch, steps and an optimizer (SGD, with momentum, Adam, AdamW, and
-    Adam without epsilon, where the key bias's rounding noise makes whole-size updates). Options are
-    :func:`attention_specs`'s strategies."""
+    Adam without epsilon, where the key bias's rounding noise makes whole-size updates); ``split_attention``
+    draws :class:`SplitAttention` (projections of their own, which a tensor-parallel plan shards by heads) instead of
+    ``nn.MultiheadAttention``. Options are :func:`attention_specs`'s strategies."""
     return attention_specs(**options).map(CaseSpec.build)

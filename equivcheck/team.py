@@ -73,11 +73,13 @@ def check_step(
     gathers the stages' gradients back. It takes no ``wrap``, ``ddp_options`` or ``optimizer_wrap`` (a
     pipeline takes no DDP).
 
-    With ``mesh={"dp": D, "tp": T}`` (either left out: 1) the step runs on ``D * T`` ranks laid out as a ``D x T``
-    mesh (``init_device_mesh`` with those names), after the team's ``parallelize(model, mesh)`` has applied its own
-    plan and returned the model: ``parallelize_module`` with its styles, ``fully_shard`` over ``mesh["dp"]``, its
-    own layers built on raw collectives. The case's optimizer is made over what it returns. Each TP group is
-    handed its data-parallel rank's shard of every global batch, the same on every rank of the group; weights and
+    With ``mesh={"dp": D, "tp": T}`` (either left out: 1; ``"cp": C`` adds a context-parallel dimension between
+    them) the step runs on ``D * T`` (``D * C * T``) ranks laid out as a ``D x T`` (``D x C x T``) mesh
+    (``init_device_mesh`` with those names), after the team's ``parallelize(model, mesh)`` has applied its own plan
+    and returned the model: ``parallelize_module`` with its styles, ``fully_shard`` over ``mesh["dp"]``, its own
+    layers built on raw collectives, its own context-parallel split. The case's optimizer is made over what it
+    returns. The ranks of one data-parallel group (its C x T ranks) are handed its shard of every global batch, the
+    same on each; weights and
     gradients are read back whole through DTensor's ``full_tensor()``, and a plain-tensor parameter is taken as
     replicated: it must end the same on every rank (else ``ranks disagree``). ``parallelize`` is found by name as
     ``wrap`` is. Every collective of a step is counted by kind and mesh dimension (``"all_reduce[tp]"``,
@@ -174,8 +176,7 @@ def _on_mesh(regime: type[MeshStep], argument: str, fn: Callable, mesh: dict[str
                                   "team's parallelize applies its whole plan, data parallelism included)")
     expect_callable(argument, fn)
     expect_callable("parallelize", parallelize)
-    dp, tp = (mesh.get(name, 1) for name in MESH_DIMENSIONS)
-    made = regime(fn=import_path(fn, argument), parallelizer=import_path(parallelize, "parallelize"), dp=dp, tp=tp,
+    made = regime(fn=import_path(fn, argument), parallelizer=import_path(parallelize, "parallelize"), **mesh,
                   **fields)
     if world_size is not None and world_size != made.world_size:
         raise InvalidArgument.value("world_size", world_size, f"{made.world_size} (the mesh's ranks), or left out")

@@ -57,3 +57,41 @@ def train_loop(model, optimizer, batches):
 
 def rank() -> int:
     return dist.get_rank()
+
+
+def sequence_over_cp(model, mesh):
+    """No sharded parameters: the team's step cuts the sequence over cp itself (a per-token model needs no ring), and
+    averages over dp itself."""
+    model.cp = mesh["cp"]
+    model.dp = mesh["dp"] if "dp" in mesh.mesh_dim_names else None
+    return model
+
+
+def _cp_step(model, optimizer, batch, reduce: bool):
+    """This cp rank's part of the sequence: its tokens' loss sum over the data-parallel shard's tokens, the gradients
+    summed over cp (``reduce``) and averaged over dp, the loss summed over cp for the report."""
+    inputs, targets = batch  # this data-parallel group's shard, the same on every cp rank
+    cp = model.cp
+    mine, theirs = (t.tensor_split(cp.size(), dim=1)[cp.get_local_rank()] for t in (inputs, targets))
+    loss = F.cross_entropy(model(mine).flatten(0, 1), theirs.flatten(), reduction="sum") / targets.numel()
+    loss.backward()
+    for param in model.parameters():
+        if reduce:
+            dist.all_reduce(param.grad, group=cp.get_group())
+        if model.dp is not None:
+            dist.all_reduce(param.grad, group=model.dp.get_group())
+            param.grad /= model.dp.size()
+    optimizer.step()
+    optimizer.zero_grad()
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=cp.get_group())
+    return total
+
+
+def train_step_over_cp(model, optimizer, batch):
+    return _cp_step(model, optimizer, batch, reduce=True)
+
+
+def train_step_over_cp_unreduced(model, optimizer, batch):
+    """The bug: each cp rank steps on its own tokens' gradients, never summed over the sequence's ranks."""
+    return _cp_step(model, optimizer, batch, reduce=False)

@@ -27,3 +27,13 @@ class TensorParallelExtraGather(TensorParallel):
         weight = optimizer.param_groups[0]["params"][2]  # the rowwise Linear's weight, sharded by its input features
         weight.detach().redistribute(placements=[Replicate()])
         super().clip(optimizer, objective)
+
+
+# A causal attention LM whose attention has projections of its own (q_proj, k_proj, v_proj, o_proj): the derived plan
+# shards them by heads (4 heads, 2 on each rank), beside its MLP; and one with 3 heads, which cannot be halved.
+from equivcheck.strategies import CaseSpec  # noqa: E402
+
+ATTENTION = CaseSpec(widths=(8, 11), activation="gelu", dtype="float64", batch_size=6, steps=2, loss="cross_entropy",
+                     optimizer="adamw", lr=0.01, heads=4, block=5, attention_bias=True, split_attention=True)
+SPLIT_ATTENTION = ec.register_case(ATTENTION.build())
+ODD_HEADS = ec.register_case(dataclasses.replace(ATTENTION, widths=(12, 11), heads=3).build())

@@ -56,7 +56,7 @@ def test_a_teams_collectives_are_counted_by_dimension_and_held_to_what_it_declar
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"mesh": {"tp": 2}}, r"parallelize=None is not allowed with mesh=: expected both"),
     ({"mesh": {"pp": 2}, "parallelize": mesh_team.tensor_parallel},
-     r"mesh=\{'pp': 2\} is not allowed: expected a dict of dimension sizes by name, among 'dp', 'tp'"),
+     r"mesh=\{'pp': 2\} is not allowed: expected a dict of dimension sizes by name, among 'dp', 'cp', 'tp'"),
     ({"mesh": {"tp": 2}, "parallelize": mesh_team.tensor_parallel, "pipeline": True},
      r"pipeline=True is not allowed with mesh=: expected pipeline left out"),
     ({"mesh": {"tp": 2}, "parallelize": mesh_team.tensor_parallel, "world_size": 4},
@@ -77,3 +77,16 @@ def test_a_parallelize_that_returns_no_model_is_a_usage_error_naming_it():
                                                  r"expected the model"):
         ec.check_step("tp_mlp", mesh_team.train_step, mesh={"tp": 2}, parallelize=mesh_team.returns_nothing)
 
+
+
+def test_a_context_parallel_dimension_hands_each_cp_rank_its_data_parallel_groups_shard():
+    """A team's own sequence split over a cp dimension (per-token sp_block: its tokens' loss, gradients summed over
+    cp) matches one process on cp 2 and on dp 2 x cp 2; with the sum over cp left out, the same check fails and the
+    replicas drift."""
+    for mesh in ({"cp": 2}, {"dp": 2, "cp": 2}):
+        (outcome,) = ec.check_step("sp_block", mesh_team.train_step_over_cp, mesh=mesh,
+                                   parallelize=mesh_team.sequence_over_cp).outcomes
+        assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
+    (unreduced,) = ec.check_step("sp_block", mesh_team.train_step_over_cp_unreduced, mesh={"cp": 2},
+                                 parallelize=mesh_team.sequence_over_cp).outcomes
+    assert unreduced.verdict is Verdict.MISMATCH and "ranks disagree" in unreduced.describe(), unreduced.describe()

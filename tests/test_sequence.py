@@ -94,3 +94,21 @@ def test_the_pitfall_declares_its_bug_and_its_twin():
     regime = ec.parse_regime(PITFALL)
     assert type(regime).pitfall.bug == "sequence-parallel norm gradients not all-reduced over tensor parallelism"
     assert str(type(regime).pitfall.twin_of(regime)) == "tp_sp:world_size=2"
+
+
+@pytest.mark.parametrize("mesh", ["dp=2,tp=2", "dp=1,tp=2", "dp=2,tp=1"])
+def test_sequence_parallelism_on_a_dp_x_tp_mesh_reproduces_one_process(mesh):
+    """FSDP2 over dp beside TP with SP over tp (torchtitan's 2-D layout): each TP group its dp shard, the sequence cut
+    over tp, in float64; the reduce-scatters over dp and the sequence's gathers over tp counted by dimension."""
+    (outcome,) = ec.check("sp_block", [f"fsdp_tp_sp:{mesh}"], dtype=torch.float64).outcomes
+    assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
+    kinds = set(outcome.result.collectives[0])
+    assert ("reduce_scatter[dp]" in kinds) == mesh.startswith("dp=2") and ("all_gather[tp]" in kinds) == \
+        mesh.endswith("tp=2"), kinds
+
+
+def test_a_plan_with_sequence_modules_is_skipped_where_nothing_shards_the_sequence():
+    report = ec.check_all(["sp_block", "tp_mlp"], ["tp:world_size=2", "fsdp_tp:dp=2,tp=2"])
+    for outcome in (o for o in report.outcomes if o.case == "sp_block"):
+        assert outcome.verdict is Verdict.SKIPPED and "expected tp_sp or fsdp_tp_sp for it" in outcome.reason, \
+            outcome.describe()

@@ -23,6 +23,40 @@ def test_the_common_shape_derives_colwise_then_rowwise():
     assert derived_plan(nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))) == {}
 
 
+def test_attention_projections_derive_heads_local_per_rank():
+    """Llama's, torchtitan's and BERT's names: q, k and v colwise with the rank's heads kept local, the output rowwise;
+    the model's head count is what one rank holds once the plan is applied."""
+    from equivcheck.regimes.tensor import localize_heads
+    from equivcheck.strategies import SplitAttention
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = SplitAttention(8, 4, bias=True)
+            self.wq, self.wk, self.wv, self.wo = (nn.Linear(8, 8) for _ in range(4))
+            self.n_heads = 2
+
+    plan = derived_plan(Block())
+    assert plan == {"attention.q_proj": "colwise_local", "attention.k_proj": "colwise_local",
+                    "attention.v_proj": "colwise_local", "attention.o_proj": "rowwise", "wq": "colwise_local",
+                    "wk": "colwise_local", "wv": "colwise_local", "wo": "rowwise"}
+    block = Block()
+    localize_heads(block, plan, 2)
+    assert (block.attention.n_heads, block.n_heads) == (2, 1)
+
+
+def test_attention_blocks_under_tp_and_fsdp_tp_reproduce_one_process():
+    """A causal attention LM, 4 heads (2 per rank) and its MLP sharded by the derived plan, AdamW in float64; a head
+    count that does not halve is skipped saying so."""
+    from tensor_cases import ODD_HEADS, SPLIT_ATTENTION
+
+    report = ec.check(SPLIT_ATTENTION, ["tp:world_size=2", "fsdp_tp:dp=2,tp=2"])
+    assert [o.verdict for o in report.outcomes] == [Verdict.EQUIVALENT] * 2, report.describe()
+    (odd,) = ec.check_all([ODD_HEADS, SPLIT_ATTENTION], ["tp:world_size=2"]).outcomes[:1]
+    assert odd.verdict is Verdict.SKIPPED and "an attention module has n_heads=3, which do not divide over " \
+        "world_size=2" in odd.reason, odd.describe()
+
+
 def test_a_plan_that_cannot_run_names_what_does_not_fit():
     case = ec.get_case("tp_mlp")
     model = case.model()
@@ -39,7 +73,7 @@ def test_a_plan_that_cannot_run_names_what_does_not_fit():
 @pytest.mark.parametrize("plan", [{"0": "columnwise"}, {0: "colwise"}, ["0", "colwise"]])
 def test_a_tp_plan_of_unknown_styles_is_refused_naming_them(plan):
     with pytest.raises(ec.InvalidArgument, match=r"tp_plan=.* is not allowed: expected a mapping of module names "
-                                                 r"\(or patterns\) to 'colwise', 'rowwise', 'sequence'"):
+                                                 r"\(or patterns\) to 'colwise', 'colwise_local', 'rowwise', 'sequence'"):
         dataclasses.replace(ec.get_case("mlp"), name="badly_planned", tp_plan=plan)
 
 

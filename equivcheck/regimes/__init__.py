@@ -35,7 +35,7 @@ BUILT_IN: tuple[type[Regime], ...] = (
     fsdp.Hsdp, context.ContextParallel,
     tensor.TensorParallel, tensor.TensorParallelDifferentBatches, tensor.TensorParallelLossScaled,
     tensor.TensorParallelClipLocal, tensor.TensorParallelDropoutRankSeeded, tensor.FsdpTensorParallel, tensor.FsdpTensorParallelWorldScaled,
-    sequence.TensorSequenceParallel, sequence.TensorSequenceParallelNormUnreduced,
+    sequence.TensorSequenceParallel, sequence.TensorSequenceParallelNormUnreduced, sequence.FsdpTensorSequenceParallel,
     zero.Zero,
     pipeline.Pipeline, pipeline.PipelineMeanLoss, pipeline.PipelineScaledTwice,
     checkpoint.Checkpoint, checkpoint.CheckpointWithoutRngState,

@@ -26,15 +26,14 @@ import dataclasses
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.utils import _pytree
 
-from ..case import Case
+from ..case import TP_STYLES, Case
 from ..errors import InvalidArgument
 from ..process.seeding import DEFAULT_SEED, seeded
 from ..process.torch_imports import is_dtensor
 from .base import Pitfall, finish_step
-from .tensor import TensorParallel, plan_for
+from .tensor import DpTpMesh, TensorParallel, localize_heads
 
 SEQUENCE_DIM = 1  # activations are (batch, sequence, features)
 
@@ -47,11 +46,13 @@ def sequence_plan_style(style: str):
 
     if style == "colwise":
         return ColwiseParallel(input_layouts=Shard(SEQUENCE_DIM), use_local_output=False)
+    if style == "colwise_local":  # attention's projections: the sequence gathered, the rank's heads kept local
+        return ColwiseParallel(input_layouts=Shard(SEQUENCE_DIM))
     if style == "rowwise":
         return RowwiseParallel(output_layouts=Shard(SEQUENCE_DIM), use_local_output=False)
     if style == "sequence":
         return SequenceParallel(sequence_dim=SEQUENCE_DIM)
-    raise InvalidArgument.value("style", style, "'colwise', 'rowwise' or 'sequence'")
+    raise InvalidArgument.value("style", style, ", ".join(map(repr, TP_STYLES)))
 
 
 def _whole(output):
@@ -80,6 +81,7 @@ class TensorSequenceParallel(TensorParallel):
     name = "tp_sp"
     summary = ("tensor with sequence parallelism (Megatron-style SP): the case's plan over W ranks, activations "
                "sharded on the sequence around colwise/rowwise Linears, 'sequence' modules (norms) on sequence shards")
+    shards_sequence = True
 
     def validate(self, case: Case) -> None:
         """The plan must hold a ``'sequence'`` module, and the case's inputs must be (batch, sequence, ...) with a
@@ -103,12 +105,12 @@ class TensorSequenceParallel(TensorParallel):
                 f"(samples, sequence, features), a sequence (dim {SEQUENCE_DIM}) that divides over "
                 f"{self.tp_size} ranks")
 
-    def wrap(self, model: nn.Module, objective) -> nn.Module:
+    def over_tp(self, model: nn.Module, plan: dict[str, str], mesh) -> nn.Module:
+        """``plan`` applied over ``mesh`` (one dimension: the TP group), activations sharded on the sequence."""
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import PrepareModuleInput, parallelize_module
 
-        plan = plan_for(objective.case, model, self.tp_size)
-        mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
+        localize_heads(model, plan, self.tp_size)
         plain = self.plain_norms(model, plan)
         parallelize_module(model, mesh, {name: sequence_plan_style(style) for name, style in plan.items()
                                          if name not in plain})
@@ -140,6 +142,14 @@ class TensorSequenceParallel(TensorParallel):
         here. A replicated parameter's gradient (the norm's, the head's) is a DTensor, ``Partial(sum)`` after the
         backward (measured, torch 2.13): DTensor sums it over the ranks where it is read (the step, clipping,
         ``full_tensor``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FsdpTensorSequenceParallel(DpTpMesh, TensorSequenceParallel):
+    """``tp_sp`` over ``tp`` and FSDP2 over ``dp`` on a ``dp x tp`` mesh (torchtitan's 2-D layout with SP)."""
+
+    name = "fsdp_tp_sp"
+    summary = "FSDP2 over dp and the case's TP plan with sequence parallelism over tp: a dp x tp mesh"
 
 
 def _megatron_norm(module: nn.Module, mesh) -> None:

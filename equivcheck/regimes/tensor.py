@@ -21,6 +21,7 @@ import logging
 import math
 import warnings
 from collections.abc import Iterator
+from typing import ClassVar
 
 import torch
 
@@ -39,12 +40,26 @@ from .base import DeclaresCollectives, Pitfall, Regime, expect_max_norm, finish_
 from .ddp import Distributed
 
 
+# An attention module's projections, by the names its family gives them (Llama and Hugging Face; torchtitan; BERT):
+# queries, keys and values sharded by heads (colwise, the rank's heads kept local), the output projection rowwise.
+ATTENTION_PROJECTIONS = (("q_proj", "k_proj", "v_proj", "o_proj"), ("wq", "wk", "wv", "wo"),
+                         ("query", "key", "value", "out"))
+# The attributes an attention module counts its heads by: divided by the TP size, as torchtitan's plan does.
+HEAD_COUNTS = ("n_heads", "n_head", "num_heads", "num_attention_heads", "n_kv_heads", "num_key_value_heads")
+
+
 def derived_plan(model: nn.Module) -> dict[str, str]:
     """Linear, parameter-free modules (an activation, dropout), Linear, in one ``nn.Sequential``: the first colwise,
-    the second rowwise, as Megatron shards an MLP; every such pair of every Sequential in the model. Empty where the
-    model has none."""
+    the second rowwise, as Megatron shards an MLP; every such pair of every Sequential in the model. And attention
+    projections named as :data:`ATTENTION_PROJECTIONS` names them: heads local per rank. Empty where the model has
+    none."""
     plan: dict[str, str] = {}
     for prefix, module in model.named_modules():
+        children = dict(module.named_children())
+        for names in ATTENTION_PROJECTIONS:
+            if all(isinstance(children.get(name), nn.Linear) for name in names):
+                *inputs, output = (f"{prefix}.{name}" if prefix else name for name in names)
+                plan |= dict.fromkeys(inputs, "colwise_local") | {output: "rowwise"}
         if not isinstance(module, nn.Sequential):
             continue
         children = list(module.named_children())
@@ -81,16 +96,48 @@ def plan_for(case: Case, model: nn.Module, world_size: int) -> dict[str, str]:
         for name in names:
             resolved[name] = style
             _expect_divisible(case, name, modules[name], style, world_size)
+    for owner in _head_owners(model, resolved):
+        for attribute, heads in _head_counts(owner):
+            if heads % world_size:
+                raise InvalidArgument(f"tp_plan of case {case.name!r}: an attention module has {attribute}={heads}, "
+                                      f"which do not divide over world_size={world_size}")
     return resolved
+
+
+def _head_owners(model: nn.Module, plan: dict[str, str]) -> list[nn.Module]:
+    """The modules whose heads a plan keeps local per rank: the parents of its ``colwise_local`` Linears."""
+    owners = {name.rpartition(".")[0] for name, style in plan.items() if style == "colwise_local"}
+    return [model.get_submodule(name) for name in sorted(owners)]
+
+
+def _head_counts(module: nn.Module) -> list[tuple[str, int]]:
+    return [(name, value) for name in HEAD_COUNTS
+            if isinstance(value := getattr(module, name, None), int) and not isinstance(value, bool)]
+
+
+def localize_heads(model: nn.Module, plan: dict[str, str], tp_size: int) -> None:
+    """Each attention module of the plan counts the heads its rank holds, as torchtitan's plan sets them: its
+    projections' local outputs are that many heads wide."""
+    for owner in _head_owners(model, plan):
+        for attribute, heads in _head_counts(owner):
+            setattr(owner, attribute, heads // tp_size)
+
+
+def applied_plan(model: nn.Module, mesh, plan: dict[str, str], tp_size: int) -> nn.Module:
+    """``model`` with ``plan`` applied over ``mesh`` (``parallelize_module``), its attention heads local per rank."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    localize_heads(model, plan, tp_size)
+    return parallelize_module(model, mesh, {name: parallel_style(style) for name, style in plan.items()})
 
 
 def _expect_divisible(case: Case, name: str, module: nn.Module, style: str, world_size: int) -> None:
     """A Linear sharded over W ranks needs its sharded dimension divisible by W: torch would shard it unevenly."""
     if not isinstance(module, nn.Linear) or style == "sequence":
         return
-    features = module.out_features if style == "colwise" else module.in_features
+    features = module.out_features if style.startswith("colwise") else module.in_features
     if features % world_size:
-        side = "output" if style == "colwise" else "input"
+        side = "output" if style.startswith("colwise") else "input"
         raise InvalidArgument(f"tp_plan of case {case.name!r}: {name} ({style}) has {features} {side} features, "
                               f"which do not divide over world_size={world_size}")
 
@@ -101,7 +148,8 @@ def parallel_style(style: str):
 
     if style == "colwise":  # its output stays a DTensor: dropout on it can be placed in the global batch's masks
         return parallel.ColwiseParallel(use_local_output=False)
-    return {"rowwise": parallel.RowwiseParallel, "sequence": parallel.SequenceParallel}[style]()
+    return {"colwise_local": parallel.ColwiseParallel, "rowwise": parallel.RowwiseParallel,
+            "sequence": parallel.SequenceParallel}[style]()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +159,7 @@ class TensorParallel(DeclaresCollectives, Distributed):
                "max_norm=M clips the whole gradient; collectives=all_reduce[tp]*1 declares a step's communication")
     syncs_per_step = None  # TP synchronises activations in the forward and backward, never gradients
     fits_some_cases = True  # a tensor-parallel plan: the case's tp_plan, or one derived from its model's shape
+    shards_sequence: ClassVar[bool] = False  # runs a plan's 'sequence' modules on sequence shards (tp_sp)
     max_norm: float = math.inf
 
     def __post_init__(self) -> None:
@@ -130,7 +179,11 @@ class TensorParallel(DeclaresCollectives, Distributed):
                 model = case.model()
         except Exception:  # a model that cannot be built here: training tells
             return
-        plan_for(case, model, self.tp_size)
+        plan = plan_for(case, model, self.tp_size)
+        if "sequence" in plan.values() and not self.shards_sequence:
+            raise InvalidArgument(
+                f"case {case.name!r} has sequence-parallel modules in its tensor-parallel plan, which regime "
+                f"{str(self)!r} does not shard: expected tp_sp or fsdp_tp_sp for it (or a plan without 'sequence')")
 
     def count_communication(self, module: nn.Module):
         """Every collective of a step by kind and mesh dimension (``"all_reduce[tp]"``); no gradient sync: DTensor's
@@ -140,11 +193,13 @@ class TensorParallel(DeclaresCollectives, Distributed):
         return attach_mesh_counter(module, ("tp",))
 
     def wrap(self, model: nn.Module, objective) -> nn.Module:
-        from torch.distributed.tensor.parallel import parallelize_module
-
         plan = plan_for(objective.case, model, self.tp_size)
-        mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
-        return parallelize_module(model, mesh, {name: parallel_style(style) for name, style in plan.items()})
+        return self.over_tp(model, plan, init_device_mesh(next(model.parameters()).device.type,
+                                                          (dist.get_world_size(),)))
+
+    def over_tp(self, model: nn.Module, plan: dict[str, str], mesh) -> nn.Module:
+        """``plan`` applied over ``mesh``, the TP group's (one dimension)."""
+        return applied_plan(model, mesh, plan, self.tp_size)
 
     @property
     def tp_size(self) -> int:
@@ -262,13 +317,11 @@ def _parameters(optimizer) -> list:
 
 
 @dataclasses.dataclass(frozen=True)
-class FsdpTensorParallel(TensorParallel):
-    """FSDP2 over ``dp`` and tensor parallelism over ``tp`` on a ``dp x tp`` mesh (torchtitan's 2-D layout): each TP
-    group sees its data-parallel rank's shard of the global batch, identical on every rank of the group; FSDP2 averages
-    the groups' gradients as DDP does."""
+class DpTpMesh:
+    """A regime on a ``dp x tp`` mesh (torchtitan's 2-D layout, row-major: the ranks of one TP group are consecutive),
+    D x T ranks: each TP group sees its data-parallel rank's shard of the global batch, identical on every rank of the
+    group, and FSDP2 over ``dp`` averages the groups' gradients as DDP does."""
 
-    name = "fsdp_tp"
-    summary = "FSDP2 over dp and the case's TP plan over tp: a dp x tp mesh, each TP group its dp shard of the batch"
     world_size: int = dataclasses.field(default=0, metadata={"derived": "dp * tp"})
     dp: int = dataclasses.field(kw_only=True)
     tp: int = dataclasses.field(kw_only=True)
@@ -296,13 +349,11 @@ class FsdpTensorParallel(TensorParallel):
         return fsdp2_missing() or super().unavailable()
 
     def wrap(self, model: nn.Module, objective) -> nn.Module:
-        from torch.distributed.tensor.parallel import parallelize_module
-
+        """The regime's plan over ``tp`` (``over_tp``), then FSDP2 over ``dp`` on every block and the root."""
         plan = plan_for(objective.case, model, self.tp)
         _quiet_mesh_warnings()
         mesh = init_device_mesh(next(model.parameters()).device.type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
-        model = parallelize_module(model, mesh["tp"], {name: parallel_style(style) for name, style in plan.items()})
-        return shard_blocks(model, mesh["dp"], reshard_after_forward=True)
+        return shard_blocks(self.over_tp(model, plan, mesh["tp"]), mesh["dp"], reshard_after_forward=True)
 
     def rank_batch(self, batch):
         """This rank's data-parallel shard: the mesh is row-major, so the ranks of one TP group are consecutive."""
@@ -312,6 +363,14 @@ class FsdpTensorParallel(TensorParallel):
     def loss_scale(self) -> float:
         """FSDP2 averages the dp groups' gradients, as DDP averages ranks: each shard's loss sum times dp."""
         return self.dp
+
+
+@dataclasses.dataclass(frozen=True)
+class FsdpTensorParallel(DpTpMesh, TensorParallel):
+    """FSDP2 over ``dp`` and tensor parallelism over ``tp`` on a ``dp x tp`` mesh."""
+
+    name = "fsdp_tp"
+    summary = "FSDP2 over dp and the case's TP plan over tp: a dp x tp mesh, each TP group its dp shard of the batch"
 
 
 @dataclasses.dataclass(frozen=True)

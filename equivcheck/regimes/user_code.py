@@ -16,6 +16,7 @@ step and the wrappers travel as import paths of module-level functions (``module
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -266,36 +267,46 @@ class PipelineLoop(PipelineStep):
         return stage_losses(loop_losses(self.fn, losses, len(batches)))
 
 
-MESH_DIMENSIONS = ("dp", "tp")  # the named dimensions a team's mesh may have, in the order the mesh lays them out
+# The named dimensions a team's mesh may have, in the order the mesh lays them out (torchtitan's): data parallel,
+# context parallel, tensor parallel. A mesh has cp only where it is asked for (cp above 1).
+MESH_DIMENSIONS = ("dp", "cp", "tp")
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshStep(DeclaresCollectives, Distributed):
-    """A team's own step on a mesh of named dimensions (``dp`` x ``tp``, row-major: the ranks of one TP group are
-    consecutive): the team's ``parallelizer(model, mesh)`` applies its own plan (``parallelize_module``,
-    ``fully_shard``, its own Megatron-style layers) and returns the model, over whose parameters the case's optimizer
-    is made; each TP group is handed its data-parallel rank's shard of every global batch, the same on every rank of
-    the group. Weights and gradients are read back whole through DTensor's ``full_tensor()``; a parameter that is a
+    """A team's own step on a mesh of named dimensions (``dp`` x ``tp``, or ``dp`` x ``cp`` x ``tp``; row-major: the
+    ranks of one TP group are consecutive): the team's ``parallelizer(model, mesh)`` applies its own plan
+    (``parallelize_module``, ``fully_shard``, its own Megatron-style layers, a context-parallel split) and returns the
+    model, over whose parameters the case's optimizer is made; every rank of one data-parallel group (its cp x tp
+    ranks) is handed that group's shard of every global batch, the same on each. Weights and gradients are read back whole through DTensor's ``full_tensor()``; a parameter that is a
     plain tensor is taken as replicated, and one that ends different on two ranks is a ``ranks disagree`` finding."""
 
     name = "mesh_step"
-    summary = "a team's own step on a dp x tp mesh, its own parallelize(model, mesh) applied first; each TP group its dp shard"
-    world_size: int = dataclasses.field(default=0, metadata={"derived": "dp * tp"})
+    summary = ("a team's own step on a dp x [cp x] tp mesh, its own parallelize(model, mesh) applied first; each "
+               "data-parallel group its shard")
+    world_size: int = dataclasses.field(default=0, metadata={"derived": "dp * cp * tp"})
     fn: str = dataclasses.field(kw_only=True)  # module:function of the step
     parallelizer: str = dataclasses.field(kw_only=True)  # module:function of the team's parallelize(model, mesh)
     dp: int = dataclasses.field(default=1, kw_only=True)
     tp: int = dataclasses.field(default=1, kw_only=True)
+    cp: int = dataclasses.field(default=1, kw_only=True)
     per_run: bool = dataclasses.field(default=False, kw_only=True)  # fn is a factory of the step, called per run
     syncs_per_step = None  # a team's plan synchronises in its own way: its collectives are counted, by kind and dimension
 
     def __post_init__(self) -> None:
-        expect_int("dp", self.dp)
-        expect_int("tp", self.tp)
-        if self.world_size not in (0, self.dp * self.tp):
-            raise InvalidArgument.value("world_size", self.world_size, f"dp * tp = {self.dp * self.tp}, or left out")
-        object.__setattr__(self, "world_size", self.dp * self.tp)
+        for name in MESH_DIMENSIONS:
+            expect_int(name, getattr(self, name))
+        ranks = math.prod(self.sizes.values())
+        if self.world_size not in (0, ranks):
+            raise InvalidArgument.value("world_size", self.world_size, f"{' * '.join(self.sizes)} = {ranks}, or left out")
+        object.__setattr__(self, "world_size", ranks)
         super().__post_init__()
         expect_import_paths(self, "fn", "parallelizer")
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """The mesh's dimensions by name, in its layout: dp and tp, and cp between them where it is above 1."""
+        return {name: getattr(self, name) for name in MESH_DIMENSIONS if name != "cp" or self.cp > 1}
 
     def count_communication(self, module):
         """Every collective of a step by kind and mesh dimension (``"all_reduce[tp]"``), as the TP regimes count."""
@@ -305,7 +316,8 @@ class MeshStep(DeclaresCollectives, Distributed):
         from torch.distributed.device_mesh import init_device_mesh
 
         quiet_read_back()  # the team's own warnings stay: only the harness's read-back of a 2-D DTensor is quieted
-        mesh = init_device_mesh(next(model.parameters()).device.type, (self.dp, self.tp), mesh_dim_names=MESH_DIMENSIONS)
+        mesh = init_device_mesh(next(model.parameters()).device.type, tuple(self.sizes.values()),
+                                mesh_dim_names=tuple(self.sizes))
         made = resolve(self.parallelizer)(model, mesh)
         if not isinstance(made, nn.Module):
             raise InvalidArgument(f"parallelize {self.parallelizer!r} returned a {type(made).__name__}: expected the "
@@ -314,7 +326,7 @@ class MeshStep(DeclaresCollectives, Distributed):
 
     def rank_shard(self, batch: Batch) -> Batch:
         """This rank's data-parallel shard: the same for every rank of one TP group."""
-        return shard(batch, dist.get_rank() // self.tp, self.dp)
+        return shard(batch, dist.get_rank() // (self.cp * self.tp), self.dp)
 
     # A team's step, its shards and its loss's share as on DDP ranks; the shard is this rank's data-parallel one.
     train = DdpStep.train
