@@ -33,6 +33,8 @@ demo: install
 	@$(BIN)/equivcheck field --json $(DEMO)/field.json > $(DEMO)/field.txt 2> $(DEMO)/field.log || (cat $(DEMO)/field.txt $(DEMO)/field.log; exit 1)
 	@tail -n 1 $(DEMO)/field.txt; echo "the field's table: $(DEMO)/field.txt"
 	@$(BIN)/equivcheck run --html $(DEMO)/report.html --markdown $(DEMO)/summary.md
+	@echo; echo "tensor parallelism on meshes, and dropout on ranks, regime by regime:"
+	@$(BIN)/equivcheck run --matrix --case tp_mlp --case checkpointed_dropout | awk '/^cell:/ {done = 1} !done'
 
 test-dev: install
 	$(BIN)/python -m pytest -q -n $(WORKERS)
