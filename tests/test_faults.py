@@ -123,6 +123,7 @@ def test_a_reply_to_another_job_is_a_protocol_error_never_a_result():
 
 def test_an_interrupt_while_the_forker_starts_leaves_no_rank_and_no_folder(alarm):
     me = os.getpid()
+    pools.shutdown_pools()  # a warm pool of 3 ranks, from a test before, would be handed back without starting
     forkers.shutdown_forker()
     alarm(0.5, KeyboardInterrupt)  # the new forker is still importing torch: no rank was asked for
     with pytest.raises(KeyboardInterrupt):
@@ -146,6 +147,7 @@ def test_an_interrupt_between_a_fork_and_its_pid_reaching_the_pool_leaves_no_ran
             raise KeyboardInterrupt
         return rank
 
+    pools.shutdown_pools()  # a warm pool of 3 ranks, from a test before, would be handed back without a fork
     monkeypatch.setattr(forkers.Forker, "spawn", interrupted_after_the_second_fork)
     with pytest.raises(KeyboardInterrupt):
         pools.pool_for("gloo", 3)
