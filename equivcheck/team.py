@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from torch import nn
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from .suites.audit import warn_blind_spots
@@ -44,6 +44,7 @@ def check_step(
     mesh: dict[str, int] | None = None,
     parallelize: Callable | None = None,
     collectives: dict[str, int] | None = None,
+    gather: Callable[[str, Tensor], Tensor] | None = None,
     **options,
 ) -> Report:
     """Check a team's ``step(model, optimizer, batch)`` against ``reference``: a regime spec, or another
@@ -84,7 +85,9 @@ def check_step(
     replicated: it must end the same on every rank (else ``ranks disagree``). ``parallelize`` is found by name as
     ``wrap`` is. Every collective of a step is counted by kind and mesh dimension (``"all_reduce[tp]"``,
     ``"all_gather[dp]"``); ``collectives={"all_reduce[tp]": 2}`` declares what a faithful step makes, and a step that
-    makes another count of any kind is a ``communication`` verdict. ``options`` go to :func:`equivcheck.check` (rtol,
+    makes another count of any kind is a ``communication`` verdict. A team whose own layers keep plain local shards
+    hands over ``gather(name, local)``: the whole tensor of parameter ``name`` (its weight, or its gradient) from this
+    rank's shard, by its own collectives (uncounted: the harness's read-back), found by name as ``parallelize`` is. ``options`` go to :func:`equivcheck.check` (rtol,
     atol, seed, backend, timeout).
     """
     reference = reference if isinstance(reference, (str, Regime)) else UserStep(reference)
@@ -92,10 +95,10 @@ def check_step(
         raise InvalidArgument.type("per_run", per_run, "bool")
     ranks_only = {"wrap": wrap, "ddp_options": ddp_options, "optimizer_wrap": optimizer_wrap, "pipeline": pipeline,
                   "syncs_per_step": syncs_per_step}
-    _expect_mesh_for_collectives(collectives, mesh, parallelize)
+    _expect_mesh_for(mesh, parallelize, collectives=collectives, gather=gather)
     if mesh is not None or parallelize is not None:
         candidate = _on_mesh(MeshStep, "step", step, mesh, parallelize, world_size, ranks_only,
-                             collectives=_declared(collectives), per_run=per_run)
+                             collectives=_declared(collectives), gatherer=_gatherer(gather), per_run=per_run)
     elif _in_process(world_size, **ranks_only):
         candidate = UserStep(step, per_run)
     else:
@@ -118,6 +121,7 @@ def check_loop(
     mesh: dict[str, int] | None = None,
     parallelize: Callable | None = None,
     collectives: dict[str, int] | None = None,
+    gather: Callable[[str, Tensor], Tensor] | None = None,
     **options,
 ) -> Report:
     """Check a team's ``loop(model, optimizer, batches)`` against ``reference`` (a spec or another loop);
@@ -129,10 +133,10 @@ def check_loop(
     reference = reference if isinstance(reference, (str, Regime)) else UserLoop(reference)
     ranks_only = {"wrap": wrap, "ddp_options": ddp_options, "optimizer_wrap": optimizer_wrap, "pipeline": pipeline,
                   "syncs_per_step": syncs_per_step}
-    _expect_mesh_for_collectives(collectives, mesh, parallelize)
+    _expect_mesh_for(mesh, parallelize, collectives=collectives, gather=gather)
     if mesh is not None or parallelize is not None:
         candidate = _on_mesh(MeshLoop, "loop", loop, mesh, parallelize, world_size, ranks_only,
-                             collectives=_declared(collectives))
+                             collectives=_declared(collectives), gatherer=_gatherer(gather))
     elif _in_process(world_size, **ranks_only):
         candidate = UserLoop(loop)
     else:
@@ -183,11 +187,25 @@ def _on_mesh(regime: type[MeshStep], argument: str, fn: Callable, mesh: dict[str
     return made
 
 
-def _expect_mesh_for_collectives(collectives: object, mesh: object, parallelize: object) -> None:
-    if collectives is not None and mesh is None and parallelize is None:
-        raise InvalidArgument(f"collectives={collectives!r} is not allowed without mesh=: expected mesh= and "
-                              "parallelize= (a step's collectives are declared by mesh dimension; on DDP ranks, "
-                              "syncs_per_step= declares its gradient syncs)")
+# Why each argument that only a mesh takes is refused without one.
+_MESH_ONLY = {"collectives": "a step's collectives are declared by mesh dimension; on DDP ranks, syncs_per_step= "
+                             "declares its gradient syncs",
+              "gather": "a team's local shards are gathered over its mesh; on DDP ranks every rank holds the model"}
+
+
+def _expect_mesh_for(mesh: object, parallelize: object, **mesh_only: object) -> None:
+    for name, value in mesh_only.items():
+        if value is not None and mesh is None and parallelize is None:
+            raise InvalidArgument(f"{name}={value!r} is not allowed without mesh=: expected mesh= and parallelize= "
+                                  f"({_MESH_ONLY[name]})")
+
+
+def _gatherer(gather: Callable | None) -> str:
+    """The team's gather as the mesh regime's spec field (its import path); '' where none is handed over."""
+    if gather is None:
+        return ""
+    expect_callable("gather", gather)
+    return import_path(gather, "gather")
 
 
 def _declared(collectives: dict[str, int] | None) -> str:

@@ -95,3 +95,58 @@ def train_step_over_cp(model, optimizer, batch):
 def train_step_over_cp_unreduced(model, optimizer, batch):
     """The bug: each cp rank steps on its own tokens' gradients, never summed over the sequence's ranks."""
     return _cp_step(model, optimizer, batch, reduce=False)
+
+
+# A team's own Megatron-style layers on raw collectives: tp_mlp's Linears as plain local shards (the first by its
+# output features, the second by its input features), the forward's all-reduce and the backward's by hand, and the
+# team's gather that reads a shard back whole for the check.
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+TEAM = {}  # what the team's parallelize leaves for its gather: its TP group
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """Megatron's reduce_from_tensor_model_parallel_region: all-reduce in the forward, identity in the backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class MegatronMLP(nn.Sequential):
+    """Linear (this rank's output features), GELU, Linear (this rank's input features, its partial outputs
+    all-reduced, the bias added once): the names are tp_mlp's, the weights plain tensors."""
+
+    def forward(self, x):
+        up, act, down = self
+        return _ReduceFromRegion.apply(F.linear(act(up(x)), down.weight), TEAM["group"]) + down.bias
+
+
+SHARDED_DIMS = {"0.weight": 0, "0.bias": 0, "2.weight": 1}  # 2.bias is whole on every rank
+
+
+def megatron_shards(model, mesh):
+    tp = mesh["tp"]
+    TEAM["group"] = tp.get_group()
+    for name, dim in SHARDED_DIMS.items():
+        module, _, key = name.partition(".")
+        whole = getattr(model[int(module)], key).detach()
+        setattr(model[int(module)], key, nn.Parameter(whole.chunk(tp.size(), dim)[tp.get_local_rank()].clone()))
+    return MegatronMLP(*model)
+
+
+def gather_shards(name, local):
+    """The whole of ``name`` from this rank's shard: the shards all-gathered over the TP group, in rank order."""
+    dim = SHARDED_DIMS.get(name)
+    if dim is None:
+        return local
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(TEAM["group"]))]
+    dist.all_gather(parts, local.contiguous(), group=TEAM["group"])
+    return torch.cat(parts, dim)

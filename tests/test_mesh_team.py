@@ -90,3 +90,22 @@ def test_a_context_parallel_dimension_hands_each_cp_rank_its_data_parallel_group
     (unreduced,) = ec.check_step("sp_block", mesh_team.train_step_over_cp_unreduced, mesh={"cp": 2},
                                  parallelize=mesh_team.sequence_over_cp).outcomes
     assert unreduced.verdict is Verdict.MISMATCH and "ranks disagree" in unreduced.describe(), unreduced.describe()
+
+
+def test_a_teams_own_layers_on_plain_local_shards_are_read_back_through_its_gather():
+    """Megatron-style layers with plain local shards and collectives by hand: with the team's gather the check reads
+    the whole weights and gradients and passes, its one all-reduce over tp counted and held to the declaration; the
+    same layers with the loss divided by the TP size fail; without the gather the shards cannot be compared."""
+    kwargs = {"mesh": {"tp": 2}, "parallelize": mesh_team.megatron_shards}
+    (gathered,) = ec.check_step("tp_mlp", mesh_team.train_step, **kwargs, gather=mesh_team.gather_shards,
+                                collectives={"all_reduce[tp]": 1}).outcomes
+    assert gathered.verdict is Verdict.EQUIVALENT, gathered.describe()
+    (buggy,) = ec.check_step("tp_mlp", mesh_team.train_step_divided_by_tp, **kwargs,
+                             gather=mesh_team.gather_shards).outcomes
+    assert buggy.verdict is Verdict.MISMATCH and buggy.comparison.margin > 1e3, buggy.describe()
+    (ungathered,) = ec.check_step("tp_mlp", mesh_team.train_step, **kwargs).outcomes
+    assert ungathered.verdict is Verdict.MISMATCH and "weight of '0.weight': candidate has (8, 6), reference (16, 6)" \
+        in ungathered.comparison.problems, ungathered.describe()
+    with pytest.raises(ec.InvalidArgument, match=r"gather=<function gather_shards .*> is not allowed without mesh=: "
+                                                 r"expected mesh= and parallelize="):
+        ec.check_step("tp_mlp", mesh_team.train_step, world_size=2, gather=mesh_team.gather_shards)

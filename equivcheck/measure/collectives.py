@@ -4,6 +4,7 @@ skip collectives, so prove that they do; and say what ZeRO, join and pipeline sc
 import contextlib
 import dataclasses
 import functools
+import math
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -489,7 +490,19 @@ def _Dispatched(counter: DispatchedCounter):  # noqa: N802 - a mode made on firs
     return _dispatch_mode()(counter)
 
 
-def attach_mesh_counter(module: nn.Module, names: tuple[str, ...] = ()) -> StepTraffic:
+def attach_mesh_counter(module: nn.Module, names: tuple[str, ...] = (), layout: dict[str, int] | None = None
+                        ) -> StepTraffic:
     """The counter for a model on a device mesh (tensor parallelism, with FSDP2 or not): no gradient sync counted
-    (tensor parallelism synchronises activations, not gradients), every collective by kind and mesh dimension."""
-    return StepTraffic(None, DispatchedCounter(dims=mesh_dimensions(module, names)))
+    (tensor parallelism synchronises activations, not gradients), every collective by kind and mesh dimension: the
+    dimensions of the module's DTensors, or of the mesh ``layout`` gives (its sizes by name, row-major)."""
+    dims = mesh_groups(layout) if layout is not None else mesh_dimensions(module, names)
+    return StepTraffic(None, DispatchedCounter(dims=dims))
+
+
+def mesh_groups(layout: dict[str, int]) -> dict[tuple[int, ...], str]:
+    """The ranks of every group of a row-major mesh of ``layout`` (dimension sizes by name), to its dimension's name;
+    a dimension of one rank has no group worth a name."""
+    shape = tuple(layout.values())
+    grid = torch.arange(math.prod(shape)).reshape(shape)
+    return {tuple(group): name for axis, (name, size) in enumerate(layout.items()) if size > 1
+            for group in grid.movedim(axis, -1).reshape(-1, size).tolist()}

@@ -155,8 +155,9 @@ class Regime:
         """The gradient norm this regime clips to before each step (a clipped reference), or None."""
         return None
 
-    def full_tensor(self, tensor: Tensor) -> Tensor:
-        """``tensor`` whole, as full-batch training holds it (a sharded wrapper gathers its shards here)."""
+    def full_tensor(self, tensor: Tensor, name: str = "") -> Tensor:
+        """``tensor`` (parameter or buffer ``name``, or its gradient) whole, as full-batch training holds it (a sharded
+        wrapper gathers its shards here)."""
         return tensor
 
     def random_streams(self, model: nn.Module, optimizer: Optimizer, inputs: Sequence[Tensor]) -> AbstractContextManager:

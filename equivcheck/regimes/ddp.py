@@ -105,7 +105,7 @@ class Distributed(Regime):
         """Every rank draws the masks one process draws for the global batch, and applies its own rows of them."""
         return aligned_dropout(model, optimizer, inputs, str(self))
 
-    def full_tensor(self, tensor: Tensor) -> Tensor:
+    def full_tensor(self, tensor: Tensor, name: str = "") -> Tensor:
         """A sharded tensor (FSDP2's DTensor, from a regime or a team's own wrap) gathered whole."""
         return tensor.full_tensor() if is_dtensor(tensor) else tensor
 

@@ -31,6 +31,7 @@ from ..process.import_paths import resolve
 from ..measure.collectives import StepTraffic, attach_mesh_counter, uncounted
 from .base import DeclaresCollectives, Regime
 from .ddp import DdpOptions, Distributed, shard
+from ..process.torch_imports import is_dtensor
 from .tensor import quiet_read_back
 from .pipeline import share_team_gradients
 from .zero import local_part
@@ -290,6 +291,8 @@ class MeshStep(DeclaresCollectives, Distributed):
     dp: int = dataclasses.field(default=1, kw_only=True)
     tp: int = dataclasses.field(default=1, kw_only=True)
     cp: int = dataclasses.field(default=1, kw_only=True)
+    # module:function of the team's gather(name, local) -> the whole tensor, for weights it keeps as plain local shards
+    gatherer: str = dataclasses.field(default="", kw_only=True)
     per_run: bool = dataclasses.field(default=False, kw_only=True)  # fn is a factory of the step, called per run
     syncs_per_step = None  # a team's plan synchronises in its own way: its collectives are counted, by kind and dimension
 
@@ -301,7 +304,7 @@ class MeshStep(DeclaresCollectives, Distributed):
             raise InvalidArgument.value("world_size", self.world_size, f"{' * '.join(self.sizes)} = {ranks}, or left out")
         object.__setattr__(self, "world_size", ranks)
         super().__post_init__()
-        expect_import_paths(self, "fn", "parallelizer")
+        expect_import_paths(self, "fn", "parallelizer", "gatherer")
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -309,8 +312,22 @@ class MeshStep(DeclaresCollectives, Distributed):
         return {name: getattr(self, name) for name in MESH_DIMENSIONS if name != "cp" or self.cp > 1}
 
     def count_communication(self, module):
-        """Every collective of a step by kind and mesh dimension (``"all_reduce[tp]"``), as the TP regimes count."""
-        return attach_mesh_counter(module, MESH_DIMENSIONS)
+        """Every collective of a step by kind and mesh dimension (``"all_reduce[tp]"``), as the TP regimes count; a
+        group is named by the dimension of this mesh whose ranks it spans, whatever made it (DTensor, the team's own
+        collectives)."""
+        return attach_mesh_counter(module, layout=self.sizes)
+
+    def full_tensor(self, tensor: Tensor, name: str = "") -> Tensor:
+        """A DTensor through ``full_tensor()``; a plain tensor through the team's gather where it hands one over (its
+        own layers' local shards), else as it is (a replica)."""
+        if is_dtensor(tensor) or not self.gatherer:
+            return super().full_tensor(tensor, name)
+        with uncounted():  # the harness's read-back, in the team's words: no collective of its step
+            whole = resolve(self.gatherer)(name, tensor)
+        if not isinstance(whole, Tensor):
+            raise InvalidArgument(f"gather {self.gatherer!r} returned a {type(whole).__name__} for {name!r}: expected "
+                                  "the whole tensor (a torch.Tensor)")
+        return whole
 
     def wrap(self, model, objective):
         from torch.distributed.device_mesh import init_device_mesh

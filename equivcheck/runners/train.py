@@ -259,7 +259,7 @@ class GradRecorder:
     each step: ``Regime.releases_gradients``), and :meth:`intact` says whether anything wrote to them since."""
 
     def __init__(self, model: nn.Module, optimizer: Optimizer, counter: CommunicationCounter | None = None,
-                 full_tensor: Callable[[Tensor], Tensor] = lambda t: t, against: Expected | None = None,
+                 full_tensor: Callable[[Tensor, str], Tensor] = lambda t, name: t, against: Expected | None = None,
                  norms: bool = False, keeps: bool = False) -> None:
         self._named = list(model.named_parameters())
         self._full_tensor = full_tensor
@@ -290,7 +290,7 @@ class GradRecorder:
         call = evaluate_closure(args, kwargs)
         self.grad_bytes = held_bytes(p.grad for _, p in self._named)
         # A parameter that took no part in the step has no gradient: mathematically a zero one.
-        grads = {n: self._full_tensor(p.grad.detach() if p.grad is not None else torch.zeros_like(p))
+        grads = {n: self._full_tensor(p.grad.detach() if p.grad is not None else torch.zeros_like(p), n)
                  for n, p in self._named}
         if self._norms:
             self.grad_norms.append(math.sqrt(sum(float(torch.linalg.vector_norm(g, dtype=_wide(g))) ** 2
@@ -327,9 +327,9 @@ class GradRecorder:
     def measure_final(self, parameters, buffers) -> None:
         """The final weights and buffers compared with the reference's (a run compared as it trains), and, on ranks,
         how far each rank's weights ended from rank 0's."""
-        weights = {n: self._full_tensor(t.detach()) for n, t in parameters}
+        weights = {n: self._full_tensor(t.detach(), n) for n, t in parameters}
         self._measure("weight", None, weights)
-        self._measure("buffer", None, {n: self._full_tensor(t.detach()) for n, t in buffers})
+        self._measure("buffer", None, {n: self._full_tensor(t.detach(), n) for n, t in buffers})
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self.rank_spread, self.rank_drift = rank_spread(weights)
 
@@ -377,7 +377,8 @@ def _wide(tensor: Tensor) -> torch.dtype:
     return torch.complex128 if tensor.is_complex() else torch.float64
 
 
-def snapshot(named, full_tensor: Callable[[Tensor], Tensor] = lambda t: t, *, copy: bool = True) -> dict[str, Tensor]:
+def snapshot(named, full_tensor: Callable[[Tensor, str], Tensor] = lambda t, name: t, *,
+             copy: bool = True) -> dict[str, Tensor]:
     """Plain CPU tensors of the whole tensors (gathered by ``full_tensor`` where a wrapper shards them), whatever
     device the run used: copies, unless ``copy=False`` says nothing will write to the originals again."""
-    return {name: full_tensor(tensor.detach()).to("cpu", copy=copy) for name, tensor in named}
+    return {name: full_tensor(tensor.detach(), name).to("cpu", copy=copy) for name, tensor in named}
