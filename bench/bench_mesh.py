@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import statistics
 import sys
 import time
@@ -71,6 +72,13 @@ def torch_alone(rank: int, world: int, dp: int, repeats: int, port: int, out) ->
     dist.destroy_process_group()
 
 
+def free_port() -> int:
+    """A port nothing listens on now: a fixed one may still be held by a run before (gloo then aborts the rank)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=9)
@@ -92,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                 ec.check("tp_mlp", [spec]).assert_equivalent()
                 checks.append(time.perf_counter() - started)
             queue = context.SimpleQueue()
-            mp.start_processes(torch_alone, args=(dp * tp, dp, args.repeats, 29_600 + dp * tp, queue),
+            mp.start_processes(torch_alone, args=(dp * tp, dp, args.repeats, free_port(), queue),
                                nprocs=dp * tp, start_method="spawn")
             alone = queue.get()
             check = statistics.median(checks)
