@@ -7,9 +7,11 @@ sharded gradient is its shard of the full one, and a replicated parameter (a row
 every rank with no collective of its own. The harness reads gradients and weights back whole (``full_tensor``), and a
 replicated parameter that drifts between ranks is the rank drift every distributed regime reports.
 
-The plan is the case's ``tp_plan`` (module names, ``fnmatch`` patterns allowed, to ``"colwise"``, ``"rowwise"``,
-``"sequence"``), or one derived for the common shape: Linear, parameter-free modules, Linear (colwise, then
-rowwise). A case with neither cannot take these regimes, which a matrix then skips there, saying so.
+The plan is the case's ``tp_plan`` (module names, ``fnmatch`` patterns allowed, to ``"colwise"``,
+``"colwise_local"``, ``"rowwise"``, ``"sequence"``), or one derived for the common shapes: Linear, parameter-free
+modules, Linear (colwise, then rowwise); attention projections (queries, keys and values by heads, each rank's kept
+local, the output rowwise). A case with neither cannot take these regimes, which a matrix then skips there, saying
+so. ``fsdp_tp`` adds FSDP2 over ``dp`` on a ``dp x tp`` mesh (:class:`DpTpMesh`).
 """
 
 from __future__ import annotations

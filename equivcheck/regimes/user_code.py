@@ -279,8 +279,10 @@ class MeshStep(DeclaresCollectives, Distributed):
     ranks of one TP group are consecutive): the team's ``parallelizer(model, mesh)`` applies its own plan
     (``parallelize_module``, ``fully_shard``, its own Megatron-style layers, a context-parallel split) and returns the
     model, over whose parameters the case's optimizer is made; every rank of one data-parallel group (its cp x tp
-    ranks) is handed that group's shard of every global batch, the same on each. Weights and gradients are read back whole through DTensor's ``full_tensor()``; a parameter that is a
-    plain tensor is taken as replicated, and one that ends different on two ranks is a ``ranks disagree`` finding."""
+    ranks) is handed that group's shard of every global batch, the same on each. Weights and gradients are read back
+    whole through DTensor's ``full_tensor()``, or the team's ``gatherer(name, local)`` for its own plain shards; any
+    other plain tensor is taken as replicated, and one that ends different on two ranks is a ``ranks disagree``
+    finding."""
 
     name = "mesh_step"
     summary = ("a team's own step on a dp x [cp x] tp mesh, its own parallelize(model, mesh) applied first; each "
