@@ -37,3 +37,9 @@ ATTENTION = CaseSpec(widths=(8, 11), activation="gelu", dtype="float64", batch_s
                      optimizer="adamw", lr=0.01, heads=4, block=5, attention_bias=True, split_attention=True)
 SPLIT_ATTENTION = ec.register_case(ATTENTION.build())
 ODD_HEADS = ec.register_case(dataclasses.replace(ATTENTION, widths=(12, 11), heads=3).build())
+
+# The same LM with its attention projections plain 'colwise' (DTensor outputs, heads global): torch's CPU attention
+# kernel cannot take them.
+GLOBAL_HEADS = ec.register_case(dataclasses.replace(
+    ATTENTION.build(), name="attention_heads_global",
+    tp_plan={"trunk.attn.[qkv]_proj": "colwise", "trunk.attn.o_proj": "rowwise"}))

@@ -57,6 +57,15 @@ def test_attention_blocks_under_tp_and_fsdp_tp_reproduce_one_process():
         "world_size=2" in odd.reason, odd.describe()
 
 
+def test_a_plan_torch_cannot_run_is_an_error_quoting_torch_and_naming_the_way_out():
+    from tensor_cases import GLOBAL_HEADS
+
+    (outcome,) = ec.check(GLOBAL_HEADS, ["tp:world_size=2"]).outcomes
+    assert outcome.verdict is Verdict.ERROR, outcome.describe()
+    assert "got mixed torch.Tensor and DTensor" in outcome.reason and "'colwise_local' for attention's query, key " \
+        "and value projections" in outcome.reason, outcome.reason
+
+
 def test_a_plan_that_cannot_run_names_what_does_not_fit():
     case = ec.get_case("tp_mlp")
     model = case.model()

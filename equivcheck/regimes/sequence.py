@@ -32,7 +32,7 @@ from ..case import TP_STYLES, Case
 from ..errors import InvalidArgument
 from ..process.seeding import DEFAULT_SEED, seeded
 from ..process.torch_imports import is_dtensor
-from .base import Pitfall, finish_step
+from .base import Pitfall
 from .tensor import DpTpMesh, TensorParallel, localize_heads
 
 SEQUENCE_DIM = 1  # activations are (batch, sequence, features)
@@ -127,21 +127,6 @@ class TensorSequenceParallel(TensorParallel):
     def plain_norms(self, model: nn.Module, plan: dict[str, str]) -> list[str]:
         """The ``'sequence'`` modules applied Megatron's way, their parameters plain tensors: none here."""
         return []
-
-    def train_step(self, model, optimizer, batch, objective):
-        mine = self.rank_batch(batch)
-        loss = self.rank_part(objective, batch)(objective.forward(model, mine.inputs, mine.targets), mine.targets)
-        objective.backward(loss)
-        self.finalize_grads(model)
-        self.clip(optimizer, objective)
-        finish_step(optimizer, objective)
-        return loss.detach() / self.world_size  # each rank's share: dispatch adds them up to the loss
-
-    def finalize_grads(self, model: nn.Module) -> None:
-        """After the backward, before clipping and the step (Megatron's ``finalize_model_grads``): nothing to do
-        here. A replicated parameter's gradient (the norm's, the head's) is a DTensor, ``Partial(sum)`` after the
-        backward (measured, torch 2.13): DTensor sums it over the ranks where it is read (the step, clipping,
-        ``full_tensor``)."""
 
 
 @dataclasses.dataclass(frozen=True)

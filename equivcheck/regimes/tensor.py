@@ -210,11 +210,19 @@ class TensorParallel(DeclaresCollectives, Distributed):
 
     def train_step(self, model, optimizer, batch, objective):
         mine = self.rank_batch(batch)
-        loss = self.rank_part(objective, batch)(objective.forward(model, mine.inputs, mine.targets), mine.targets)
-        objective.backward(loss)
+        with plan_refusals():
+            loss = self.rank_part(objective, batch)(objective.forward(model, mine.inputs, mine.targets), mine.targets)
+            objective.backward(loss)
+        self.finalize_grads(model)
         self.clip(optimizer, objective)
         finish_step(optimizer, objective)
         return loss.detach() / self.world_size  # each rank's share: dispatch adds them up to the loss
+
+    def finalize_grads(self, model: nn.Module) -> None:
+        """After the backward, before clipping and the step (Megatron's ``finalize_model_grads``): nothing to do under
+        torch's styles. A replicated parameter's gradient (a norm's, a head's) is a DTensor, ``Partial(sum)`` after the
+        backward under sequence parallelism (measured, torch 2.13): DTensor sums it over the ranks where it is read
+        (the step, clipping, ``full_tensor``)."""
 
     def clip(self, optimizer, objective) -> None:
         """``clip_grad_norm_`` over the DTensor gradients: the norm of the whole gradient, every shard counted once."""
@@ -299,6 +307,23 @@ def _seeded_by_rank() -> Iterator[None]:
     with warnings.catch_warnings():  # torch's own word on DTensor's dropout of a CPU mesh, which is the bug's draws
         warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
         yield
+
+
+# torch's refusals of an op on DTensors that a plan which keeps some activation a DTensor meets (on the CPU: attention).
+DTENSOR_REFUSALS = ("does not have a sharding strategy registered", "got mixed torch.Tensor and DTensor")
+
+
+@contextlib.contextmanager
+def plan_refusals() -> Iterator[None]:
+    """torch's refusal of an op a plan hands DTensors to, with the way out in a plan's words."""
+    try:
+        yield
+    except (NotImplementedError, RuntimeError) as error:
+        if not any(words in str(error) for words in DTENSOR_REFUSALS):
+            raise
+        raise type(error)(f"{error} (the tensor-parallel plan hands this op DTensors, which it cannot take here: keep "
+                          "the activation a local tensor, 'colwise_local' for attention's query, key and value "
+                          "projections, its heads local per rank)") from error
 
 
 def quiet_read_back() -> None:
