@@ -124,9 +124,10 @@ class AlignedDropout:
         """The global shape a dropout input is a part of, and the slices that are its part."""
         if self._rows is None:
             raise DropoutNotPlaced(
-                f"dropout under {self._regime}: this forward's inputs are no slice of a global batch (a copy, or a "
-                "tensor the step built), so no rank can tell which rows of the global batch's masks are its own: "
-                "expected the model called on the (micro-)batch the regime hands it")
+                f"dropout under {self._regime}: this forward's inputs are no slice of a global batch (a copy, a "
+                "tensor the step built, or a part of the model called on its own), so no rank can tell which rows of "
+                "the global batch's masks are its own: expected the model called on the (micro-)batch the regime "
+                "hands it")
         first, rows, total = self._rows
         if is_dtensor(x):
             from torch.distributed.tensor._utils import compute_local_shape_and_global_offset

@@ -229,6 +229,8 @@ class PipelineStep(Distributed):
 
     name = "pipeline_step"
     summary = "a team's own step running its own pipeline schedule on every rank, each given the whole global batch"
+    # A stage runs part of the model on its own rank's generator, as the pipeline regime does: no global masks.
+    random_streams = Regime.random_streams
     fn: str = dataclasses.field(kw_only=True)  # module:function of the step
     per_run: bool = dataclasses.field(default=False, kw_only=True)  # fn is a factory of the step, called per run
 
