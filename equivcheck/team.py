@@ -87,22 +87,15 @@ def check_step(
     ``"all_gather[dp]"``); ``collectives={"all_reduce[tp]": 2}`` declares what a faithful step makes, and a step that
     makes another count of any kind is a ``communication`` verdict. A team whose own layers keep plain local shards
     hands over ``gather(name, local)``: the whole tensor of parameter ``name`` (its weight, or its gradient) from this
-    rank's shard, by its own collectives (uncounted: the harness's read-back), found by name as ``parallelize`` is. ``options`` go to :func:`equivcheck.check` (rtol,
-    atol, seed, backend, timeout).
+    rank's shard, by its own collectives (uncounted: the harness's read-back), found by name as ``parallelize`` is.
+    ``options`` go to :func:`equivcheck.check` (rtol, atol, seed, backend, timeout).
     """
     reference = reference if isinstance(reference, (str, Regime)) else UserStep(reference)
     if not isinstance(per_run, bool):
         raise InvalidArgument.type("per_run", per_run, "bool")
-    ranks_only = {"wrap": wrap, "ddp_options": ddp_options, "optimizer_wrap": optimizer_wrap, "pipeline": pipeline,
-                  "syncs_per_step": syncs_per_step}
-    _expect_mesh_for(mesh, parallelize, collectives=collectives, gather=gather)
-    if mesh is not None or parallelize is not None:
-        candidate = _on_mesh(MeshStep, "step", step, mesh, parallelize, world_size, ranks_only,
-                             collectives=_declared(collectives), gatherer=_gatherer(gather), per_run=per_run)
-    elif _in_process(world_size, **ranks_only):
-        candidate = UserStep(step, per_run)
-    else:
-        candidate = _on_ranks((DdpStep, PipelineStep), "step", step, world_size, **ranks_only, per_run=per_run)
+    candidate = _candidate("step", step, world_size, mesh, parallelize, collectives, gather,
+                           {"wrap": wrap, "ddp_options": ddp_options, "optimizer_wrap": optimizer_wrap,
+                            "pipeline": pipeline, "syncs_per_step": syncs_per_step}, per_run=per_run)
     warn_blind_spots(case, seed=options.get("seed", DEFAULT_SEED), isolate=options.get("isolate", False))
     return check(case, [candidate], reference=reference, **options)
 
@@ -131,18 +124,30 @@ def check_loop(
     ``parallelize``, on a mesh, each TP group given its data-parallel shard of every global batch (as
     :func:`check_step`)."""
     reference = reference if isinstance(reference, (str, Regime)) else UserLoop(reference)
-    ranks_only = {"wrap": wrap, "ddp_options": ddp_options, "optimizer_wrap": optimizer_wrap, "pipeline": pipeline,
-                  "syncs_per_step": syncs_per_step}
-    _expect_mesh_for(mesh, parallelize, collectives=collectives, gather=gather)
-    if mesh is not None or parallelize is not None:
-        candidate = _on_mesh(MeshLoop, "loop", loop, mesh, parallelize, world_size, ranks_only,
-                             collectives=_declared(collectives), gatherer=_gatherer(gather))
-    elif _in_process(world_size, **ranks_only):
-        candidate = UserLoop(loop)
-    else:
-        candidate = _on_ranks((DdpLoop, PipelineLoop), "loop", loop, world_size, **ranks_only)
+    candidate = _candidate("loop", loop, world_size, mesh, parallelize, collectives, gather,
+                           {"wrap": wrap, "ddp_options": ddp_options, "optimizer_wrap": optimizer_wrap,
+                            "pipeline": pipeline, "syncs_per_step": syncs_per_step})
     warn_blind_spots(case, seed=options.get("seed", DEFAULT_SEED), isolate=options.get("isolate", False))
     return check(case, [candidate], reference=reference, **options)
+
+
+# The regimes a team's step or loop runs under: in this process, on DDP ranks, running its own pipeline, on a mesh.
+_TEAM_REGIMES = {"step": (UserStep, DdpStep, PipelineStep, MeshStep),
+                 "loop": (UserLoop, DdpLoop, PipelineLoop, MeshLoop)}
+
+
+def _candidate(argument: str, fn: Callable, world_size: int | None, mesh: dict[str, int] | None,
+               parallelize: Callable | None, collectives: dict[str, int] | None, gather: Callable | None,
+               ranks_only: dict, **fields) -> Regime:
+    """The regime the team's ``fn`` (its ``argument``: a step or a loop) runs under, from the call's arguments."""
+    in_process, on_ddp, own_pipeline, on_mesh = _TEAM_REGIMES[argument]
+    _expect_mesh_for(mesh, parallelize, collectives=collectives, gather=gather)
+    if mesh is not None or parallelize is not None:
+        return _on_mesh(on_mesh, argument, fn, mesh, parallelize, world_size, ranks_only,
+                        collectives=_declared(collectives), gatherer=_gatherer(gather), **fields)
+    if _in_process(world_size, **ranks_only):
+        return in_process(fn, **fields)
+    return _on_ranks((on_ddp, own_pipeline), argument, fn, world_size, **ranks_only, **fields)
 
 
 # Why each argument that only ranks take is refused without world_size.
