@@ -9,6 +9,7 @@ import equivcheck as ec
 from equivcheck.regimes import register_regime
 from equivcheck.regimes.ddp import Ddp
 from equivcheck.regimes.base import Regime
+from equivcheck_cases.sequence_parallel import Block
 
 BASE = ec.get_case("dropout_two_layers")
 UNDECLARED = ec.register_case(dataclasses.replace(BASE, name="dropout_undeclared", expect_mismatch={}))
@@ -55,3 +56,19 @@ class DdpUnaligned(Ddp):
     def random_streams(self, model, optimizer, inputs):
         return Regime.random_streams(self, model, optimizer, inputs)
 
+
+
+class DroppedBlock(Block):
+    """sp_block's block with dropout on the norm's output and on the MLP's, both run on sequence shards under SP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x):
+        return self.head(x + self.drop(self.down(self.act(self.up(self.drop(self.norm(x)))))))
+
+
+SEQUENCE_DROPOUT = ec.register_case(dataclasses.replace(
+    ec.get_case("sp_block"), name="dropout_on_sequence_shards", model=DroppedBlock, expect_mismatch={},
+    tp_plan={"norm": "sequence", "drop": "sequence", "up": "colwise", "down": "rowwise"}))

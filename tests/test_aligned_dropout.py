@@ -19,7 +19,17 @@ RANKS = ["ddp:world_size=2", "ddp:world_size=5", "ddp_no_sync:world_size=2,chunk
 @pytest.mark.parametrize("case", ["dropout_two_layers", "checkpointed_dropout"])
 def test_dropout_on_ranks_matches_one_process(case):
     report = ec.check(case, RANKS, dtype=torch.float64)
-    assert [o.verdict for o in report.outcomes] == [Verdict.EQUIVALENT] * len(RANKS), report.describe()
+    assert [o.verdict for o in report.outcomes] == [Verdict.EQUIVALENT] * len(RANKS), [o.describe() for o in report.outcomes]
+
+
+def test_dropout_on_sequence_shards_matches_one_process():
+    """Under sequence parallelism dropout runs on DTensors sharded on the sequence (the norm's output, the rowwise
+    Linear's): each rank applies its sequence slice of the global masks, on 2 and 4 ranks and on a 2 x 2 mesh."""
+    from dropout_cases import SEQUENCE_DROPOUT
+
+    regimes = ["tp_sp:world_size=2", "tp_sp:world_size=4", "fsdp_tp_sp:dp=2,tp=2", "ddp:world_size=2"]
+    report = ec.check(SEQUENCE_DROPOUT, regimes)
+    assert [o.verdict for o in report.outcomes] == [Verdict.EQUIVALENT] * len(regimes), [o.describe() for o in report.outcomes]
 
 
 def test_without_the_global_masks_the_same_check_fails():

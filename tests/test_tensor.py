@@ -51,7 +51,7 @@ def test_attention_blocks_under_tp_and_fsdp_tp_reproduce_one_process():
     from tensor_cases import ODD_HEADS, SPLIT_ATTENTION
 
     report = ec.check(SPLIT_ATTENTION, ["tp:world_size=2", "fsdp_tp:dp=2,tp=2"])
-    assert [o.verdict for o in report.outcomes] == [Verdict.EQUIVALENT] * 2, report.describe()
+    assert [o.verdict for o in report.outcomes] == [Verdict.EQUIVALENT] * 2, [o.describe() for o in report.outcomes]
     (odd,) = ec.check_all([ODD_HEADS, SPLIT_ATTENTION], ["tp:world_size=2"]).outcomes[:1]
     assert odd.verdict is Verdict.SKIPPED and "an attention module has n_heads=3, which do not divide over " \
         "world_size=2" in odd.reason, odd.describe()

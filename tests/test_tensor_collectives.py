@@ -77,7 +77,7 @@ def test_a_spec_declares_what_a_step_communicates_and_any_other_count_is_a_commu
                                                f"{FSDP_TP},collectives=all_reduce[tp]*1+all_gather[dp]*4"
                                                "+reduce_scatter[dp]*2", f"{TP},collectives=none"])
     met, planted, unmet, mesh, nothing = report.outcomes
-    assert met.verdict is Verdict.EQUIVALENT and mesh.verdict is Verdict.EQUIVALENT, report.describe()
+    assert met.verdict is Verdict.EQUIVALENT and mesh.verdict is Verdict.EQUIVALENT, [o.describe() for o in report.outcomes]
     assert planted.verdict is Verdict.COMMUNICATION and planted.comparison.problems == (
         "communication: step 0 made all_gather[tp] 1 time (192 bytes per rank), all_reduce[tp] 1 time (288 bytes per "
         "rank); the spec declares all_reduce[tp] 1 time",)
