@@ -150,3 +150,13 @@ def gather_shards(name, local):
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(TEAM["group"]))]
     dist.all_gather(parts, local.contiguous(), group=TEAM["group"])
     return torch.cat(parts, dim)
+
+
+# tp_mlp with 25 samples: its third global batch holds one, which both ranks of a TP group see.
+import dataclasses  # noqa: E402
+
+import equivcheck as ec  # noqa: E402
+
+_TP_MLP = ec.get_case("tp_mlp")
+SHORT_TAIL = ec.register_case(dataclasses.replace(_TP_MLP, name="tp_mlp_short_tail", last_batch="keep",
+                                                  data=lambda: tuple(t[:25] for t in _TP_MLP.data())))

@@ -109,3 +109,15 @@ def test_a_teams_own_layers_on_plain_local_shards_are_read_back_through_its_gath
     with pytest.raises(ec.InvalidArgument, match=r"gather=<function gather_shards .*> is not allowed without mesh=: "
                                                  r"expected mesh= and parallelize="):
         ec.check_step("tp_mlp", mesh_team.train_step, world_size=2, gather=mesh_team.gather_shards)
+
+
+def test_a_last_batch_of_one_sample_reaches_every_rank_of_a_tp_group_and_is_refused_over_two_dp_groups():
+    """A global batch is cut over the mesh's data-parallel groups, not its ranks: one sample is enough for a TP group
+    of two; over dp=2 one group would get none, which is refused naming dp."""
+    (tp,) = ec.check_step(mesh_team.SHORT_TAIL, mesh_team.train_step, mesh={"tp": 2},
+                          parallelize=mesh_team.tensor_parallel).outcomes
+    assert tp.verdict is Verdict.EQUIVALENT, tp.describe()
+    with pytest.raises(ec.InvalidArgument, match=r"a global batch of 1 sample\(s\) \(an epoch's smaller last batch\) is "
+                                                 r"not allowed over dp=2"):
+        ec.check_step(mesh_team.SHORT_TAIL, mesh_team.train_step, mesh={"dp": 2, "tp": 2},
+                      parallelize=mesh_team.fsdp_and_tensor_parallel)

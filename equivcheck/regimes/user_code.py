@@ -184,14 +184,20 @@ class DdpStep(DdpOptions, Distributed):
         return [self.share(step(model, optimizer, (mine.inputs, mine.targets)))
                 for mine in (self.team_shard(batch) for batch in batches)]
 
+    @property
+    def shards(self) -> tuple[str, int]:
+        """What a global batch is cut over, by its argument's name: the ranks (``world_size``)."""
+        return "world_size", self.world_size
+
     def team_shard(self, batch: Batch) -> Batch:
         """This rank's shard of ``batch``; a shard a team's code would get empty is refused, on every rank alike."""
-        if len(batch) < self.world_size:  # every rank sees the global batch: they all raise, before any collective
+        name, count = self.shards
+        if len(batch) < count:  # every rank sees the global batch: they all raise, before any collective
             raise InvalidArgument(
                 f"regime {str(self)!r}: a global batch of {len(batch)} sample(s) (an epoch's smaller last batch) is "
-                f"not allowed over world_size={self.world_size}: some rank's shard would be empty, and a team's step "
-                "is never handed an empty batch (a DistributedSampler pads the shard by repeating samples instead: "
-                f"see ec.check_eval). Expected a last batch of at least {self.world_size} samples")
+                f"not allowed over {name}={count}: some rank's shard would be empty, and a team's step is never "
+                "handed an empty batch (a DistributedSampler pads the shard by repeating samples instead: see "
+                f"ec.check_eval). Expected a last batch of at least {count} samples")
         return self.rank_shard(batch)
 
     def share(self, loss: object) -> Tensor | None:
@@ -344,6 +350,11 @@ class MeshStep(DeclaresCollectives, Distributed):
             raise InvalidArgument(f"parallelize {self.parallelizer!r} returned a {type(made).__name__}: expected the "
                                   "model (an nn.Module), its plan applied")
         return made
+
+    @property
+    def shards(self) -> tuple[str, int]:
+        """A global batch is cut over the mesh's data-parallel groups (``dp``), not its ranks."""
+        return "dp", self.dp
 
     def rank_shard(self, batch: Batch) -> Batch:
         """This rank's data-parallel shard: the same for every rank of one TP group."""
