@@ -32,6 +32,15 @@ def test_dropout_on_sequence_shards_matches_one_process():
     assert [o.verdict for o in report.outcomes] == [Verdict.EQUIVALENT] * len(regimes), [o.describe() for o in report.outcomes]
 
 
+def test_a_teams_own_ddp_step_on_a_case_with_dropout_matches_one_process():
+    """The team's step calls the model on the shard it is handed (a view of the global batch): its dropout is placed."""
+    import mesh_team
+    from dropout_cases import UNDECLARED
+
+    (outcome,) = ec.check_step(UNDECLARED, mesh_team.train_step, world_size=2).outcomes
+    assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
+
+
 def test_without_the_global_masks_the_same_check_fails():
     """The guard taken out (tests/dropout_cases.py's ddp_unaligned: each rank draws its shard's masks as they come):
     the same case, the same check, a mismatch from the first step's loss."""
