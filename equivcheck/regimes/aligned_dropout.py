@@ -64,6 +64,7 @@ class AlignedDropout:
         self._step_state: Tensor | None = None  # the generator's state when this step's first forward began
         self._rows: tuple[int, int, int] | None = None  # the running forward's place in its global batch
         self._device: torch.device | None = None
+        self._current = 0  # the global batch the last forward was in
 
     def before_forward(self, module: nn.Module, args: tuple) -> None:
         """A forward of the model: the first of a step notes the generator's state, a later one goes back to it."""
@@ -73,7 +74,19 @@ class AlignedDropout:
             self._step_state = _generator_state(self._device)
         else:
             _set_generator_state(self._device, self._step_state)
-        self._rows = rows_in(inputs, self._batches)
+        self._rows = self._located(inputs)
+
+    def _located(self, inputs: object) -> tuple[int, int, int] | None:
+        """:func:`rows_in` the global batches, from the one the last forward was in: a run takes its batches in turn,
+        so a long run finds each forward's batch at once, not after every batch before it."""
+        count = len(self._batches)
+        for step in range(count):
+            index = (self._current + step) % count
+            rows = rows_in(inputs, self._batches[index:index + 1])
+            if rows is not None:
+                self._current = index
+                return rows
+        return None
 
     def after_step(self, *_) -> None:
         """The optimizer stepped: the next forward starts the next global batch, from where the draws have left off."""
