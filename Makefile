@@ -11,7 +11,7 @@ export OMP_NUM_THREADS ?= 1
 # (commands, ranks, pytest sessions), which two workers overlap (bench/README.md#the-suite).
 WORKERS ?= 2
 
-.PHONY: install demo test test-dev test-frameworks bench bench-speed bench-threads bench-isolation bench-memory bench-scale bench-mesh bench-false-alarms bench-suite mutation clean
+.PHONY: install demo test test-dev test-gpu test-frameworks bench bench-speed bench-threads bench-isolation bench-memory bench-scale bench-mesh bench-false-alarms bench-suite mutation clean
 
 # The developer's venv: an editable install, for make demo, make test-dev and the benchmarks.
 install: $(STAMP)
@@ -64,6 +64,11 @@ test: $(INSTALLED)/venv/.installed
 	mkdir -p $(SUITE) && cp -r tests conftest.py pyproject.toml README.md $(SUITE)/
 	cd $(SUITE) && EQUIVCHECK_SOURCE_TREE="$(CURDIR)" EQUIVCHECK_DIST="$(CURDIR)/$(DIST)" \
 		../venv/bin/python -m pytest -q -p no:cacheprovider -n $(WORKERS)
+
+# On a GPU machine, with the Python and torch installed there: the suite, the catalogue, the field and the matrix on
+# the CPU default and with --device cuda, then the GPU bench (bench/gpu_check.sh; outputs in build/gpu).
+test-gpu:
+	PYTHON=$(PYTHON) bash bench/gpu_check.sh
 
 # The framework recipes against pinned releases, installed after the pinned torch (pip keeps it), and the
 # report and terminal extras (matplotlib, rich), whose plots and tables tests/test_reports.py then draws.

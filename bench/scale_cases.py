@@ -19,6 +19,7 @@ import equivcheck as ec
 SAMPLES, STEPS, CLASSES = 16, 3, 10
 MLP_SIZES = {"1m": (256, 2), "25m": (1024, 3), "100m": (2048, 3)}  # width, blocks: about 8 * width^2 per block
 VOCAB, EMBED, LAYERS, HEADS, BLOCK, GPT_BATCH, GPT_STEPS = 50257, 768, 12, 12, 64, 8, 2
+GPU_BATCH, GPU_STEPS, GPU_BLOCK = 8, 4, 256
 
 
 def mlp(width: int, blocks: int) -> nn.Module:
@@ -43,7 +44,7 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(EMBED, 4 * EMBED), nn.GELU(), nn.Linear(4 * EMBED, EMBED))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        causal = torch.triu(torch.full((x.shape[1], x.shape[1]), float("-inf")), diagonal=1)
+        causal = torch.triu(torch.full((x.shape[1], x.shape[1]), float("-inf"), device=x.device), diagonal=1)
         h = self.norm1(x)
         x = x + self.attn(h, h, h, attn_mask=causal, need_weights=False)[0]
         return x + self.mlp(self.norm2(x))
@@ -57,12 +58,12 @@ class GPT(nn.Module):
         self.norm = nn.LayerNorm(EMBED)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.tokens(ids) + self.positions(torch.arange(ids.shape[1]))
+        x = self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
         return self.norm(self.blocks(x)) @ self.tokens.weight.T  # the head tied to the embedding
 
 
-def gpt_data() -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(0, VOCAB, (GPT_BATCH * GPT_STEPS, BLOCK + 1))
+def gpt_data(batch: int = GPT_BATCH, steps: int = GPT_STEPS, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (batch * steps, block + 1))
     return ids[:, :-1], ids[:, 1:]
 
 
@@ -80,16 +81,22 @@ CASES = {
         name="scale_gpt2_124m", model=GPT, data=gpt_data, loss=token_losses, items=lambda t: t.numel(),
         optimizer=adamw, batch_size=GPT_BATCH, steps=GPT_STEPS, dtype=torch.float32,
         description="bench only: a GPT-2-shaped transformer (124M parameters), block 64")),
+    # The GPU's: the sequence a team trains at, batches a GPU spends its time on (bench_gpu.py).
+    "gpu_gpt2_124m": ec.register_case(ec.Case(
+        name="gpu_gpt2_124m", model=GPT, data=partial(gpt_data, GPU_BATCH, GPU_STEPS, GPU_BLOCK), loss=token_losses,
+        items=lambda t: t.numel(), optimizer=adamw, batch_size=GPU_BATCH, steps=GPU_STEPS, dtype=torch.float32,
+        description=f"bench only: the 124M GPT-2-shaped transformer, {GPU_BATCH} x {GPU_BLOCK} tokens a step")),
 }
 
 
-def train_alone(case: ec.Case, *, rank: int = 0, world_size: int = 1, chunks: int = 1) -> None:
+def train_alone(case: ec.Case, *, rank: int = 0, world_size: int = 1, chunks: int = 1, device: str = "cpu",
+                autocast: torch.dtype | None = None) -> None:
     """The case's training as a team writes it in torch alone (under DDP with ``world_size`` ranks: each rank
     takes its slice of every global batch; with ``chunks``, each global batch accumulated over that many
-    micro-batches), from the same seeded start."""
+    micro-batches), from the same seeded start, on ``device``, its forward and loss under ``autocast`` if given."""
     torch.manual_seed(0)
-    model = case.model()
-    inputs, targets = case.data()
+    model = case.model().to(device)
+    inputs, targets = (t.to(device) for t in case.data())
     if world_size > 1:
         model = nn.parallel.DistributedDataParallel(model)
     optimizer = case.optimizer(model.parameters())
@@ -98,6 +105,7 @@ def train_alone(case: ec.Case, *, rank: int = 0, world_size: int = 1, chunks: in
         rank_inputs, rank_targets = (t[start + rank * share : start + (rank + 1) * share] for t in (inputs, targets))
         optimizer.zero_grad()
         for micro_inputs, micro_targets in zip(rank_inputs.chunk(chunks), rank_targets.chunk(chunks)):
-            losses = case.loss(model(micro_inputs), micro_targets)
+            with torch.autocast(torch.device(device).type, dtype=autocast or torch.float32, enabled=autocast is not None):
+                losses = case.loss(model(micro_inputs), micro_targets)
             (losses.sum() / losses.numel() / chunks).backward()
         optimizer.step()

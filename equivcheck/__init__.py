@@ -9,9 +9,10 @@ from .check import check, check_all, regimes_for
 from .diff import Comparison, Mismatch
 from .judge.compare import compare
 from .judge.hints import diagnose
-from .errors import (BlindSpotWarning, CodeExited, EquivcheckError, EquivcheckWarning, InvalidArgument, MemoryNotSaved,
-                     NonFinite, NotEquivalent, PrecisionWarning, ResultsNotWritten, RunDied, Unavailable, WorkerError)
-from .precision import PRECISIONS, Precision, Tolerance
+from .errors import (BlindSpotWarning, CodeExited, EquivcheckError, EquivcheckWarning, InvalidArgument, IsolationWarning,
+                     MemoryNotSaved, NonFinite, NotEquivalent, PrecisionWarning, ResultsNotWritten, RunDied, Unavailable, WorkerError)
+from .device import DEVICES
+from .precision import PRECISIONS, Precision, Tolerance, resolve_precision
 from .regimes import DEFAULT_REGIMES, REGIMES, Pitfall, Regime, SummedLoss, parse_regime, register_regime
 from .regimes.ddp_hooks import DdpHook
 from .registry import all_cases, builtin_cases, get_case, load_cases_from, register_case
@@ -22,11 +23,11 @@ from .process.seeding import DEFAULT_SEED
 from .team import check_loop, check_step
 
 __all__ = [
-    "DEFAULT_REGIMES", "DEFAULT_SEED", "PRECISIONS", "REGIMES", "Audit", "Batch", "BlindSpotWarning", "Case",
+    "DEFAULT_REGIMES", "DEFAULT_SEED", "DEVICES", "PRECISIONS", "REGIMES", "Audit", "Batch", "BlindSpotWarning", "Case",
     "CodeExited", "Comparison", "DdpHook", "EquivcheckError", "EquivcheckWarning", "EvalReport", "Finding",
-    "InvalidArgument", "MemoryNotSaved", "MetricDiff", "Mismatch", "NonFinite", "NotEquivalent", "Objective", "Outcome",
+    "InvalidArgument", "IsolationWarning", "MemoryNotSaved", "MetricDiff", "Mismatch", "NonFinite", "NotEquivalent", "Objective", "Outcome",
     "Pitfall", "Precision", "PrecisionWarning", "Regime", "Report", "ResultsNotWritten", "RunDied", "RunResult", "Sensitivity",
     "Status", "SummedLoss", "Tolerance", "Unavailable", "Verdict", "WorkerError", "all_cases", "audit", "builtin_cases",
     "check", "check_all", "check_eval", "check_loop", "check_step", "compare", "default_optimizer", "diagnose",
-    "get_case", "load_cases_from", "parse_regime", "regimes_for", "register_case", "register_regime", "run",
+    "get_case", "load_cases_from", "parse_regime", "regimes_for", "register_case", "register_regime", "resolve_precision", "run",
 ]

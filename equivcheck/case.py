@@ -179,11 +179,11 @@ class Objective:
     through :meth:`step`, the AMP recipe, which is plain ``backward()`` and ``step()`` when disabled.
     """
 
-    def __init__(self, case: Case, precision: Precision | None = None) -> None:
+    def __init__(self, case: Case, precision: Precision | None = None, device: torch.device | str = "cpu") -> None:
         self._case = case
         self.precision = resolve_precision(precision, default=case.dtype)
-        self.scaler = self.precision.grad_scaler_for()
-        self._loss = self.precision.autocasting(case.loss)
+        self.scaler = self.precision.grad_scaler_for(device)
+        self._loss = self.precision.autocasting(case.loss, device)
         self.loss_dtypes: set[torch.dtype] = set()  # what the loss was computed in: a float64 case may not be
 
     @property

@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import torch
 
 from .case import Case
+from .device import DEFAULT_DEVICE, NONDETERMINISTIC_KERNELS, device_for, is_nondeterministic_kernel
+from .device import missing as missing_device
 from .diff import Comparison, Problem, ProblemKind
 from .judge.compare import Expected, compare, tolerance_of
 from .errors import (InvalidArgument, PrecisionWarning, Unavailable, WorkerError, expect_int, expect_seed,
@@ -54,6 +56,7 @@ def check(
     threads: int | None = None,
     compare_losses: bool = True,
     isolate: bool = False,
+    device: str | torch.device | None = None,
 ) -> Report:
     """Check ``case`` under each regime against ``reference`` (run twice, to prove it deterministic).
 
@@ -66,11 +69,14 @@ def check(
     ``compare_losses=False`` compares gradients and weights only: for code that reports a logged loss.
     ``isolate=True`` trains the in-process runs in a forked child, so that a run that kills its process (a
     kernel's SIGILL, a segfault) is an ``error`` verdict and the check goes on (isolation.py; about 25 ms a
-    check); by default they train here, as the command and the pytest plugin do only when asked.
+    check); by default they train here, as the command and the pytest plugin do only when asked. ``device``:
+    where every run trains (``'cpu'``, the default, or ``'cuda'``: equivcheck.device), the reference, its
+    repeat, the witness and the float64 shadows included; ranks take a GPU each where there are enough, else
+    train over gloo on the CPU, the verdict saying so. Without CUDA, ``device='cuda'`` skips every check.
     """
     return Report(tuple(iter_outcomes(plan(case, regimes, reference=reference, rtol=rtol, atol=atol, seed=seed,
                                           backend=backend, timeout=timeout, dtype=dtype, threads=threads,
-                                          compare_losses=compare_losses, isolate=isolate),
+                                          compare_losses=compare_losses, isolate=isolate, device=device),
                                      measure_memory=measure_memory)))
 
 
@@ -91,6 +97,7 @@ class Plan:
     tolerance_given: bool = False  # rtol and atol came from the call: they hold for every regime, a lossy one too
     isolate: bool = False  # in-process runs train in a forked child (isolation.py)
     misfits: tuple[tuple[str, str], ...] = ()  # (spec, why) asked for with other cases, that cannot run this one
+    device: str = DEFAULT_DEVICE  # where every run trains (equivcheck.device)
     runner: IsolatedRunner | None = dataclasses.field(default=None, compare=False, repr=False)  # while it runs
 
     def tolerance(self, spec: Regime, loss_precision: Precision | None = None) -> Tolerance:
@@ -113,7 +120,7 @@ class Plan:
         """That run begun (on its ranks, for a distributed regime); an error starting it is read with its result."""
         # Every argument was checked when the plan was made: the request is trusted from here to the ranks.
         request = RunRequest(self.case, spec, resolve_precision(dtype), self.seed, measure_memory,
-                             intra_op.resolve(self.threads), order)
+                             intra_op.resolve(self.threads), order, self.device)
         try:
             started = start_request(request, timeout=self.timeout, runner=self.runner, against=against)
         except Exception as error:
@@ -131,7 +138,7 @@ def plan(case: Case | str, regimes: Iterable[str | Regime] | str | Regime | None
          reference: str | Regime = "full_batch", rtol: float | None = None, atol: float | None = None,
          seed: int = DEFAULT_SEED, backend: str | None = None, timeout: float = DEFAULT_TIMEOUT,
          dtype: str | torch.dtype | Precision | None = None, threads: int | None = None,
-         compare_losses: bool = True, isolate: bool = False) -> Plan:
+         compare_losses: bool = True, isolate: bool = False, device: str | torch.device | None = None) -> Plan:
     """Validate a check's arguments; every usage error surfaces here, before anything runs."""
     case = resolve_case(case)
     if isinstance(regimes, (str, Regime)):  # one spec where a list was expected: checked as that one spec
@@ -144,6 +151,7 @@ def plan(case: Case | str, regimes: Iterable[str | Regime] | str | Regime | None
     specs = tuple(with_backend(parse_regime(r), backend) for r in chosen)
     reference = parse_regime(reference)
     precision = resolve_precision(dtype, default=case.dtype)
+    device = device_for(device, precision.default_device)
     _validate(case, [reference, *specs])
     Tolerance.resolve(precision, rtol, atol)
     expect_seed(seed)
@@ -155,7 +163,8 @@ def plan(case: Case | str, regimes: Iterable[str | Regime] | str | Regime | None
             raise InvalidArgument.type(name, flag, "bool")
     given = rtol is not None
     rtol, atol = (case.rtol, case.atol) if rtol is None and atol is None else (rtol, atol)
-    return Plan(case, specs, reference, precision, rtol, atol, seed, timeout, threads, compare_losses, given, isolate)
+    return Plan(case, specs, reference, precision, rtol, atol, seed, timeout, threads, compare_losses, given, isolate,
+                device=device)
 
 
 def iter_outcomes(plan: Plan, *, measure_memory: bool = True, runner: IsolatedRunner | None = None) -> Iterator[Outcome]:
@@ -169,13 +178,22 @@ def iter_outcomes(plan: Plan, *, measure_memory: bool = True, runner: IsolatedRu
                 for spec, why in plan.misfits)
     if not plan.specs:
         return
-    missing = precision.unavailable()
-    if missing is None and case.cpu_generator_only and precision.device != "cpu":
-        missing = (f"{case.name}: {case.cpu_generator_only}; precision {precision.name!r} trains on "
-                   f"{precision.device}, whose generator draws each launch's numbers by its own shape")
+    moved = tuple(spec for spec in plan.specs if _trains_on_cpu_instead(spec, plan.device))
+    if moved:  # those rows train on the CPU, their reference too: another device draws and rounds otherwise
+        kept = tuple(spec for spec in plan.specs if spec not in moved)
+        for part in (dataclasses.replace(plan, specs=kept, misfits=()),
+                     dataclasses.replace(plan, specs=moved, misfits=(), device="cpu")):
+            for outcome in iter_outcomes(part, measure_memory=measure_memory, runner=runner) if part.specs else ():
+                placed = _placement_note(plan, outcome.regime) if part.device != plan.device else ""
+                yield dataclasses.replace(outcome, reason="; ".join(filter(None, (outcome.reason, placed))))
+        return
+    missing = precision.unavailable(plan.device)
+    if missing is None and case.cpu_generator_only and plan.device != "cpu":
+        missing = (f"{case.name}: {case.cpu_generator_only}; device={plan.device!r}, whose generator draws each "
+                   "launch's numbers by its own shape")
     if missing is None:
         try:
-            precision, note = _with_kernels(precision, runner)
+            precision, note = _with_kernels(precision, plan.device, runner)
         except Unavailable as why:
             missing = str(why)
     if missing:
@@ -202,12 +220,27 @@ def iter_outcomes(plan: Plan, *, measure_memory: bool = True, runner: IsolatedRu
             runner.close()
 
 
-def _with_kernels(precision: Precision, runner: IsolatedRunner | None) -> tuple[Precision, str]:
+def _trains_on_cpu_instead(spec: Regime, device: str) -> bool:
+    """Whether the ranks of ``spec`` cannot train on ``device`` (too few GPUs for nccl, a pipeline): equivcheck.device's
+    rule then puts them on the CPU over gloo, and the row with them. Not where the device is missing altogether: the
+    whole check is skipped there, naming it."""
+    placed = spec.placement(device)
+    return device != "cpu" and missing_device(device) is None and placed is not None and not placed.on_gpus
+
+
+def _placement_note(plan: Plan, spec: str) -> str:
+    """Why the row of ``spec`` trained on the CPU, though the check named another device."""
+    regime = next((s for s in plan.specs if str(s) == spec), None)
+    placed = None if regime is None else regime.placement(plan.device)
+    return f"{placed.note}; the row's reference trains there too" if placed is not None and placed.note else ""
+
+
+def _with_kernels(precision: Precision, device: str, runner: IsolatedRunner | None) -> tuple[Precision, str]:
     """``precision`` on the kernel path this process can run (probed before its first run: kernels.py), and the
     note every outcome then carries where that is not the default path. A path that set oneDNN's variables
     reaches only processes forked from now on: the runner's child and the warm ranks are started afresh."""
     before = dict(os.environ)
-    chosen = precision.with_kernels()
+    chosen = precision.with_kernels(device)
     if dict(os.environ) != before:
         pool.shutdown_pools()
         if runner is not None:
@@ -263,13 +296,16 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
         raise
     except Exception as error:  # nothing can be compared with a reference that did not run
         crash, details = _crash(error)
+        verdict = Verdict.NONDETERMINISTIC if is_nondeterministic_kernel(error) else Verdict.ERROR
         why = f"the reference {reference} failed: {crash}"
-        yield from (Outcome(case.name, str(s), Verdict.ERROR, None, why, details=details) for s in plan.specs)
+        yield from (Outcome(case.name, str(s), verdict, None, why, details=details) for s in plan.specs)
         return
     self_check = compare(ref, rerun, tolerance=self_tolerance)
     ref_seconds = time.perf_counter() - started
     if not self_check.ok:
-        why = f"the reference {reference} disagrees with itself from run to run"
+        kernels = sorted(NONDETERMINISTIC_KERNELS)
+        why = f"the reference {reference} disagrees with itself from run to run" + (
+            f"; kernels torch has no deterministic form of ran: {', '.join(kernels)}" if kernels else "")
         yield from (Outcome(case.name, str(s), Verdict.NONDETERMINISTIC, self_check, why) for s in plan.specs)
         return
 
@@ -282,7 +318,7 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
     shadow = rounding.shadow_of(precision)
     shadow_reference = functools.cache(lambda: plan.run(reference, shadow, False))
     witnesses = functools.cache(lambda: [plan.run(reference, precision, False, order) for order in witness.ORDERS])
-    initial = functools.cache(lambda: initial_weights(case, precision, seed))
+    initial = functools.cache(lambda: initial_weights(case, precision, seed, plan.device))
     against = (lambda spec: Expected(ref, plan.tolerance(spec, loss_precision))) if streams else (lambda spec: None)
     for index, spec in enumerate(plan.specs):
         if spec == reference:
@@ -307,8 +343,10 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
             seconds = time.perf_counter() - started
             crash, details = _crash(error)
             declared = expected_mismatch(case, spec)
+            if is_nondeterministic_kernel(error):  # torch refused a kernel: no finding about the code either way
+                yield Outcome(case.name, str(spec), Verdict.NONDETERMINISTIC, None, crash, seconds, details=details)
             # A rank that died, hung or never started says nothing about the code: never a caught pitfall.
-            if declared is None or (isinstance(error, WorkerError) and not error.raised):
+            elif declared is None or (isinstance(error, WorkerError) and not error.raised):
                 yield Outcome(case.name, str(spec), Verdict.ERROR, None, crash, seconds, details=details)
             else:  # a declared pitfall that crashes has surfaced as surely as one that mismatches
                 yield Outcome(case.name, str(spec), Verdict.EXPECTED_MISMATCH, None,

@@ -32,6 +32,7 @@ from .runners.ranks import launcher
 from .errors import Interrupted, InvalidArgument, ResultsNotWritten
 from .runners.dispatch import DEFAULT_TIMEOUT
 from .precision import PUBLIC_PRECISIONS
+from .device import DEFAULT_DEVICE, DEVICES, chosen
 from .process.exit import exit_without_teardown
 from .render.progress import Progress
 from .regimes import REGIMES, spec_usage
@@ -93,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     running.add_argument("--markdown", metavar="PATH",
                          help="write a compact Markdown summary to PATH (e.g. $GITHUB_STEP_SUMMARY)")
     running.add_argument("--backend", choices=("gloo", "nccl"),
-                         help="process-group backend for distributed regimes (default: nccl with a GPU per rank, else gloo)")
+                         help="process-group backend for distributed regimes (default: with --device cuda, nccl with a "
+                              "GPU per rank where there are enough, else gloo)")
     running.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
                          help=f"limit for one distributed job on its ranks (default: {DEFAULT_TIMEOUT:g})")
     running.add_argument("--dtype", choices=PUBLIC_PRECISIONS, help="precision mode (default: each case's dtype)")
@@ -104,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     catalogue.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     auditing.add_argument("--case", action="append", metavar="NAME", help="a case to audit (repeatable; default: all)")
     auditing.add_argument("--json", metavar="PATH", help="also write the findings as JSON rows to PATH")
+    for sub in (running, catalogue, auditing, fielding):
+        sub.add_argument("--device", choices=DEVICES,
+                         help=f"where every run trains (default: {DEFAULT_DEVICE}); ranks take a GPU each where there "
+                              "are enough, else train over gloo on the CPU, the verdict saying so")
     for sub in (running, catalogue, auditing):
         sub.add_argument("--no-isolate", dest="isolate", action="store_false",
                          help="train in this process, not in a forked child: a debugger's breakpoints stop, but a run "
@@ -119,8 +125,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         with _sigterm_interrupts():
             for source in getattr(args, "cases_from", ()):
                 load_cases_from(source)
-            return {"list": _list, "run": _run, "catalogue": _catalogue, "audit": _audit,
-                    "field": _field}[args.command](args)
+            with chosen(getattr(args, "device", None)):
+                return {"list": _list, "run": _run, "catalogue": _catalogue, "audit": _audit,
+                        "field": _field}[args.command](args)
     except InvalidArgument as error:
         print(f"equivcheck: error: {error}", file=sys.stderr)
         return EXIT_USAGE

@@ -170,6 +170,10 @@ class BlindSpotWarning(EquivcheckWarning):
     than it seems. ``ec.audit(case)`` lists every class; silence with the ``warnings`` filters."""
 
 
+class IsolationWarning(EquivcheckWarning):
+    """A run the caller asked to isolate trained in the checking process: a crash there ends the check."""
+
+
 class PrecisionWarning(EquivcheckWarning):
     """The case asks for a precision its computation does not run in (a float64 case whose loss comes out
     in float32): the tolerance then assumes rounding the runs do not have."""

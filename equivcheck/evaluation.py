@@ -23,7 +23,6 @@ import math
 
 from .case import Case
 from .precision import Tolerance
-from .runners.dispatch import importable_source
 from .runners.ranks import launcher, pool
 from .runners.ranks.jobs import EvalJob
 from .errors import (BlindSpotWarning, InvalidArgument, NotEquivalent, Unavailable, expect_callable, expect_int,
@@ -31,7 +30,8 @@ from .errors import (BlindSpotWarning, InvalidArgument, NotEquivalent, Unavailab
 from .runners.evaluate import EvaluateFn, evaluate
 from .regimes.ddp import Ddp
 from .process.import_paths import import_path
-from .registry import resolve_case
+from .registry import importable_source, resolve_case
+from .device import DEFAULT_DEVICE
 from .process.seeding import DEFAULT_SEED
 from .process import threads as intra_op
 
@@ -139,9 +139,9 @@ def check_eval(case: Case | str, evaluate_fn: EvaluateFn, *, world_size: int = 2
         single = evaluate(case, evaluate_fn, seed=seed)
     job = EvalJob(case.name, source, path, seed)
     if launcher.active():
-        replies = launcher.run_job(group.resolved_backend, world_size, job)
+        replies = launcher.run_job(group.placement(DEFAULT_DEVICE).backend, world_size, job)
     else:
-        replies = pool.run_job(group.resolved_backend, world_size, job, timeout)
+        replies = pool.run_job(group.placement(DEFAULT_DEVICE).backend, world_size, job, timeout)
     report = _compare(case, path, world_size, single, replies, tolerance)
     if single["samples"] % world_size == 0:
         warn(BlindSpotWarning(

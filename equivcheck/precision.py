@@ -18,20 +18,23 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from .device import DEFAULT_DEVICE, DEVICES
+from .device import missing as missing_device
 from .errors import InvalidArgument, Unavailable, expect_tolerances
 from .process.kernels import DEFAULT, KernelPath, decide, needs_probe, path_named
 
 
 @dataclasses.dataclass(frozen=True)
 class Precision:
-    """How a run computes: parameter dtype, device, autocast dtype (forward and loss only), GradScaler."""
+    """How a run computes: parameter dtype, autocast dtype (forward and loss only), GradScaler; numerics only; where
+    a run trains is its device's (equivcheck.device), among the ``devices`` whose kernels this mode is defined on."""
 
     name: str
     dtype: torch.dtype
     rtol: float
     atol: float
     autocast: torch.dtype | None = None
-    device: str = "cpu"
+    devices: tuple[str, ...] = DEVICES
     grad_scaler: bool = False
     description: str = ""
     # The dtype the model and data are drawn in, where it is not ``dtype``: torch draws other random
@@ -44,52 +47,58 @@ class Precision:
     def kernel_path(self) -> KernelPath:
         return path_named(self.kernels or DEFAULT.name)
 
-    def with_kernels(self) -> Precision:
-        """This mode with its kernel path decided: probed in this process where it needs one (kernels.py).
-        Raises :class:`Unavailable` when no path survives its probe."""
-        if self.kernels is not None or not needs_probe(self):
+    @property
+    def default_device(self) -> str:
+        """Where a run in this mode trains when the caller names no device: the CPU where the mode is defined there."""
+        return DEFAULT_DEVICE if DEFAULT_DEVICE in self.devices else self.devices[0]
+
+    def with_kernels(self, device: str) -> Precision:
+        """This mode with its kernel path on ``device`` decided: probed in this process where it needs one
+        (kernels.py). Raises :class:`Unavailable` when no path survives its probe."""
+        if self.kernels is not None or not needs_probe(self, device):
             return self
         decision = decide(self)
         if decision.path is None:
             raise Unavailable(decision.note)
         return dataclasses.replace(self, kernels=decision.path.name)
 
-    def unavailable(self) -> str | None:
-        """Why this machine cannot run the mode (None when it can): never faked on other hardware."""
-        if self.device == "cuda" and not torch.cuda.is_available():
-            return f"precision {self.name!r} needs a CUDA device and torch.cuda.is_available() is False here"
-        return None
+    def unavailable(self, device: str) -> str | None:
+        """Why this machine cannot run the mode on ``device`` (None when it can): never faked on other hardware."""
+        if device not in self.devices:
+            return f"precision {self.name!r} is defined on {' and '.join(self.devices)} only, not device={device!r}"
+        missing = missing_device(device)
+        return f"precision {self.name!r}: {missing}" if missing else None
 
-    def prepare(self, model: nn.Module, device: torch.device | str | None = None) -> nn.Module:
+    def prepare(self, model: nn.Module, device: torch.device | str) -> nn.Module:
         """Move ``model`` to this mode's dtype and device; wrap each module's forward in autocast.
 
         Autocast wraps the forward passes only, never backward or the optimizer step (as AMP asks),
         and every module's, so a regime that calls a part of the model (a trunk, a head) gets it too.
         A complex parameter or buffer goes to the complex dtype of this mode's width, never to a real one.
         """
-        device = device or self.device
         if any(t.is_complex() for t in itertools.chain(model.parameters(), model.buffers())):
             model = model._apply(functools.partial(_moved, device=device, dtype=self.dtype))
         else:  # through the model's own ``to``, which a model may extend (a LightningModule notes its dtype there)
             model = model.to(device=device, dtype=self.dtype)
         if self.autocast is not None:
             for module in model.modules():
-                module.forward = self.autocasting(module.forward)
+                module.forward = self.autocasting(module.forward, device)
         return model
 
-    def autocasting(self, function: Callable) -> Callable:
-        """``function`` run under this mode's autocast (a fresh context per call, so nesting is safe)."""
+    def autocasting(self, function: Callable, device: torch.device | str) -> Callable:
+        """``function`` run under this mode's autocast on ``device`` (a fresh context per call, so nesting is safe)."""
         if self.autocast is None:
             return function
+        device_type = torch.device(device).type
 
         @functools.wraps(function)
         def autocast_call(*args, **kwargs):
-            with torch.autocast(self.device, dtype=self.autocast):
+            with torch.autocast(device_type, dtype=self.autocast):
                 return function(*args, **kwargs)
 
         return autocast_call
 
-    def grad_scaler_for(self) -> torch.amp.GradScaler:
+    def grad_scaler_for(self, device: torch.device | str) -> torch.amp.GradScaler:
         """The loss scaler every regime goes through: enabled only in modes that need one (float16).
 
         It starts at 2^8, not torch's 2^16: at 2^16 small cases overflow in their first steps, and
@@ -97,7 +106,7 @@ class Precision:
         batch and accumulation took different steps (measured on an H100: 7 of 150 drawn faithful
         configurations). Any power of two scales exactly; the scale still multiplies every backward.
         """
-        return torch.amp.GradScaler(self.device, init_scale=GRAD_SCALER_INIT, enabled=self.grad_scaler)
+        return torch.amp.GradScaler(torch.device(device).type, init_scale=GRAD_SCALER_INIT, enabled=self.grad_scaler)
 
 
 GRAD_SCALER_INIT = 2.0**8
@@ -117,8 +126,8 @@ PRECISIONS: dict[str, Precision] = {p.name: p for p in (
     Precision("float64", torch.float64, rtol=1e-7, atol=1e-7, description="the default; torch.testing's float64 tolerance"),
     Precision("float32", torch.float32, rtol=1.3e-6, atol=1e-5, description="torch.testing's float32 tolerance"),
     Precision("bf16-autocast", torch.float32, rtol=1.6e-2, atol=2**-8, autocast=torch.bfloat16,
-              description="float32 weights, bfloat16 autocast on CPU"),
-    Precision("fp16-autocast", torch.float32, rtol=2**-9, atol=2**-11, autocast=torch.float16, device="cuda",
+              description="float32 weights, bfloat16 autocast"),
+    Precision("fp16-autocast", torch.float32, rtol=2**-9, atol=2**-11, autocast=torch.float16, devices=("cuda",),
               grad_scaler=True, description="float32 weights, float16 autocast and GradScaler on CUDA"),
     Precision(SHADOW, torch.float64, rtol=1e-7, atol=1e-7, draw_dtype=torch.float32,
               description="float64 from the float32 draws: the exact maths beside a float32 or autocast run"),

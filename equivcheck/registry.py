@@ -54,6 +54,17 @@ def case_source(name: str) -> str:
     importable = module not in ("__main__", "__mp_main__") and not module.startswith(FILE_MODULE_PREFIX)
     return module if importable and importlib.util.find_spec(module) is not None else str(file)
 
+def importable_source(case: Case) -> str:
+    """Where another process (a rank, a clean child) imports ``case`` from: it must be the case registered under its
+    name."""
+    if all_cases().get(case.name) is not case:
+        raise InvalidArgument(
+            f"case={case.name!r} is not allowed here: worker processes import cases themselves, so distributed "
+            "checks need a case registered with equivcheck.register_case at the top level of a module or file"
+        )
+    return case_source(case.name)
+
+
 def all_cases() -> dict[str, Case]:
     """Every registered case, built-in ones first, by name."""
     _load_builtins()

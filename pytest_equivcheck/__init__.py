@@ -48,7 +48,7 @@ def _load(settings: Settings) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    from equivcheck.regimes.ddp import auto_backend
+    from equivcheck.device import DEFAULT_DEVICE, auto_backend
 
     settings = config.stash[SETTINGS]
     seed = settings.seed if settings.seed is not None else 0
@@ -61,8 +61,9 @@ def pytest_report_header(config: pytest.Config) -> str:
         world_sizes = ",".join(map(str, sizes)) + " (generated tests)"
     else:
         world_sizes = "per test"
-    return (f"equivcheck: seed {seed}, torch {metadata.version('torch')}, backend {auto_backend()}, "
-            f"dtype {settings.dtype or 'per case'}, world sizes {world_sizes}")
+    device = settings.device or DEFAULT_DEVICE
+    return (f"equivcheck: seed {seed}, torch {metadata.version('torch')}, device {device}, "
+            f"backend {auto_backend(device)}, dtype {settings.dtype or 'per case'}, world sizes {world_sizes}")
 
 
 USAGE_ERROR = "equivcheck_usage_error"  # what an xdist worker met at collection, for the controller to raise

@@ -52,7 +52,7 @@ class Checker:
         """Audit ``case`` (``ec.audit``); fail the test unless it catches every class of bug named in ``require``
         (a part of the class's name: ``"token normalisation"``)."""
         found = ec.audit(case, seed=self._defaults.get("seed", ec.DEFAULT_SEED), timeout=self._defaults.get("timeout"),
-                         isolate=self._defaults.get("isolate", True))
+                         isolate=self._defaults.get("isolate", True), device=self._defaults.get("device"))
         missing = []
         for wanted in [require] if isinstance(require, str) else require:
             matching = [f for f in found.findings if wanted in f.pitfall]

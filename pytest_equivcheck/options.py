@@ -15,14 +15,15 @@ import pytest
 # equivcheck.precision.PUBLIC_PRECISIONS, written out so that loading the plugin imports no torch: the modes a user
 # chooses from (the float64 shadows are equivcheck's own, run beside a low-precision check, never asked for).
 DTYPES = ("float64", "float32", "bf16-autocast", "fp16-autocast")
+DEVICES = ("cpu", "cuda")  # equivcheck.device.DEVICES
 # equivcheck.errors' bounds, written out for the same reason.
 MAX_TIMEOUT = 86_400.0
 MAX_SEED = 2**32 - 1
 # The keywords @pytest.mark.equivcheck(...) accepts: per-test defaults for the fixture's checks.
-MARKER_KEYWORDS = ("reference", "rtol", "atol", "seed", "dtype", "timeout", "threads", "isolate")
+MARKER_KEYWORDS = ("reference", "rtol", "atol", "seed", "dtype", "timeout", "threads", "isolate", "device")
 MARKER_HELP = (
     f"equivcheck(reference=SPEC, rtol=R, atol=A, seed=N, dtype={'|'.join(repr(d) for d in DTYPES)}, timeout=SECONDS, "
-    "threads=N, isolate=True|False): "
+    "threads=N, isolate=True|False, device='cpu'|'cuda'): "
     "defaults for the equivcheck fixture's checks in this test"
 )
 
@@ -39,6 +40,9 @@ def add_options(parser: pytest.Parser) -> None:
                     help="import a .py file or module that registers cases (repeatable)")
     group.addoption("--equivcheck-dtype", choices=DTYPES, default=None,
                     help="train every case in this precision mode (default: each case's own dtype)")
+    group.addoption("--equivcheck-device", choices=DEVICES, default=None,
+                    help="where every check trains (default: cpu; cuda: ranks take a GPU each where there are enough, "
+                         "else train over gloo on the CPU, the verdict saying so)")
     group.addoption("--equivcheck-seed", type=int, default=None, metavar="N", help="seed of every check (default: 0)")
     group.addoption("--equivcheck-rtol", type=float, default=None, metavar="R",
                     help="relative tolerance of every check (with --equivcheck-atol)")
@@ -81,6 +85,7 @@ class Settings:
     html: str | None = None
     markdown: str | None = None
     plots: str = "failures"
+    device: str | None = None
 
     @classmethod
     def from_config(cls, config: pytest.Config) -> Settings:
@@ -90,6 +95,7 @@ class Settings:
             dtype=option("dtype"), seed=option("seed"), rtol=option("rtol"), atol=option("atol"),
             timeout=option("timeout"), threads=option("threads"), json=option("json"), html=option("html"),
             markdown=option("markdown"), isolate=not option("no-isolate"), plots=option("plots"),
+            device=option("device"),
         )
         settings.validate("--equivcheck-")
         return settings
@@ -102,7 +108,7 @@ class Settings:
     def defaults(self) -> dict[str, object]:
         """The keyword defaults a check takes from the command line (None: not given)."""
         return {"seed": self.seed, "rtol": self.rtol, "atol": self.atol, "dtype": self.dtype, "timeout": self.timeout,
-                "threads": self.threads, "isolate": self.isolate}
+                "threads": self.threads, "isolate": self.isolate, "device": self.device}
 
     def validate(self, prefix: str) -> None:
         validate_values(self.defaults(), prefix)
@@ -136,6 +142,9 @@ def validate_values(values: Mapping[str, object], prefix: str) -> None:
     dtype = values.get("dtype")
     if dtype is not None and dtype not in DTYPES:
         fail("dtype", " or ".join(repr(d) for d in DTYPES))
+    device = values.get("device")
+    if device is not None and device not in DEVICES:
+        fail("device", " or ".join(repr(d) for d in DEVICES))
     reference = values.get("reference")
     if reference is not None and not isinstance(reference, str) and not callable(reference):
         fail("reference", "a regime spec str or a step function")

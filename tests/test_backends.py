@@ -43,8 +43,11 @@ def test_fsdp2_with_one_rank_calls_no_collective_and_that_is_faithful():
     assert every.verdict is Verdict.COMMUNICATION and every.result.syncs == (15, 15, 15)
 
 
-def test_fsdp2_in_a_cuda_mode_without_a_gpu_per_rank_is_skipped_with_its_reason(monkeypatch):
-    """Two gloo ranks sharing one GPU under FSDP2 crashed (SIGSEGV) on a 1-GPU machine: never dispatched."""
-    monkeypatch.setattr(Precision, "unavailable", lambda self: None)  # as on a CUDA machine: nothing may train here
-    with pytest.raises(ec.Unavailable, match="^FSDP2 in fp16-autocast needs a GPU per rank: 2 asked"):
+def test_a_cuda_only_mode_on_ranks_without_a_gpu_each_is_skipped_with_its_reason(monkeypatch):
+    """Two gloo ranks sharing one GPU under FSDP2 crashed (SIGSEGV) on a 1-GPU machine: ranks that cannot have a GPU
+    each train over gloo on the CPU, where fp16-autocast is not defined: never dispatched."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # one GPU, as far as placement can tell
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ec.Unavailable, match="^precision 'fp16-autocast' trains on cuda only, and device='cuda': 2 "
+                                             "ranks need a GPU each and 1 is here"):
         ec.run("block_stack", "fsdp:world_size=2", dtype="fp16-autocast")

@@ -73,7 +73,7 @@ def test_fp16_autocast_is_skipped_with_its_reason_without_cuda(rows):
     fp16 = by_mode(rows, "fp16-autocast")
     assert fp16 and all(row.skipped and not row.shortfalls for row in fp16)
     assert "needs a CUDA device" in fp16[0].pitfall.reason
-    assert "skipped: precision 'fp16-autocast' needs a CUDA device" in render_catalogue(fp16)
+    assert "skipped: precision 'fp16-autocast': device='cuda' needs a CUDA device" in render_catalogue(fp16)
 
 
 def test_hints_name_the_pitfall(rows):

@@ -124,7 +124,7 @@ def test_a_trunk_with_nothing_to_train_is_not_wrapped(spec):
 def test_data_parallel_regime_code_runs_where_data_parallel_passes_through(monkeypatch):
     """Without CUDA, nn.DataParallel calls its module directly: this runs the regime's own code (the wrapping,
     the parts, the chunks, the trunk's backward) on the CPU, never a verdict on DataParallel itself."""
-    monkeypatch.setattr(DataParallelDetachedPartial, "device", lambda self: torch.device("cpu"))
+    monkeypatch.setattr(DataParallelDetachedPartial, "device", lambda self, asked="cpu": torch.device("cpu"))
     wrapped = train(CASE, "data_parallel_detached_partial:chunks=3")
     plain = train(CASE, "detached_partial:chunks=3")
     for step, grads in enumerate(plain.grads):

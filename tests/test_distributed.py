@@ -17,7 +17,7 @@ import equivcheck as ec
 from equivcheck import Verdict
 from equivcheck.runners.ranks import forker as forkers
 from equivcheck.runners.ranks import pool as pools
-from equivcheck.regimes.ddp import auto_backend
+from equivcheck.device import auto_backend
 
 import fault_cases  # noqa: F401  (registers the fault_* cases; workers import it by name)
 from processes import alive
@@ -93,7 +93,8 @@ def test_data_parallel_runs_on_two_or_more_usable_gpus_only(monkeypatch, availab
 def test_auto_backend_in_words_for_the_gpus_this_machine_can_use(monkeypatch, available, count, words):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
-    assert auto_backend() == words
+    assert auto_backend("cuda") == words
+    assert auto_backend("cpu") == "gloo"  # a check on the CPU trains its ranks there, whatever GPUs the machine has
 
 
 def test_data_parallel_wraps_in_nn_data_parallel_with_the_model_on_the_first_gpu():

@@ -95,10 +95,10 @@ def test_the_plugin_offers_every_public_precision_mode():
 
 def test_a_case_resting_on_the_cpu_generator_is_skipped_where_a_mode_trains_on_cuda(monkeypatch):
     """dropout_one_layer is exact only in the CPU generator's draw order: on CUDA it would be a false alarm."""
-    monkeypatch.setattr(Precision, "unavailable", lambda self: None)  # as on a CUDA machine: nothing may train here
+    monkeypatch.setattr(Precision, "unavailable", lambda self, device: None)  # as on a CUDA machine: nothing trains
     (outcome,) = ec.check("dropout_one_layer", ["accumulate:chunks=4"], dtype="fp16-autocast").outcomes
     assert outcome.verdict is Verdict.SKIPPED
-    assert "dropout_one_layer: one dropout layer draws" in outcome.reason and "trains on cuda" in outcome.reason
+    assert "dropout_one_layer: one dropout layer draws" in outcome.reason and "device='cuda'" in outcome.reason
 
 
 def test_the_grad_scaler_goes_through_the_ddp_family_on_the_ranks():

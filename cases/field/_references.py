@@ -1,7 +1,9 @@
 """References the field's modules share: the training a reported step must equal, where plain full batch is not it."""
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 
 
 def clipped_once(max_norm):
@@ -19,3 +21,11 @@ def clipped_once(max_norm):
         return loss.detach()
 
     return clipped_full_batch
+
+
+def mesh_where(model, shape=None, names=None):
+    """The device mesh a team builds for ``model`` where the model lives (its ranks' device: the CPU under gloo), over
+    every rank unless ``shape`` says otherwise: FSDP2's own default picks CUDA wherever CUDA exists, and would move
+    the model of a gloo rank away from its batch."""
+    return init_device_mesh(next(model.parameters()).device.type, shape or (dist.get_world_size(),),
+                            mesh_dim_names=names)

@@ -16,6 +16,7 @@ from torch.distributed.fsdp import fully_shard
 
 import equivcheck as ec
 from equivcheck.suites.field import Bug
+from equivcheck_cases.field._references import mesh_where
 
 BUG = Bug("huggingface/accelerate", "pull", 2790, "fsdp",
           "sync_each_batch set sync_gradients, which also gates the optimizer: a step every micro-batch")
@@ -24,11 +25,12 @@ ACCUMULATION_STEPS = 3  # each rank's 6 samples of block_stack's 12: micro-batch
 
 
 def shard_every_block(model):
-    """The team's FSDP2 wrap: every top-level block, then the root."""
+    """The team's FSDP2 wrap: every top-level block, then the root, on a mesh where the model lives."""
+    mesh = mesh_where(model)
     for block in model.children():
         if any(True for _ in block.parameters()):
-            fully_shard(block)
-    return fully_shard(model)
+            fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 class Accelerator:

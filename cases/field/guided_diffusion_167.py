@@ -8,6 +8,9 @@ extra draws moved the global RNG stream, so later steps drew other masks as well
 differentiates the forward that produced the loss. The issue is still open; the fix it proposes, used here, stashes
 the CPU RNG state in ``forward`` and re-runs the block in ``backward`` under ``torch.random.fork_rng`` with that
 state restored, so the recomputation draws the same masks and leaves the global stream where the forward left it.
+That proposal stashes the CPU generator only: on a GPU dropout draws from the device's generator, and equivcheck
+with ``--device cuda`` catches the proposal as still wrong there (margin 2.4e+06, an H200). The fix here stashes the
+generator of the device the block runs on, as ``torch.utils.checkpoint`` does.
 """
 
 import torch
@@ -34,7 +37,8 @@ class CheckpointFunction(torch.autograd.Function):
         ctx.run_function = run_function
         ctx.input_tensors = list(args[:length])
         ctx.input_params = list(args[length:])
-        ctx.rng_state = torch.get_rng_state() if restores_rng else None  # the proposed fix
+        ctx.device = args[0].device
+        ctx.rng_state = _generator_state(ctx.device) if restores_rng else None  # the proposed fix, on any device
         with torch.no_grad():
             output_tensors = ctx.run_function(*ctx.input_tensors)
         return output_tensors
@@ -42,15 +46,27 @@ class CheckpointFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *output_grads):
         ctx.input_tensors = [x.detach().requires_grad_(True) for x in ctx.input_tensors]
-        with torch.random.fork_rng(devices=[], enabled=ctx.rng_state is not None), torch.enable_grad():
+        devices = [ctx.device] if ctx.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, enabled=ctx.rng_state is not None), torch.enable_grad():
             if ctx.rng_state is not None:
-                torch.set_rng_state(ctx.rng_state)
+                _set_generator_state(ctx.device, ctx.rng_state)
             shallow_copies = [x.view_as(x) for x in ctx.input_tensors]
             output_tensors = ctx.run_function(*shallow_copies)
         input_grads = torch.autograd.grad(output_tensors, ctx.input_tensors + ctx.input_params, output_grads,
                                           allow_unused=True)
         del ctx.input_tensors, ctx.input_params, output_tensors
         return (None, None, None) + input_grads
+
+
+def _generator_state(device):
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_generator_state(device, state):
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
 
 
 def train_step(model, optimizer, batch, restores_rng=True):

@@ -18,6 +18,7 @@ from torch.distributed.fsdp import fully_shard
 
 import equivcheck as ec
 from equivcheck.suites.field import Bug
+from equivcheck_cases.field._references import mesh_where
 
 BUG = Bug("NVIDIA/Megatron-LM", "pull", 3023, "fsdp",
           "1/DP applied to the accumulated grad shard, not the new reduced bucket: the factor compounds")
@@ -27,10 +28,11 @@ MICRO_BATCHES = 3  # each rank's 6 samples of block_stack's 12: micro-batches of
 
 def shard_summing(model):
     """The team's wrap: FSDP2 on every block and the root, its reduce-scatter summing over ranks (the step averages)."""
+    mesh = mesh_where(model)
     for block in model.children():
         if any(True for _ in block.parameters()):
-            fully_shard(block).set_gradient_divide_factor(1.0)
-    root = fully_shard(model)
+            fully_shard(block, mesh=mesh).set_gradient_divide_factor(1.0)
+    root = fully_shard(model, mesh=mesh)
     root.set_gradient_divide_factor(1.0)
     return root
 

@@ -18,7 +18,7 @@ from torch.distributed.fsdp import fully_shard
 
 import equivcheck as ec
 from equivcheck.suites.field import Bug
-from equivcheck_cases.field._references import clipped_once
+from equivcheck_cases.field._references import clipped_once, mesh_where
 
 BUG = Bug("ByteDance-Seed/VeOmni", "issue", 184, "fsdp",
           "HSDP clip norm all-reduced over replicate x shard: norm sqrt(R) too large, over-clipped",
@@ -31,9 +31,7 @@ MAX_NORM = 0.5  # below block_stack's gradient norm at every step: clipping enga
 
 def hsdp(model):
     """The team's HSDP wrap: 2 replicas of W/2 shards (dp_replicate x dp_shard), every block, then the root."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    mesh = init_device_mesh(device, (REPLICAS, dist.get_world_size() // REPLICAS),
-                            mesh_dim_names=("dp_replicate", "dp_shard"))
+    mesh = mesh_where(model, (REPLICAS, dist.get_world_size() // REPLICAS), ("dp_replicate", "dp_shard"))
     for block in model.children():
         if any(True for _ in block.parameters()):
             fully_shard(block, mesh=mesh)

@@ -4,7 +4,7 @@ oneDNN picks its CPU kernels by the instructions a CPU advertises. On some virtu
 its bf16 brgemm kernels die of SIGILL at their first tile instruction, and take the process with them. So a
 process probes a CPU autocast precision before its first run: a forward and backward of what autocast sends
 to those kernels (linear, convolution, batched matmul, LSTM), at sizes that take the fast paths, in a forked
-child. Where the child dies, the next path is probed:
+child (a fresh interpreter on a machine with a GPU, where a fork of a process that trained cannot run backward). Where the child dies, the next path is probed:
 
 1. torch's default kernels;
 2. oneDNN capped below AMX (``ONEDNN_MAX_CPU_ISA``). oneDNN reads it once, at its first kernel, so it works only
@@ -23,15 +23,19 @@ import dataclasses
 import faulthandler
 import os
 import signal
+import subprocess
 import sys
 import time
+import types
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 
+from .forking import fork_is_safe
 from ..errors import InvalidArgument
 from .exit import exit_words
+from .import_paths import WITHOUT_WORKING_DIRECTORY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,8 +104,9 @@ def decisions() -> dict[str, Decision]:
     return dict(_decisions)
 
 
-def needs_probe(precision) -> bool:
-    return precision.autocast is not None and precision.device == "cpu"
+def needs_probe(precision, device: str) -> bool:
+    """Only the CPU's autocast kernels die with their process (a GPU kernel's fault reaches Python as an exception)."""
+    return precision.autocast is not None and device == "cpu"
 
 
 def decide(precision) -> Decision:
@@ -121,9 +126,12 @@ def decide(precision) -> Decision:
 
 
 def probe(precision, path: KernelPath) -> str:
-    """Run :func:`probe_kernels` on ``path`` in a forked child: ``'ran'``, or how the child died."""
+    """Run :func:`probe_kernels` on ``path`` in a child: ``'ran'``, or how the child died. The child is a fork of this
+    process where that child can run backward (a machine without a GPU: equivcheck.device), else a fresh interpreter."""
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
+    if not fork_is_safe():
+        return _probe_in_fresh_interpreter(precision, path)
     pid = os.fork()
     if pid == 0:
         try:
@@ -138,13 +146,46 @@ def probe(precision, path: KernelPath) -> str:
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
-            code = os.waitstatus_to_exitcode(status)
-            return "ran" if code == 0 else f"died ({exit_words(code)})"
+            return _how(os.waitstatus_to_exitcode(status))
         if time.monotonic() > deadline:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-            return f"hung past {PROBE_SECONDS:g} s"
+            return _hung()
         time.sleep(0.002)
+
+
+def _how(code: int) -> str:
+    return "ran" if code == 0 else f"died ({exit_words(code)})"
+
+
+def _hung() -> str:
+    return f"hung past {PROBE_SECONDS:g} s"
+
+
+PROBE_COMMAND = WITHOUT_WORKING_DIRECTORY + "from equivcheck.process.kernels import probe_main; probe_main()"
+
+
+def _probe_in_fresh_interpreter(precision, path: KernelPath) -> str:
+    """The probe in a new interpreter (a second's import of torch): on a machine with a GPU no fork of a process that
+    may have trained can run backward."""
+    try:
+        autocast = str(precision.autocast).removeprefix("torch.")
+        done = subprocess.run([sys.executable, "-c", PROBE_COMMAND, autocast, path.name],
+                              env=os.environ | dict(path.environment) | {"PYTHONPATH": os.pathsep.join(sys.path)},
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              timeout=PROBE_SECONDS)
+    except subprocess.TimeoutExpired:
+        return _hung()
+    return _how(done.returncode)
+
+
+def probe_main() -> None:
+    """The fresh interpreter's probe: the autocast dtype and the path are named by the command line."""
+    faulthandler.disable()
+    torch.set_num_threads(1)
+    autocast, path = sys.argv[1:3]
+    with path_named(path).applied():
+        probe_kernels(types.SimpleNamespace(autocast=getattr(torch, autocast)))
 
 
 def probe_kernels(precision) -> None:
@@ -157,7 +198,7 @@ def probe_kernels(precision) -> None:
                  (lambda x: torch.bmm(x, x.transpose(1, 2)), torch.randn(8, 64, 64, requires_grad=True))]
     for forward, inputs in workloads:
         with contextlib.suppress(Exception):  # an op that raises kills nothing: the runs will say what it raised
-            with torch.autocast(precision.device, dtype=precision.autocast):
+            with torch.autocast("cpu", dtype=precision.autocast):
                 output = forward(inputs)
                 output = output[0] if isinstance(output, tuple) else output
             output.float().square().mean().backward()

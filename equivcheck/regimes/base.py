@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ..case import Batch, Case, Objective
+from ..device import DEFAULT_DEVICE, RankPlacement
 from ..errors import InvalidArgument, expect_int, expect_number
 from ..precision import Precision, Tolerance
 
@@ -110,17 +111,24 @@ class Regime:
         gradients, presumably to save memory (which the harness then measures)."""
         return 1
 
-    def unavailable(self) -> str | None:
-        """Why this machine cannot run the regime (missing GPUs), or None: the check is skipped, not faked."""
+    def unavailable(self, device: str = DEFAULT_DEVICE) -> str | None:
+        """Why this machine cannot run the regime for a check on ``device`` (missing GPUs), or None: the check is
+        skipped, not faked."""
         return None
 
-    def unavailable_in(self, precision: Precision) -> str | None:
-        """Why this machine cannot run the regime in ``precision`` (a CUDA mode), or None."""
+    def unavailable_in(self, precision: Precision, device: str = DEFAULT_DEVICE) -> str | None:
+        """Why this machine cannot run the regime in ``precision`` on ``device``, or None."""
         return None
 
-    def device(self) -> torch.device:
-        """Where this process trains: the CPU, or its own GPU under nccl or DataParallel."""
-        return torch.device("cpu")
+    def placement(self, device: str) -> RankPlacement | None:
+        """Where the ranks of a distributed regime train for a check on ``device`` (equivcheck.device's rule); None:
+        this process trains the run."""
+        return None
+
+    def device(self, asked: str = DEFAULT_DEVICE) -> torch.device:
+        """Where this process trains for a check on ``asked``: that device, a rank's own under nccl (every rank
+        regime), or DataParallel's first GPU."""
+        return torch.device(asked)
 
     def wrap(self, model: nn.Module, objective: Objective) -> nn.Module:
         """The module ``train_step`` drives: the model itself, or a DDP / DataParallel wrapper around it

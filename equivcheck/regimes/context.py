@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..case import Case
+from ..device import DEFAULT_DEVICE
 from ..errors import InvalidArgument
 from ..process.import_paths import WITHOUT_WORKING_DIRECTORY
 from ..process.seeding import DEFAULT_SEED, seeded
@@ -172,8 +173,8 @@ class ContextParallel(Distributed):
                 f"regime {str(self)!r} on case {case.name!r}: its sequences of {shapes[0][1]} do not divide over "
                 f"world_size={self.world_size}")
 
-    def unavailable_in(self, precision) -> str | None:
-        device = "cuda" if precision.device == "cuda" or self.resolved_backend == "nccl" else "cpu"
+    def unavailable_in(self, precision, device: str = DEFAULT_DEVICE) -> str | None:
+        device = "cuda" if self.placement(device).on_gpus else "cpu"
         dtype = str(attention_dtype(precision)).removeprefix("torch.")
         return self.probed(device, dtype).reason()
 

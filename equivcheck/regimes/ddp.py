@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..case import Batch, Case, Objective
+from ..device import BACKENDS, DEFAULT_DEVICE, RankPlacement, gpus, place_ranks, rank_device
 from ..errors import InvalidArgument, expect_int, expect_number
 from ..measure.collectives import attach_counter
 from ..process.torch_imports import is_dtensor
@@ -28,16 +29,6 @@ from .aligned_dropout import aligned_dropout
 from .base import CommunicationCounter, Pitfall, Regime, finish_step
 from .local import FullBatch
 from .loop import backward_chunks
-
-BACKENDS = ("auto", "gloo", "nccl")
-
-
-def auto_backend() -> str:
-    """What backend 'auto' means on this machine, in words (report headers): nccl for a world size
-    with a GPU for every rank, gloo beyond."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return "gloo" if gpus == 0 else f"nccl up to {gpus} rank{'s' * (gpus > 1)} (a GPU each), gloo beyond"
-
 
 def shard(batch: Batch, rank: int, world_size: int) -> Batch:
     """This rank's contiguous slice of the global batch."""
@@ -68,24 +59,17 @@ class Distributed(Regime):
                 f"an integer from 1 to {case.batch_size} (the case's batch_size: every rank needs a sample)"
             )
 
-    @property
-    def resolved_backend(self) -> str:
-        """'auto' means nccl where every rank can have its own GPU, gloo on the CPU otherwise."""
-        if self.backend != "auto":
-            return self.backend
-        return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= self.world_size else "gloo"
+    def placement(self, device: str) -> RankPlacement:
+        return place_ranks(self.world_size, device, self.backend)
 
-    def unavailable(self) -> str | None:
-        if self.resolved_backend == "nccl":
-            found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            if found < self.world_size:
-                return f"nccl needs one CUDA device per rank: {self.world_size} asked, {found} found"
+    def unavailable(self, device: str = DEFAULT_DEVICE) -> str | None:
+        if self.placement(device).on_gpus and gpus() < self.world_size:
+            return f"nccl needs one CUDA device per rank: {self.world_size} asked, {gpus()} found"
         return None
 
-    def device(self) -> torch.device:
-        if self.resolved_backend == "nccl":
-            return torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
-        return torch.device("cpu")
+    def device(self, asked: str = DEFAULT_DEVICE) -> torch.device:
+        """A rank's own: its GPU under nccl, else the CPU (the placement chose the group's backend)."""
+        return rank_device(dist.get_backend(), dist.get_rank())
 
     def ddp_options(self) -> dict:
         return {}
@@ -95,7 +79,7 @@ class Distributed(Regime):
 
     def ddp(self, module: nn.Module) -> DistributedDataParallel:
         """``module`` in DistributedDataParallel with this regime's options, on this rank's device."""
-        device_ids = [self.device().index] if self.resolved_backend == "nccl" else None
+        device_ids = [self.device().index] if dist.get_backend() == "nccl" else None
         return DistributedDataParallel(module, device_ids=device_ids, **self.ddp_options())
 
     def count_communication(self, module: nn.Module) -> CommunicationCounter:
@@ -259,11 +243,10 @@ class OnEveryGpu:
     """Where nn.DataParallel trains: over every visible GPU, the model kept on the first. It needs two or
     more; with fewer its regimes are skipped with that reason, never emulated."""
 
-    def unavailable(self) -> str | None:
-        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        return None if found >= 2 else f"DataParallel needs at least 2 CUDA devices; {found} found"
+    def unavailable(self, device: str = DEFAULT_DEVICE) -> str | None:
+        return None if gpus() >= 2 else f"DataParallel needs at least 2 CUDA devices; {gpus()} found"
 
-    def device(self) -> torch.device:
+    def device(self, asked: str = DEFAULT_DEVICE) -> torch.device:
         return torch.device("cuda", 0)
 
 

@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from ..case import Objective
+from ..device import DEFAULT_DEVICE
 from ..errors import InvalidArgument, expect_int
 from ..process.torch_imports import fsdp2, fsdp2_missing
 from .base import Pitfall
@@ -45,15 +46,8 @@ class ShardedByFsdp:
     reshard_after_forward: bool
     sync_collective = "reduce-scattered"
 
-    def unavailable(self) -> str | None:
-        return fsdp2_missing() or super().unavailable()
-
-    def unavailable_in(self, precision) -> str | None:
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if precision.device == "cuda" and gpus < self.world_size:
-            return (f"FSDP2 in {precision.name} needs a GPU per rank: {self.world_size} asked, {gpus} found "
-                    "(two gloo ranks sharing one GPU crashed with SIGSEGV: measured on an H100, torch 2.11)")
-        return None
+    def unavailable(self, device: str = DEFAULT_DEVICE) -> str | None:
+        return fsdp2_missing() or super().unavailable(device)
 
     @property
     def syncs_per_step(self) -> int:

@@ -49,10 +49,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..case import Batch, Case, Objective
+from ..device import BACKENDS, DEFAULT_DEVICE, RankPlacement
 from ..errors import InvalidArgument, expect_int
 from ..measure.collectives import StepTraffic, uncounted
 from .base import CommunicationCounter, Pitfall, Regime, finish_step
-from .ddp import BACKENDS
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -173,18 +173,14 @@ class Pipeline(Regime):
     def stages_per_rank(self) -> int:
         return 2 if self.schedule == "interleaved" else 1
 
-    @property
-    def resolved_backend(self) -> str:
-        return "gloo" if self.backend == "auto" else self.backend
+    def placement(self, device: str) -> RankPlacement:
+        """Gloo ranks on the CPU whatever the check's device: a pipeline's stages over nccl are not measured here."""
+        return RankPlacement("gloo", "" if device == "cpu" else
+                             "pipeline regimes run on the CPU over gloo only: its stages train on the CPU")
 
-    def unavailable(self) -> str | None:
-        if self.resolved_backend != "gloo":
+    def unavailable(self, device: str = DEFAULT_DEVICE) -> str | None:
+        if self.backend == "nccl":
             return "pipeline regimes run on the CPU over gloo only (nccl is not measured here)"
-        return None
-
-    def unavailable_in(self, precision) -> str | None:
-        if precision.device != "cpu":
-            return f"pipeline regimes run on the CPU over gloo only: {precision.name} trains on {precision.device}"
         return None
 
     def micro_batches(self, case: Case) -> int:

@@ -10,6 +10,7 @@ import dataclasses
 from torch import nn
 
 from ..case import Objective
+from ..device import DEFAULT_DEVICE
 from .ddp import Ddp
 
 # What DistributedDataParallel raises for a SyncBatchNorm module on the CPU (torch 2.13).
@@ -21,11 +22,11 @@ class SyncBatchNorm(Ddp):
     name = "sync_batchnorm"
     summary = "ddp with every BatchNorm converted to SyncBatchNorm: global-batch statistics on every rank (GPUs only)"
 
-    def unavailable(self) -> str | None:
-        if self.resolved_backend != "nccl":
+    def unavailable(self, device: str = DEFAULT_DEVICE) -> str | None:
+        if not self.placement(device).on_gpus:
             return (f"torch: {TORCH_REFUSAL!r}; it needs nccl with a CUDA device per rank "
-                    f"({self.world_size} asked)")
-        return super().unavailable()
+                    f"({self.world_size} asked, device={device!r})")
+        return super().unavailable(device)
 
     def wrap(self, model: nn.Module, objective: Objective) -> nn.Module:
         return self.ddp(nn.SyncBatchNorm.convert_sync_batchnorm(model))

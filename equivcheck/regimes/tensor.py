@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from ..case import Case
+from ..device import DEFAULT_DEVICE
 from .fsdp import shard_blocks
 from .ddp import shard
 from ..errors import InvalidArgument, expect_int
@@ -372,8 +373,8 @@ class DpTpMesh:
                                   f"an integer from 1 to {case.batch_size} (the case's batch_size: every group needs "
                                   "a sample)")
 
-    def unavailable(self) -> str | None:
-        return fsdp2_missing() or super().unavailable()
+    def unavailable(self, device: str = DEFAULT_DEVICE) -> str | None:
+        return fsdp2_missing() or super().unavailable(device)
 
     def wrap(self, model: nn.Module, objective) -> nn.Module:
         """The regime's plan over ``tp`` (``over_tp``), then FSDP2 over ``dp`` on every block and the root."""

@@ -20,7 +20,7 @@ from .._version import __version__
 from .text import AS_EXPECTED, LABELS, overview_table
 from .rows import kernel_paths
 from ..judge.verdict import Status, Verdict
-from ..regimes.ddp import auto_backend
+from ..device import auto_backend
 
 PLOTS_MISSING = "Divergence plots need matplotlib: pip install 'equivcheck[report]'."
 STYLE = """

@@ -11,9 +11,9 @@ from ..judge.compare import Expected
 from .ranks import launcher, pool, shared_reference
 from .ranks.jobs import TrainJob
 from ..errors import InvalidArgument, Unavailable, expect_timeout
-from .isolation import IsolatedRunner, can_isolate
+from .isolation import IsolatedRunner
 from ..regimes import Regime, parse_regime
-from ..registry import all_cases, case_source, resolve_case
+from ..registry import importable_source, resolve_case
 from ..result import RunResult
 from .request import RunRequest
 from .train import drift_place, run_request
@@ -82,16 +82,20 @@ def start_request(request: RunRequest, *, timeout: float = DEFAULT_TIMEOUT, runn
     forked child where one is given and the run can leave this process (isolation.py). ``against``: the reference
     the run is compared with as it trains (a forked child has none: its run comes back recorded whole)."""
     regime = request.regime
-    reason = regime.unavailable() or regime.unavailable_in(request.precision)
+    reason = regime.unavailable(request.device) or regime.unavailable_in(request.precision, request.device)
+    placed = regime.placement(request.device)
+    if reason is None and placed is not None and not placed.on_gpus and "cpu" not in request.precision.devices:
+        reason = f"precision {request.precision.name!r} trains on {' and '.join(request.precision.devices)} only" + (
+            f", and {placed.note}" if placed.note else ", and these ranks train over gloo on the CPU")
     if reason is not None:
         raise Unavailable(reason)
     if not regime.distributed:
-        if runner is not None and can_isolate(regime, request.precision.device, request.threads):
-            return Started(lambda: runner.train(request))
+        if runner is not None:
+            return Started(lambda: runner.train(request, timeout))
         return Started(lambda: run_request(request, against))
     job = TrainJob.of(request, importable_source(request.case),
                       None if against is None else shared_reference.payload(against))  # a file the ranks map
-    backend = regime.resolved_backend
+    backend = regime.placement(request.device).backend
     if launcher.active():
         return Started(lambda: _assembled(launcher.run_job(backend, regime.world_size, job)))
     in_flight = pool.submit_job(backend, regime.world_size, job, timeout)
@@ -109,16 +113,6 @@ def _assembled(replies: list[dict]) -> RunResult:
     spread, drift = _spread(results)
     return dataclasses.replace(results[0], losses=losses, rank_spread=spread, rank_drift=drift,
                                rank_grad_spread=_grad_spread(results))
-
-
-def importable_source(case: Case) -> str:
-    """Where worker ranks import ``case`` from: it must be the case registered under its name."""
-    if all_cases().get(case.name) is not case:
-        raise InvalidArgument(
-            f"case={case.name!r} is not allowed here: worker processes import cases themselves, so distributed "
-            "checks need a case registered with equivcheck.register_case at the top level of a module or file"
-        )
-    return case_source(case.name)
 
 
 def _spread(results: list[RunResult]) -> tuple[float, str]:

@@ -8,8 +8,14 @@ one run per request and sends the result back as plain bytes. A child that dies 
 exited and the Python frames faulthandler wrote as it died; the next run forks a fresh child.
 
 Forking copies this process's page tables (about 11 ms for a 300 MB process here), so one child serves a
-whole check rather than one run. Runs on CUDA stay in this process: a CUDA context does not survive a fork,
-and a GPU kernel's fault reaches Python as an exception, which is already an ``error`` verdict.
+whole check rather than one run.
+
+On a machine with a GPU this process may not fork a child that trains: once anything here has run backward (the
+user's other tests in the same pytest process), a forked child cannot, and it cannot start CUDA either
+(equivcheck.device). There a run trains on a clean child instead: a one-rank worker forked by the warm pool's
+forker, an interpreter that never trained, which imports the case and the regime by name as every rank does. A run
+that cannot cross by name (a case built inside a test, a team's step given as a closure) trains in this process,
+with an :class:`IsolationWarning` saying why.
 """
 
 from __future__ import annotations
@@ -31,9 +37,14 @@ from multiprocessing.connection import Connection, Pipe
 import torch
 
 from ..case import Case
-from ..errors import RunDied
+from ..process.forking import fork_is_safe
+from ..errors import InvalidArgument, IsolationWarning, RunDied, warn
+from .ranks import pool
+from .ranks.jobs import TrainJob
+from .train import run_request
 from ..process.exit import exit_words, leave_with_parent
-from ..regimes import Regime
+from ..regimes import Regime, parse_regime
+from ..registry import importable_source
 from ..result import RunResult
 from .request import RunRequest
 from ..process.torch_imports import import_what_training_imports
@@ -41,13 +52,24 @@ from ..process.torch_imports import import_what_training_imports
 FRAMES_LIMIT = 20_000  # characters of faulthandler's dump kept in an error's details
 
 
-def can_isolate(regime: Regime, device: str, threads: int) -> bool:
-    """Whether a run of ``regime`` on ``device`` with ``threads`` intra-op threads can train in a forked child:
-    CPU runs on one thread (the default), in a process that can fork and has no CUDA context (a child cannot use
-    its parent's). OpenMP's thread pool does not survive a fork either: a child of a process that has run a
-    parallel region hangs at its own first one, so a run on several threads trains in this process."""
-    return (hasattr(os, "fork") and device == "cpu" and regime.device().type == "cpu" and threads == 1
-            and not torch.cuda.is_initialized())
+def can_fork(request: RunRequest) -> bool:
+    """Whether the run ``request`` asks for can train in a child forked from this process: a CPU run on one thread
+    (the default), on a machine without a GPU (equivcheck.device.fork_is_safe). OpenMP's thread pool does not survive
+    a fork: a child of a process that has run a parallel region hangs at its own first one, so a run on several
+    threads trains in this process."""
+    return (request.device == "cpu" and request.regime.device(request.device).type == "cpu" and request.threads == 1
+            and fork_is_safe() and not torch.cuda.is_initialized())
+
+
+def by_name(request: RunRequest) -> str | None:
+    """Where a clean child imports the case of ``request`` from, where the case and the regime both cross by name
+    (a registered case, a spec that parses back to the regime); else None."""
+    try:
+        source = importable_source(request.case)
+        same = parse_regime(str(request.regime)) == request.regime
+    except (InvalidArgument, ValueError, TypeError):
+        return None
+    return source if same else None
 
 
 class IsolatedRunner:
@@ -61,10 +83,33 @@ class IsolatedRunner:
     def __init__(self, runs: Iterable[tuple[Case, Iterable[Regime]]]) -> None:
         self._runs = [(case, regime) for case, regimes in runs for regime in regimes]
         self._child: _Child | None = None
+        self._warned: set[str] = set()
 
-    def train(self, request: RunRequest) -> RunResult:
-        """The run ``request`` asks for, in the child. Raises what the run raised, or :class:`RunDied` naming how
-        the child ended when it died before answering."""
+    def train(self, request: RunRequest, timeout: float = pool.DEFAULT_TIMEOUT) -> RunResult:
+        """The run ``request`` asks for, in a forked child where this process may fork one, else in a clean child
+        (a one-rank worker, within ``timeout`` seconds), else here. Raises what the run raised, or
+        :class:`RunDied` (:class:`WorkerError` from a clean child) naming how the child ended when it died."""
+        if can_fork(request):
+            return self._forked(request)
+        source = by_name(request) if request.threads == 1 else None
+        if source is not None:
+            replies = pool.run_job("gloo", 1, TrainJob.of(request, source), timeout)
+            return RunResult.from_plain(replies[0])
+        self._warn_here(request)
+        return run_request(request)
+
+    def _warn_here(self, request: RunRequest) -> None:
+        why = (f"it trains on {request.threads} threads, and a forked child's OpenMP pool would hang"
+               if request.threads != 1 else
+               f"this machine has a GPU, so its isolating child imports the case and the regime by name, and case "
+               f"{request.case.name!r} under {str(request.regime)!r} cannot cross by name (register the case at a "
+               "module's top level; a team's step given as a function crosses only to ranks)")
+        if why not in self._warned:
+            self._warned.add(why)
+            warn(IsolationWarning(f"a run of {request.case.name!r} trains in the checking process: {why}; a crash "
+                                  "there ends the check"))
+
+    def _forked(self, request: RunRequest) -> RunResult:
         case, regime = request.case, request.regime
         index = self._index(case, regime)
         if index is None:  # a run the child was not forked with: the next child knows it
@@ -182,8 +227,6 @@ def wait_for_exited() -> None:
 def _serve(runs: Sequence[tuple[Case, Regime]], requests: Connection, replies: Connection, crash_log: int,
            parent: int) -> None:
     """The child: train each requested run and answer it, until the parent closes its end. Never returns."""
-    from .train import run_request
-
     code = 0
     try:
         faulthandler.enable(file=crash_log, all_threads=False)

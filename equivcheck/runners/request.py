@@ -9,6 +9,7 @@ import dataclasses
 import torch
 
 from ..case import Case
+from ..device import DEFAULT_DEVICE, device_for
 from ..errors import InvalidArgument, expect_int, expect_seed
 from ..precision import Precision, registered_name, resolve_precision
 from ..process import threads as intra_op
@@ -21,8 +22,9 @@ SAMPLE_ORDERS = ("given", "reversed", "rolled")  # a global batch's samples as g
 
 @dataclasses.dataclass(frozen=True)
 class RunRequest:
-    """Train ``case`` for its steps under ``regime`` in ``precision`` from ``seed``: with its peak activation memory
-    where ``measure_memory``, on ``threads`` intra-op threads, each global batch's samples in ``order``."""
+    """Train ``case`` for its steps under ``regime`` in ``precision`` on ``device`` from ``seed``: with its peak
+    activation memory where ``measure_memory``, on ``threads`` intra-op threads, each global batch's samples in
+    ``order``."""
 
     case: Case
     regime: Regime
@@ -31,11 +33,12 @@ class RunRequest:
     measure_memory: bool = True
     threads: int = 1
     order: str = "given"
+    device: str = DEFAULT_DEVICE
 
     @classmethod
     def of(cls, case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED,
            dtype: str | torch.dtype | Precision | None = None, measure_memory: bool = True, threads: int | None = None,
-           order: str = "given") -> RunRequest:
+           order: str = "given", device: str | torch.device | None = None) -> RunRequest:
         """Every argument checked, every usage error raised here; the thread count resolved where the caller's
         choice is visible (ranks and children train with it)."""
         case, regime = resolve_case(case), parse_regime(regime)
@@ -48,7 +51,8 @@ class RunRequest:
         precision = resolve_precision(dtype, default=case.dtype)
         if regime.distributed:
             registered_name(precision)  # only registered modes cross to ranks
-        return cls(case, regime, precision, seed, measure_memory, intra_op.resolve(threads), order)
+        device = device_for(device, precision.default_device)
+        return cls(case, regime, precision, seed, measure_memory, intra_op.resolve(threads), order, device)
 
     def settings(self) -> dict:
         """Everything but the case and the regime, which a forked child holds already (it is found by its place)."""

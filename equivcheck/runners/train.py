@@ -26,6 +26,7 @@ from ..errors import InvalidArgument, NonFinite, Unavailable, exits_as_errors
 from ..measure.activation import activation_meter
 from ..measure.collectives import add_traffic
 from ..measure.state import held_bytes, optimizer_state_bytes
+from ..device import deterministic
 from ..precision import Precision, resolve_precision
 from ..regimes import CommunicationCounter, Regime
 from ..result import RunResult
@@ -43,45 +44,47 @@ def train(
     threads: int | None = None,
     order: str = "given",
     against: Expected | None = None,
+    device: str | torch.device | None = None,
 ) -> RunResult:
     """Train ``case`` for its steps under ``regime`` in precision ``dtype`` (default: the case's dtype)
     and return what it produced, with its peak activation memory unless ``measure_memory`` is off;
     with ``threads`` intra-op threads (default: one, unless the user chose: see :mod:`equivcheck.process.threads`);
     with each global batch's samples in ``order`` (``'given'``; ``'reversed'`` or ``'rolled'``: a witness,
-    :mod:`equivcheck.judge.witness`). ``against`` compares the run with a reference as it trains, keeping the
+    :mod:`equivcheck.judge.witness`); on ``device`` (default: the CPU, equivcheck.device). ``against`` compares the run with a reference as it trains, keeping the
     differences and none of its tensors: what a check needs of a run, in a recording's memory less
     (:mod:`equivcheck.judge.compare`)."""
     request = RunRequest.of(case, regime, seed=seed, dtype=dtype, measure_memory=measure_memory, threads=threads,
-                            order=order)
+                            order=order, device=device)
     return run_request(request, against)
 
 
 def run_request(request: RunRequest, against: Expected | None = None) -> RunResult:
     """The run ``request`` asks for, its arguments checked when it was made; on a precision's kernel path, decided by
     a check before its runs, or probed here for a lone run."""
-    missing = request.precision.unavailable()
+    device = request.regime.device(request.device)
+    missing = request.precision.unavailable(device.type)
     if missing:
         raise Unavailable(f"dtype={request.precision.name!r} cannot run here: {missing}")
-    request = dataclasses.replace(request, precision=request.precision.with_kernels())
-    run = functools.partial(_train, request, against=against)
+    request = dataclasses.replace(request, precision=request.precision.with_kernels(device.type))
+    run = functools.partial(_train, request, device, against=against)
     # None: something wrote to a gradient the recording kept after its step had used it: train again, copying each.
-    with exits_as_errors():
+    with exits_as_errors(), deterministic(device.type):
         return run(keeps_gradients=request.regime.releases_gradients) or run(keeps_gradients=False)
 
 
-def _train(request: RunRequest, *, against: Expected | None, keeps_gradients: bool) -> RunResult | None:
+def _train(request: RunRequest, device: torch.device, *, against: Expected | None,
+           keeps_gradients: bool) -> RunResult | None:
     case, regime, precision, order = request.case, request.regime, request.precision, request.order
     started = time.perf_counter()
-    device = regime.device() if regime.device().type != "cpu" else torch.device(precision.device)
     with intra_op.using(request.threads), seeded(request.seed), default_dtype(precision.dtype), \
             precision.kernel_path.applied():
         with default_dtype(precision.draw_dtype or precision.dtype):
             model = build_model(case, precision, device)
             batches = [reordered(batch, order) for batch in load_batches(case, precision, device)]
-        objective = Objective(case, precision)
+        objective = Objective(case, precision, device)
         counted = objective.counted_by_its_loss(model, batches[0])
         if counted is not case:  # a per-token loss without items=: every batch counts its tokens
-            case, objective = counted, Objective(counted, precision)
+            case, objective = counted, Objective(counted, precision, device)
             batches = [dataclasses.replace(batch, count=case.items) for batch in batches]
         module = regime.wrap(model, objective)  # first: a sharding wrapper replaces the parameters the optimizer holds
         optimizer = regime.build_optimizer(case, model)
@@ -163,7 +166,7 @@ def finite(tensor: Tensor) -> bool:
     return math.isfinite(float(low)) and math.isfinite(float(high))
 
 
-def build_model(case: Case, precision: Precision | None = None, device: torch.device | None = None) -> nn.Module:
+def build_model(case: Case, precision: Precision | None = None, device: torch.device | str = "cpu") -> nn.Module:
     precision = precision or resolve_precision(None, default=case.dtype)
     model = case.model()
     if not isinstance(model, nn.Module):
@@ -173,11 +176,11 @@ def build_model(case: Case, precision: Precision | None = None, device: torch.de
     return precision.prepare(model, device).train()
 
 
-def initial_weights(case: Case, precision: Precision, seed: int) -> dict[str, Tensor]:
-    """The weights every run of ``case`` starts from, built as :func:`train` builds them: where a run moved an
-    element whose true gradient is zero, it moved by rounding alone (witness.py)."""
+def initial_weights(case: Case, precision: Precision, seed: int, device: str) -> dict[str, Tensor]:
+    """The weights every run of ``case`` on ``device`` starts from, built as :func:`train` builds them: where a run
+    moved an element whose true gradient is zero, it moved by rounding alone (witness.py)."""
     with seeded(seed), default_dtype(precision.draw_dtype or precision.dtype):
-        model = build_model(case, precision, torch.device(precision.device))
+        model = build_model(case, precision, torch.device(device))
     return {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
 
 
@@ -192,7 +195,7 @@ def reordered(batch: Batch, order: str) -> Batch:
     return dataclasses.replace(batch, inputs=batch.inputs[index], targets=batch.targets[index])
 
 
-def load_batches(case: Case, precision: Precision | None = None, device: torch.device | None = None) -> list[Batch]:
+def load_batches(case: Case, precision: Precision | None = None, device: torch.device | str = "cpu") -> list[Batch]:
     """The case's data cut into ``steps`` global batches (the last one smaller where the case keeps a
     smaller last batch), repeated for each epoch; wrong sizes are errors, never truncated."""
     precision = precision or resolve_precision(None, default=case.dtype)
@@ -208,7 +211,6 @@ def load_batches(case: Case, precision: Precision | None = None, device: torch.d
     first_of_last = case.samples - case.batch_size + 1 if case.last_batch == "keep" else case.samples
     if not first_of_last <= len(inputs) <= case.samples:
         raise InvalidArgument(f"data of case {case.name!r} holds {len(inputs)} samples: {_expected_samples(case, len(inputs))}")
-    device = device or torch.device(precision.device)
     inputs, targets = (t.to(device=device, dtype=precision.dtype) if t.is_floating_point()
                        else t.to(device) for t in (inputs, targets))
     epoch = [Batch(inputs[i : i + case.batch_size], targets[i : i + case.batch_size], case.items)

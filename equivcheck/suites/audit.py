@@ -249,17 +249,18 @@ def _declared(spec: str, bug: str) -> Pitfall:
     return declared
 
 
-def audit(case: Case | str, *, seed: int = DEFAULT_SEED, timeout: float | None = None, isolate: bool = False) -> Audit:
+def audit(case: Case | str, *, seed: int = DEFAULT_SEED, timeout: float | None = None, isolate: bool = False,
+          device: str | None = None) -> Audit:
     """Run every applicable built-in pitfall regime on ``case`` and say, per class of bug, whether the
     case catches it (with the greatest margin) or is blind to it (with the reason measured from it).
-    ``isolate``: as for :func:`check`, the runs train in a forked child."""
+    ``isolate`` and ``device``: as for :func:`check` (the runs train in a forked child; on that device)."""
     case = resolve_case(case)
     shape = Shape.of(case, seed)
     with seeded(seed):
         model = case.model()
     probes = _probes(shape, model)
     registered = all_cases().get(case.name) is case
-    options = {"seed": seed, "isolate": isolate} | ({"timeout": timeout} if timeout is not None else {})
+    options = {"seed": seed, "isolate": isolate, "device": device} | ({"timeout": timeout} if timeout is not None else {})
     wanted = {pair for p in probes if p.not_applicable is None and (registered or not p.distributed) for pair in p.pairs}
     outcomes = _against_twins(case, wanted, options)
     findings = [_finding(p, outcomes, registered) for p in probes]
