@@ -42,7 +42,7 @@ test-dev: install
 # make test checks what users install: the sdist of the tree as git sees it, the wheel built from that sdist, that wheel installed into its own
 # venv, and the suite run from a copy of the tests, where nothing of the checkout is importable
 # (tests/test_packaging.py asserts it, and that the wheel and the sdist hold every source file).
-INSTALLED := build/installed
+INSTALLED := build/installed$(if $(filter torch==2.13.0,$(TORCH)),,-$(subst ==,-,$(TORCH)))# one venv per TORCH=
 INSTALLED_BIN := $(INSTALLED)/venv/bin
 DIST := $(INSTALLED)/dist
 SUITE := $(INSTALLED)/suite

@@ -105,6 +105,7 @@ def trained_in(tmp_path, monkeypatch, **options) -> list[tuple[int, int]]:
     return [tuple(map(int, line.split())) for line in record.read_text().split("\n") if line]
 
 
+@without_cuda
 def test_on_a_machine_without_a_gpu_the_isolating_child_is_forked_from_this_process(tmp_path, monkeypatch):
     built = trained_in(tmp_path, monkeypatch)
     assert {parent for _, parent in built} == {os.getpid()}
@@ -162,9 +163,10 @@ def test_a_kernel_torch_refuses_as_nondeterministic_is_a_nondeterministic_verdic
 @needs_cuda
 @pytest.mark.parametrize("dtype", ["float64", "float32", "bf16-autocast", "fp16-autocast"])
 def test_every_public_precision_checks_on_cuda_and_catches_the_naive_mean_there(dtype):
-    report = ec.check("mlp", ["accumulate:chunks=4", "naive_accumulate:chunks=4"], device="cuda", dtype=dtype)
-    assert [o.verdict for o in report.outcomes] == [ec.Verdict.EQUIVALENT, ec.Verdict.EXPECTED_MISMATCH], \
-        report.describe()
+    """12 samples in 8 micro-batches of 2 and 1: the mean of micro-batch means weighs them wrong."""
+    report = ec.check("mlp", ["accumulate:chunks=4", "naive_accumulate:chunks=8"], device="cuda", dtype=dtype)
+    assert [o.verdict for o in report.outcomes] == [ec.Verdict.EQUIVALENT, ec.Verdict.MISMATCH], \
+        [o.reason for o in report.outcomes]
 
 
 @needs_cuda
