@@ -37,6 +37,11 @@ def local(parameter):
 # Megatron-LM's mappings (megatron/core/tensor_parallel/mappings.py), on gloo. Sequence-parallel regions split the
 # first dimension: Megatron's activations are [sequence, batch, hidden].
 
+# Megatron's all_gather_into_tensor and reduce_scatter_tensor are all_gather_single and reduce_scatter_single from
+# torch 2.13 on (the old names warn in 2.13); torch 2.11 has only the old names. The rows call whichever this torch has.
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
 def _reduce(input_, group):
     """All-reduce across the TP group, as Megatron wrote it: the collective runs on ``input_.contiguous()`` and
     ``input_`` is returned (a non-contiguous input is reduced in a copy that is dropped)."""
@@ -54,13 +59,13 @@ def _split_first(input_, group):
 
 def _gather_first(input_, group):
     output = input_.new_empty((input_.shape[0] * dist.get_world_size(group), *input_.shape[1:]))
-    dist.all_gather_single(output, input_.contiguous(), group=group)
+    _all_gather_single(output, input_.contiguous(), group=group)
     return output
 
 
 def _reduce_scatter_first(input_, group):
     output = input_.new_empty((input_.shape[0] // dist.get_world_size(group), *input_.shape[1:]))
-    dist.reduce_scatter_single(output, input_.contiguous(), group=group)
+    _reduce_scatter_single(output, input_.contiguous(), group=group)
     return output
 
 

@@ -44,21 +44,24 @@ def token_weighted_loss(multiplier):
 
 def pipelined_step(compensates=True):
     """The team's step, made afresh for every run: its stage and schedule (which always divides by the micro-batch
-    count, as Megatron-Core's does) are built on the first call."""
-    schedule = None
+    count, as Megatron-Core's does) are built on the first call. The loss reads the global batch's tokens from the
+    step that runs it (torch 2.11's schedule.step() takes no loss_kwargs)."""
+    schedule = total_tokens = None
     multiplier = MICRO_BATCHES if compensates else 1  # len(mb_list): the fix
+    loss_fn = token_weighted_loss(multiplier)
 
     def step(model, optimizer, batch):
-        nonlocal schedule
-        if schedule is None:
-            schedule = ScheduleGPipe(build_stage(model), n_microbatches=MICRO_BATCHES,
-                                     loss_fn=token_weighted_loss(multiplier), scale_grads=True)
+        nonlocal schedule, total_tokens
         inputs, targets = batch
+        total_tokens = int((targets != IGNORE).sum())
+        if schedule is None:
+            schedule = ScheduleGPipe(build_stage(model), n_microbatches=MICRO_BATCHES, scale_grads=True,
+                                     loss_fn=lambda output, target: loss_fn(output, target, total_tokens))
         losses = []
         if dist.get_rank() == 0:
             schedule.step(inputs)
         else:
-            schedule.step(target=targets, losses=losses, loss_kwargs={"total_tokens": int((targets != IGNORE).sum())})
+            schedule.step(target=targets, losses=losses)
         optimizer.step()
         optimizer.zero_grad()
         return torch.stack(losses).sum().detach() / multiplier if losses else None

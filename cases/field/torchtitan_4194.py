@@ -6,7 +6,9 @@ backward inside ``schedule.step()`` on what its loss function returns, here the 
 the division by ``global_valid_tokens`` was applied afterwards to the returned losses, for logging only. The logged
 loss was right while every gradient was ``global_valid_tokens`` times the full-batch one. The fix passes
 ``global_valid_tokens`` into the schedule's loss keyword arguments, so each micro-batch's loss is divided before the
-schedule differentiates it, and returns the losses already normalised.
+schedule differentiates it, and returns the losses already normalised. Here the loss function reads the count from
+the step that runs it, as torch 2.11's ``schedule.step()`` takes no loss keyword arguments: the same division, made
+in the same place.
 """
 
 import torch
@@ -41,21 +43,23 @@ def loss_fn(pred, labels, global_valid_tokens=1):
 
 def pipelined_step(normalises_in_schedule=True):
     """The team's step, made afresh for every run: its stage and schedule are built on the first call."""
-    schedule = None
+    schedule = global_valid_tokens = None
+
+    def normalised_in_schedule(pred, labels):
+        return loss_fn(pred, labels, global_valid_tokens)
 
     def step(model, optimizer, batch):
-        nonlocal schedule
-        if schedule is None:
-            schedule = ScheduleGPipe(build_stage(model), n_microbatches=MICRO_BATCHES, loss_fn=loss_fn,
-                                     scale_grads=False)
+        nonlocal schedule, global_valid_tokens
         inputs, labels = batch
         global_valid_tokens = int((labels != IGNORE_INDEX).sum())
-        loss_kwargs = {"global_valid_tokens": global_valid_tokens} if normalises_in_schedule else None
+        if schedule is None:
+            schedule = ScheduleGPipe(build_stage(model), n_microbatches=MICRO_BATCHES, scale_grads=False,
+                                     loss_fn=normalised_in_schedule if normalises_in_schedule else loss_fn)
         losses = []
         if dist.get_rank() == 0:
             schedule.step(inputs)
         else:
-            schedule.step(target=labels, losses=losses, loss_kwargs=loss_kwargs)
+            schedule.step(target=labels, losses=losses)
         optimizer.step()
         optimizer.zero_grad()
         if not losses:

@@ -52,20 +52,23 @@ def clip_grad_norm_(parameters, max_norm, pp_group=None):
 
 
 def pipelined_step(pp_group=lambda: dist.group.WORLD):
-    """The team's step, made afresh for every run: its stage and schedule are built on the first call."""
-    schedule = stage = None
+    """The team's step, made afresh for every run: its stage and schedule are built on the first call; the loss
+    reads the global batch's samples from the step that runs it (torch 2.11's schedule.step() takes no loss_kwargs)."""
+    schedule = stage = samples = None
 
     def step(model, optimizer, batch):
-        nonlocal schedule, stage
+        nonlocal schedule, stage, samples
+        inputs, targets = batch
+        samples = len(targets)
         if schedule is None:
             stage = build_stage(model)
-            schedule = ScheduleGPipe(stage, n_microbatches=MICRO_BATCHES, loss_fn=global_mean_part, scale_grads=False)
-        inputs, targets = batch
+            schedule = ScheduleGPipe(stage, n_microbatches=MICRO_BATCHES, scale_grads=False,
+                                     loss_fn=lambda output, target: global_mean_part(output, target, samples))
         losses = []
         if dist.get_rank() == 0:
             schedule.step(inputs)
         else:
-            schedule.step(target=targets, losses=losses, loss_kwargs={"samples": len(targets)})
+            schedule.step(target=targets, losses=losses)
         clip_grad_norm_(stage.submod.parameters(), MAX_NORM, pp_group())
         optimizer.step()
         optimizer.zero_grad()

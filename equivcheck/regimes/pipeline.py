@@ -24,7 +24,8 @@ checks the ranks' spread). The extra broadcast is the harness's, not pipelining'
 trains is the schedule.
 
 The loss: the schedule's ``loss_fn`` sees one micro-batch's output and targets. The faithful loss is that
-micro-batch's loss *sum* over the item count of the *global* batch (passed through ``loss_kwargs``), with
+micro-batch's loss *sum* over the item count of the *global* batch (which the step sets on :class:`Pipelined`
+before the schedule runs, for torch 2.11's ``schedule.step()`` takes no ``loss_kwargs``), with
 ``scale_grads=False``: the micro-batches' gradients then add up to the full-batch mean's, however the items fall.
 The pitfall twin, ``pipeline_mean_loss``, is the pairing torch's docstring suggests (``loss_fn`` a per-micro-batch
 *mean*, ``scale_grads=True`` dividing by K): right only when every micro-batch holds as many items, so it is
@@ -34,7 +35,8 @@ global-sum loss left with the default ``scale_grads=True``: every gradient 1/K t
 Only the last stage computes losses; its rank reports the step's loss, the others a share of 0 (dispatch adds
 the ranks' shares). Runs on the CPU over gloo: nccl and CUDA precision modes are skipped with that reason.
 Communication is counted by kind, ``send`` and ``recv`` (every ``isend``/``irecv`` of activations and their
-gradients, and on the first step the shape metadata), never as a gradient sync (there is none); the harness's
+gradients, and on the first step the shape metadata; torch 2.15's schedule also all-reduces twice on its first
+step, 4 bytes each, setting its stages up), never as a gradient sync (there is none); the harness's
 broadcast of each stage's gradients is left out.
 """
 
@@ -71,12 +73,13 @@ def stage_bounds(children: int, stages: int) -> list[tuple[int, int]]:
 class Pipelined(nn.Module):
     """What ``train_step`` drives: the whole model, this rank's stages of it and the schedule over them."""
 
-    def __init__(self, model: nn.Module, stages: list, owners: list[tuple[int, nn.Module]], schedule) -> None:
+    def __init__(self, model: nn.Module, stages: list, owners: list[tuple[int, nn.Module]]) -> None:
         super().__init__()
         self.model = model
         self.stages = stages  # PipelineStage objects (not modules): this rank's
         self.owners = owners  # (rank owning it, stage module) for every stage, in order
-        self.schedule = schedule
+        self.schedule = None  # set by Pipeline.wrap: its loss reads items
+        self.items = 0  # the item count of the global batch the schedule is running
 
     @property
     def first(self) -> bool:
@@ -228,8 +231,15 @@ class Pipeline(Regime):
         return StepTraffic(None)
 
     def loss_fn(self, objective: Objective):
-        """A micro-batch's loss as the schedule calls it: its sum over the global batch's items."""
+        """A micro-batch's loss from its output, its targets and the global batch's items: its sum over them."""
         return lambda output, targets, items: objective.sum(output, targets) / items
+
+    def schedule_loss(self, objective: Objective, model: Pipelined):
+        """The loss as the schedule calls it, on a micro-batch's output and targets alone: :meth:`loss_fn` with the
+        items of the global batch ``model`` runs. torch 2.11's ``schedule.step()`` has no ``loss_kwargs`` (it hands
+        extra keywords to the first stage's forward), so the count is read from ``model``, not passed."""
+        loss_fn = self.loss_fn(objective)
+        return lambda output, targets: loss_fn(output, targets, model.items)
 
     def wrap(self, model: nn.Module, objective: Objective) -> nn.Module:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
@@ -243,13 +253,15 @@ class Pipeline(Regime):
         owners = [(index % self.stages, module) for index, module in enumerate(modules)]
         mine = [PipelineStage(modules[index], index, len(modules), device)
                 for index in range(rank, len(modules), self.stages)]
+        pipelined = Pipelined(model, mine, owners)
+        loss_fn = self.schedule_loss(objective, pipelined)
         if self.schedule == "interleaved":
-            schedule = ScheduleInterleaved1F1B(mine, self.microbatches, loss_fn=self.loss_fn(objective),
-                                               scale_grads=self.scale_grads)
+            pipelined.schedule = ScheduleInterleaved1F1B(mine, self.microbatches, loss_fn=loss_fn,
+                                                         scale_grads=self.scale_grads)
         else:
             kind = ScheduleGPipe if self.schedule == "gpipe" else Schedule1F1B
-            schedule = kind(mine[0], self.microbatches, loss_fn=self.loss_fn(objective), scale_grads=self.scale_grads)
-        return Pipelined(model, mine, owners, schedule)
+            pipelined.schedule = kind(mine[0], self.microbatches, loss_fn=loss_fn, scale_grads=self.scale_grads)
+        return pipelined
 
     def train_step(self, model: Pipelined, optimizer, batch: Batch, objective: Objective) -> Tensor:
         if len(batch) % self.microbatches:
@@ -258,9 +270,9 @@ class Pipeline(Regime):
                 f"microbatches={self.microbatches} equal micro-batches (torch.distributed.pipelining needs equal "
                 "ones): expected microbatches to divide every global batch, the last one included")
         losses: list[Tensor] = []
+        model.items = batch.items
         model.schedule.step(*((batch.inputs,) if model.first else ()),
-                            target=batch.targets if model.last else None, losses=losses,
-                            loss_kwargs={"items": batch.items}, return_outputs=False)
+                            target=batch.targets if model.last else None, losses=losses, return_outputs=False)
         model.share_stages()
         finish_step(optimizer, objective)
         return self.reported(losses) if model.last else torch.zeros(())

@@ -8,8 +8,8 @@ the ranks: each rank's norm sees only its own tokens). A ``'colwise'`` Linear ta
 (``input_layouts=Shard(1)``: all-gathered in the forward, reduce-scattered in the backward), a ``'rowwise'`` one gives
 sequence-sharded output (``output_layouts=Shard(1)``: reduce-scattered instead of all-reduced). The model's input,
 whole on every rank, is cut on the sequence where it enters the model (``PrepareModuleInput``); a module with
-parameters left out of the plan (a head) is replicated (its parameters replicated DTensors), and the model's output is
-gathered whole (``full_tensor``) for the loss, which every rank computes on the whole global batch as under ``tp``.
+parameters left out of the plan (a head) is replicated (its parameters replicated DTensors; a Linear runs with the
+sequence moved first, see ``_sequence_first``), and the model's output is gathered whole (``full_tensor``) for the loss, which every rank computes on the whole global batch as under ``tp``.
 Every style keeps DTensors between modules (``use_local_output=False``), so the code between them (a residual add, a
 mean over the sequence) runs unchanged.
 
@@ -58,6 +58,17 @@ def sequence_plan_style(style: str):
 def _whole(output):
     """The model's output (a tensor, or tensors in a tuple or mapping) gathered whole: plain tensors the loss takes."""
     return _pytree.tree_map(lambda t: t.full_tensor() if is_dtensor(t) else t, output)
+
+
+def _sequence_first(linear: nn.Linear) -> None:
+    """A Linear the plan leaves out (a per-token head) run with the sequence moved first and back. A Linear folds the
+    dims before its features into one, and torch 2.11's DTensor folds a sharded dim only where it leads (2.13 folds
+    any): so the head computes the same per-token products on the same sequence shards, with the same traffic, in
+    every torch. A Linear keeps the number of dims: its output is moved back where its input was moved."""
+    linear.register_forward_pre_hook(
+        lambda module, args: (args[0].transpose(0, SEQUENCE_DIM), *args[1:]) if args[0].dim() > 2 else None)
+    linear.register_forward_hook(
+        lambda module, args, output: output.transpose(0, SEQUENCE_DIM) if output.dim() > 2 else None)
 
 
 def _replicate_the_rest(model: nn.Module, mesh, keep_plain: set[str]) -> None:
@@ -116,6 +127,9 @@ class TensorSequenceParallel(TensorParallel):
                                          if name not in plain})
         for name in plain:
             _megatron_norm(model.get_submodule(name), mesh)
+        for module in model.modules():
+            if isinstance(module, nn.Linear) and not is_dtensor(module.weight):
+                _sequence_first(module)
         _replicate_the_rest(model, mesh, set(plain))
         # The input, whole on every rank, cut on the sequence where it enters; the output gathered whole for the loss.
         parallelize_module(model, mesh, PrepareModuleInput(input_layouts=(Replicate(),),
