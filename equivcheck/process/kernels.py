@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 import types
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -132,7 +133,9 @@ def probe(precision, path: KernelPath) -> str:
         stream.flush()
     if not fork_is_safe():
         return _probe_in_fresh_interpreter(precision, path)
-    pid = os.fork()
+    with warnings.catch_warnings():  # Python 3.12 warns on forking a threaded process; the probe runs no thread's work
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
     if pid == 0:
         try:
             faulthandler.disable()  # a probe's death is an answer, told by its signal: no dump onto the user's terminal
