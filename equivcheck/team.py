@@ -50,7 +50,12 @@ def check_step(
     """Check a team's ``step(model, optimizer, batch)`` against ``reference``: a regime spec, or another
     step function (the code before a refactor, or full batch with the same clipping). With ``per_run``,
     ``step`` is a factory called at the start of every run to make the step: a step that keeps state
-    across calls (a GradScaler, a schedule) keeps it there, fresh for each run.
+    across calls (a GradScaler, a schedule) keeps it there, fresh for each run. ``step`` returns the mean loss of
+    the batch it was handed, or None. On ranks (``world_size``, ``mesh``) the losses the ranks return are averaged
+    over all of them (every rank of a mesh, its TP ranks too): the global batch's mean where each rank returns its
+    shard's mean and the shards hold as many items each, and the loss compared with the reference's (a step that
+    already averages its loss over the data-parallel ranks returns the global batch's mean on every rank, which the
+    average leaves as it is).
 
     With ``world_size`` the step runs on that many DDP ranks of the warm pool (see ``regimes.user_code``),
     given the model in DistributedDataParallel, or what the team's ``wrap(model)`` makes of it (the
@@ -88,6 +93,8 @@ def check_step(
     makes another count of any kind is a ``communication`` verdict. A team whose own layers keep plain local shards
     hands over ``gather(name, local)``: the whole tensor of parameter ``name`` (its weight, or its gradient) from this
     rank's shard, by its own collectives (uncounted: the harness's read-back), found by name as ``parallelize`` is.
+    ``gather`` runs on every rank in lockstep, parameter by parameter in one order, so a gather made of collectives
+    (an ``all_gather`` over the TP group) meets its peers; it must make the same collectives on every rank.
     ``options`` go to :func:`equivcheck.check` (rtol, atol, seed, backend, timeout).
     """
     reference = reference if isinstance(reference, (str, Regime)) else UserStep(reference)
