@@ -51,6 +51,13 @@ def train_step_gathering_again(model, optimizer, batch):
     return train_step(model, optimizer, batch)
 
 
+def train_step_logging_the_mean_loss(model, optimizer, batch):
+    """The loss a team logs, all-reduced over every rank after the step: one more all_reduce per call."""
+    loss = train_step(model, optimizer, batch)
+    dist.all_reduce(loss)
+    return loss / dist.get_world_size()
+
+
 def train_loop(model, optimizer, batches):
     return [train_step(model, optimizer, batch) for batch in batches]
 
@@ -140,6 +147,23 @@ def megatron_shards(model, mesh):
         whole = getattr(model[int(module)], key).detach()
         setattr(model[int(module)], key, nn.Parameter(whole.chunk(tp.size(), dim)[tp.get_local_rank()].clone()))
     return MegatronMLP(*model)
+
+
+def megatron_new_layers(model, mesh):
+    """The same shards in new layers, the case's model left as it was: Megatron-style conversion code returns a new
+    module, and the original's parameters are never trained."""
+    tp = mesh["tp"]
+    TEAM["group"] = tp.get_group()
+    up, act, down = model
+    new_up, new_down = nn.Linear(up.in_features, up.out_features // tp.size()), nn.Linear(down.in_features // tp.size(),
+                                                                                           down.out_features)
+    with torch.no_grad():
+        for new, old in ((new_up, up), (new_down, down)):
+            for key in ("weight", "bias"):
+                whole = getattr(old, key).detach()
+                dim = SHARDED_DIMS.get(f"{0 if old is up else 2}.{key}")
+                getattr(new, key).copy_(whole if dim is None else whole.chunk(tp.size(), dim)[tp.get_local_rank()])
+    return MegatronMLP(new_up.to(up.weight.dtype), act, new_down.to(up.weight.dtype))
 
 
 def gather_shards(name, local):

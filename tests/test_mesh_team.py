@@ -53,6 +53,16 @@ def test_a_teams_collectives_are_counted_by_dimension_and_held_to_what_it_declar
             "(288 bytes per rank); the spec declares all_reduce[tp] 1 time") in extra.comparison.problems
 
 
+def test_a_teams_step_counts_per_call_what_it_communicates_after_its_optimizer_step():
+    """The loss a team logs, all-reduced after optimizer.step(): counted with the call that made it, so every call
+    makes as many and a declaration holds (per optimizer step they were 1, 2, 2 plus one after the last)."""
+    (logged,) = ec.check_step("tp_mlp", mesh_team.train_step_logging_the_mean_loss, mesh={"tp": 2},
+                              parallelize=mesh_team.tensor_parallel, collectives={"all_reduce[tp]": 2}).outcomes
+    assert logged.verdict is Verdict.EQUIVALENT, logged.describe()
+    assert [{kind: calls for kind, (calls, _) in step.items()} for step in logged.result.collectives] == \
+        [{"all_reduce[tp]": 2}] * 3
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"mesh": {"tp": 2}}, r"parallelize=None is not allowed with mesh=: expected both"),
     ({"mesh": {"pp": 2}, "parallelize": mesh_team.tensor_parallel},
@@ -106,6 +116,9 @@ def test_a_teams_own_layers_on_plain_local_shards_are_read_back_through_its_gath
     (ungathered,) = ec.check_step("tp_mlp", mesh_team.train_step, **kwargs).outcomes
     assert ungathered.verdict is Verdict.MISMATCH and "weight of '0.weight': candidate has (8, 6), reference (16, 6)" \
         in ungathered.comparison.problems, ungathered.describe()
+    (new_layers,) = ec.check_step("tp_mlp", mesh_team.train_step, mesh={"tp": 2},
+                                  parallelize=mesh_team.megatron_new_layers, gather=mesh_team.gather_shards).outcomes
+    assert new_layers.verdict is Verdict.EQUIVALENT, new_layers.describe()  # optimised, recorded and read back
     with pytest.raises(ec.InvalidArgument, match=r"gather=<function gather_shards .*> is not allowed without mesh=: "
                                                  r"expected mesh= and parallelize="):
         ec.check_step("tp_mlp", mesh_team.train_step, world_size=2, gather=mesh_team.gather_shards)

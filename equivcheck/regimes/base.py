@@ -91,6 +91,9 @@ class Regime:
     # The harness may tell which global batch each optimizer step belongs to: batches are taken one at a time.
     # A whole loop may take them all at once (to build a DataLoader), and then nobody can tell.
     steps_observable: ClassVar[bool] = True
+    # A team's step is one call per global batch: its communication counts per call, whatever it does after its
+    # optimizer.step() (all-reducing a logged loss) included; a regime of equivcheck's counts per optimizer step.
+    counts_per_call: ClassVar[bool] = False
     split_contract: ClassVar[str] = "a function model -> (trunk, head) with head(trunk(x)) == model(x)"
 
     def __str__(self) -> str:

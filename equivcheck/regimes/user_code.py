@@ -65,6 +65,7 @@ class UserStep(UserCode):
     schedule) starts anew where the reference starts."""
 
     per_run: bool = False
+    counts_per_call = True
     name = "step"
     summary = "a team's own step function: one optimizer step on one global batch"
 
@@ -143,6 +144,7 @@ def expect_import_paths(regime: Regime, *arguments: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class DdpStep(DdpOptions, Distributed):
+    counts_per_call = True
     name = "ddp_step"
     summary = "a team's own step function on every DDP rank, each given its shard of the global batch"
     fn: str = dataclasses.field(kw_only=True)  # module:function of the step
@@ -233,6 +235,7 @@ class PipelineStep(Distributed):
     regime does): every rank steps and reports the whole model, and the ranks' spread is checked as under DDP.
     The loss: only the last stage has one; the ranks' returned losses are added (None counting as nothing)."""
 
+    counts_per_call = True
     name = "pipeline_step"
     summary = "a team's own step running its own pipeline schedule on every rank, each given the whole global batch"
     # A stage runs part of the model on its own rank's generator, as the pipeline regime does: no global masks.
@@ -292,6 +295,7 @@ class MeshStep(DeclaresCollectives, Distributed):
     other plain tensor is taken as replicated, and one that ends different on two ranks is a ``ranks disagree``
     finding."""
 
+    counts_per_call = True
     name = "mesh_step"
     summary = ("a team's own step on a dp x [cp x] tp mesh, its own parallelize(model, mesh) applied first; each "
                "data-parallel group its shard")

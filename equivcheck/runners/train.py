@@ -87,12 +87,14 @@ def _train(request: RunRequest, device: torch.device, *, against: Expected | Non
             case, objective = counted, Objective(counted, precision, device)
             batches = [dataclasses.replace(batch, count=case.items) for batch in batches]
         module = regime.wrap(model, objective)  # first: a sharding wrapper replaces the parameters the optimizer holds
+        model = trained_model(model, module)
         optimizer = regime.build_optimizer(case, model)
         counter = regime.count_communication(module)
         counts_syncs = counter is not None and counter.counts_syncs  # a pipeline counts traffic, but no sync
         data = [t for batch in batches for t in (batch.inputs, batch.targets)]
         with GradRecorder(model, optimizer, counter, regime.full_tensor, against, norms=regime.clips_at() is not None,
-                          keeps=keeps_gradients) as recorder, \
+                          keeps=keeps_gradients, per_call=regime.counts_per_call and regime.steps_observable) \
+                as recorder, \
                 activation_meter(model, data, enabled=request.measure_memory) as memory:
             watched = StepWatch(batches, recorder)
             with regime.random_streams(model, optimizer, [batch.inputs for batch in batches]):
@@ -137,6 +139,15 @@ def _train(request: RunRequest, device: torch.device, *, against: Expected | Non
         rank_drift=recorder.rank_drift,
         measured=recorder.measurement,
     )
+
+
+def trained_model(model: nn.Module, module: nn.Module) -> nn.Module:
+    """What a run optimises, records and reads back: the case's model, which a wrap may hold (DDP, FSDP2 in place, a
+    container of wrapped parts), or what the wrap returned in its place where that holds parameters of its own (a
+    team's Megatron-style conversion builds new layers: the originals are never used again)."""
+    if module is model or {id(p) for p in module.parameters()} == {id(p) for p in model.parameters()}:
+        return model
+    return module.module if isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)) else module
 
 
 def ensure_finite(regime: str, losses: Sequence[float | None], grads: Sequence[dict[str, Tensor]],
@@ -238,7 +249,9 @@ class StepWatch(list):
         self._recorder, self._marks = recorder, []
 
     def __iter__(self):
-        for batch in super().__iter__():
+        for index, batch in enumerate(super().__iter__()):
+            if index:  # the code that took the last batch has asked for the next: its call is over
+                self._recorder.end_call()
             self._marks.append(len(self._recorder.grads))
             yield batch
 
@@ -258,12 +271,15 @@ class GradRecorder:
     its backward belongs to the step. ``against``: each gradient is compared with the reference's as the step
     takes it, and none is kept; ``norms``: each step's global gradient norm is noted (a clipping regime's);
     ``keeps``: the recording keeps the CPU gradients the step used, not copies (a regime that lets go of them after
-    each step: ``Regime.releases_gradients``), and :meth:`intact` says whether anything wrote to them since."""
+    each step: ``Regime.releases_gradients``), and :meth:`intact` says whether anything wrote to them since;
+    ``per_call``: communication is counted per call of a team's step (from one global batch handed out to the next,
+    :class:`StepWatch`), not per optimizer step, so what the step does after ``optimizer.step()`` counts with it."""
 
     def __init__(self, model: nn.Module, optimizer: Optimizer, counter: CommunicationCounter | None = None,
                  full_tensor: Callable[[Tensor, str], Tensor] = lambda t, name: t, against: Expected | None = None,
-                 norms: bool = False, keeps: bool = False) -> None:
+                 norms: bool = False, keeps: bool = False, per_call: bool = False) -> None:
         self._named = list(model.named_parameters())
+        self._per_call = per_call
         self._full_tensor = full_tensor
         self._optimizer = optimizer
         self._counter = counter
@@ -284,7 +300,8 @@ class GradRecorder:
         self._exits.callback(self._optimizer.register_step_pre_hook(self._before_step).remove)
         if self._counter is not None:
             self._exits.enter_context(self._counter.counting())
-            self._exits.callback(self._optimizer.register_step_post_hook(self._after_step).remove)
+            if not self._per_call:
+                self._exits.callback(self._optimizer.register_step_post_hook(self._after_step).remove)
             self._exits.callback(self._count_the_tail)  # runs first: the counting is still on
         return self
 
@@ -336,13 +353,25 @@ class GradRecorder:
             self.rank_spread, self.rank_drift = rank_spread(weights)
 
     def _after_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
+        self._take_count()
+
+    def end_call(self) -> None:
+        """A call of a team's step is over: what it communicated is one count (``per_call``)."""
+        if self._per_call and self._counter is not None:
+            self._take_count()
+
+    def _take_count(self) -> None:
         syncs, sent = self._counter.take()
         self.syncs.append(syncs)
         self.sync_bytes.append(sent)
         self.collectives.append(dict(self._counter.last_step))
 
     def _count_the_tail(self) -> None:
-        """What was communicated after the last step (join's closing rounds) belongs to the last step."""
+        """What was communicated after the last step (join's closing rounds) belongs to the last step; counted per
+        call, it is the last call's."""
+        if self._per_call:
+            self._take_count()
+            return
         self._counter.take()
         if self.collectives:
             add_traffic(self.collectives[-1], self._counter.last_step)
