@@ -377,8 +377,8 @@ def token_mean_step(model, optimizer, batch):
 
 class NoParallel(ParallelStyle):
     """Replicated computation on the router's gate: its parameters Replicate DTensors, its input made a DTensor and
-    its output made local again; ``local_output_grad_placements`` (torchtitan pull #2416) says what the local
-    output's gradient is (None: taken as Replicate)."""
+    its output made local again; ``local_output_grad_placements`` (pytorch/torchtitan#2387's one-line annotation, a
+    parameter as pull #2416 names it) says what the local output's gradient is (None: taken as Replicate)."""
 
     def __init__(self, local_output_grad_placements=None):
         super().__init__()

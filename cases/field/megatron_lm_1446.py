@@ -5,13 +5,14 @@ rank is the sum over that chunk only; Megatron's gradient finalizer (``_allreduc
 ``finalize_model_grads``) adds the chunks up by all-reducing, over the TP group, every parameter marked
 ``sequence_parallel``. The report found ``final_layernorm``'s ``main_grad`` different on every TP rank before
 ``optimizer.step()``, so each rank stepped its copy with its own chunk's gradient where one process steps with the
-whole sequence's. The thread names no fix. The cause fits NVIDIA/TransformerEngine pull #1528, opened days before:
-TE's standalone LayerNorm/RMSNorm modules (what Megatron's TE spec builds ``final_layernorm`` with; the other norms
-are fused into TE's LayerNorm-Linear layers, which set the flag) had stopped setting ``sequence_parallel`` on their
-parameters (TE pull #1033), so the finalizer skipped exactly that norm; #1528 sets the flag again. Here the team's
-Megatron-style model (``_tensor.TinyGPT``: a block, the final norm, a column-parallel output layer) runs with SP on
-2 ranks, its final norm built without the flag as reported and with it as fixed; its sharded weights are DTensors
-read back through ``full_tensor()``, its norms plain tensors every rank holds.
+whole sequence's. The thread names neither a cause nor a fix; the cause taken here is this row's inference, not the
+report's: NVIDIA/TransformerEngine pull #1528, opened days before, fits it: TE's standalone LayerNorm/RMSNorm
+modules (what Megatron's TE spec builds ``final_layernorm`` with; the other norms are fused into TE's
+LayerNorm-Linear layers, which set the flag) had stopped setting ``sequence_parallel`` on their parameters (TE pull
+#1033), so the finalizer skipped exactly that norm; #1528 sets the flag again. Here the team's Megatron-style model
+(``_tensor.TinyGPT``: a block, the final norm, a column-parallel output layer) runs with SP on 2 ranks, its final
+norm built without the flag as reported and with it as fixed; its sharded weights are DTensors read back through
+``full_tensor()``, its norms plain tensors every rank holds.
 """
 
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -23,7 +24,7 @@ from equivcheck_cases.field._tensor import megatron_parallelize, token_step
 
 BUG = Bug("NVIDIA/Megatron-LM", "issue", 1446, "tensor",
           "TP + SP: final_layernorm params lacked the sequence_parallel flag, so its grads were never summed",
-          fixed_by="NVIDIA/TransformerEngine pull #1528")
+          fixed_by="NVIDIA/TransformerEngine pull #1528 (inferred: the thread names no fix)")
 
 
 def sequence_parallel(model, mesh):

@@ -1,17 +1,18 @@
 """NVIDIA/Megatron-LM#7452: GatedDeltaNet's out_norm, shared by all heads, was summed over TP only under SP.
 
-The report (finding 11 of a dozen silent parallelism bugs, each reproduced on CPU with gloo ranks) is about Megatron
-Core's GatedDeltaNet under tensor parallelism: its input projection is column-parallel, so each TP rank holds its own
-heads, and ``_apply_gated_norm`` normalises every head with one ``out_norm`` (an RMSNorm over the head dimension,
-its weight replicated on every rank) and gates it with ``silu(z)`` before the row-parallel output projection. The
-weight's gradient on a rank is the sum over that rank's heads only, a partial sum, but the gradient finalizer
-(``_allreduce_layernorm_grads``) all-reduces norm weights over the TP group only when sequence parallelism (or QK
-layernorm) is on: without SP the two copies stepped with different halves of the gradient (the report measured
-``[0.1200, 0.0400]`` and ``[0.0197, -0.0077]`` against the complete ``[0.1397, 0.0323]``) and drifted apart. The
-fix the report gives marks ``out_norm.weight`` for a TP gradient sum whether or not SP is on. Here the team's block
-(in projection into per-head values and gates, the gated out_norm, the output projection, then a per-token head;
-the recurrent delta-rule core, per head and with no parameters of its own here, is left out) runs on 2 ranks with
-SP off. The projections' shards are DTensors read back through ``full_tensor()``; out_norm and the head are plain.
+The report (finding 11 of an audit that found a dozen silent parallelism bugs, each reproduced on CPU with gloo
+ranks) is about Megatron Core's GatedDeltaNet under tensor parallelism: its input projection is column-parallel, so
+each TP rank holds its own heads, and ``_apply_gated_norm`` normalises every head with one ``out_norm`` (an RMSNorm
+over the head dimension, its weight replicated on every rank) and gates it with ``silu(z)`` before the row-parallel
+output projection. The weight's gradient on a rank is the sum over that rank's heads only, a partial sum, but the
+gradient finalizer (``_allreduce_layernorm_grads``) all-reduces norm weights over the TP group only when sequence
+parallelism (or QK layernorm) is on: without SP the two copies stepped with different halves of the gradient (the
+report measured ``[0.1200, 0.0400]`` and ``[0.0197, -0.0077]`` against the complete ``[0.1397, 0.0323]``) and
+drifted apart. The fix the report proposes marks ``out_norm.weight`` for a TP gradient sum whether or not SP is on.
+Here the team's block (in projection into per-head values and gates, the gated out_norm, the output projection, then
+a per-token head; the recurrent delta-rule core, per head and with no parameters of its own here, is left out) runs
+on 2 ranks with SP off. The projections' shards are DTensors read back through ``full_tensor()``; out_norm and the
+head are plain.
 """
 
 import torch

@@ -1,18 +1,21 @@
-"""NovaSky-AI/SkyRL#1886: the fused LM head handed a non-contiguous gradient to Megatron's all-reduce, which dropped it.
+"""NovaSky-AI/SkyRL#1886: latent, a fused LM head's non-contiguous gradient into Megatron's all-reduce, which drops it.
 
 SkyRL's fused LM-head path skips Megatron's output layer: an ``output_processor`` returns the decoder's hidden
 states and the log-probabilities are computed by a fused kernel over this rank's slice of the vocabulary, so the
 gradient each TP rank sends back into the hidden states covers its slice only and must be summed over the TP group.
-Pull #1886 (TP on, sequence parallelism off) put the hidden states through ``copy_to_tensor_model_parallel_region``
-(forward: identity; backward: all-reduce) and then ``transpose(0, 1).contiguous()`` into the [batch, sequence]
-layout. Its review found the flaw: the gradient reaching the copy's backward is the transpose of a contiguous
-tensor, a non-contiguous view, and the pinned Megatron's ``_reduce`` all-reduces ``input_.contiguous()`` (a copy)
-and returns ``input_``: the sum is computed and dropped, and every rank trained the decoder on its own vocabulary
-slice's gradient, where one process uses the whole vocabulary's. Megatron fixed ``_reduce`` to return the reduced
-tensor (NVIDIA/Megatron-LM#5337, pull #5338), the fix checked here with SkyRL's code as merged; the review's own
-proposal, transposing before the copy, is equivalent too (measured). Here the team's Megatron-style model
-(``_tensor.TinyGPT``, TP on 2 ranks, SP off) runs the fused head; its shards are DTensors read back through
-``full_tensor()``, its norms plain tensors every rank holds.
+Pull #1886 put the hidden states through ``copy_to_tensor_model_parallel_region`` (forward: identity; backward:
+all-reduce) and then ``transpose(0, 1).contiguous()`` into the [batch, sequence] layout. Its review found the flaw
+for TP on with sequence parallelism off: the gradient reaching the copy's backward is the transpose of a contiguous
+tensor, a non-contiguous view, and the pinned Megatron's ``_reduce`` all-reduces ``input_.contiguous()`` (a copy) and
+returns ``input_``: the sum is computed and dropped, so each rank would train the decoder on its own vocabulary
+slice's gradient, where one process uses the whole vocabulary's. The flaw is latent: SkyRL's Megatron worker turns
+sequence parallelism on whenever TP > 1, so that path did not run, and Megatron's report of the ``_reduce`` flaw
+(NVIDIA/Megatron-LM#5337) says no current call path of Megatron's triggers it; the row checks the path as written,
+had it run. Megatron fixed ``_reduce`` to return the reduced tensor (pull #5338): the run as fixed pairs SkyRL's code
+as merged with that ``_reduce``, a Megatron later than the one SkyRL pinned. The review's own proposal, transposing
+before the copy, is equivalent too (measured). Here the team's Megatron-style model (``_tensor.TinyGPT``, TP on 2
+ranks, SP off) runs the fused head; its shards are DTensors read back through ``full_tensor()``, its norms plain
+tensors every rank holds.
 """
 
 import torch
@@ -26,8 +29,8 @@ from equivcheck_cases.field._tensor import (
 )
 
 BUG = Bug("NovaSky-AI/SkyRL", "pull", 1886, "tensor",
-          "fused LM head: non-contiguous grad into Megatron's _reduce, all-reduced in a copy then dropped",
-          fixed_by="NVIDIA/Megatron-LM pull #5338")
+          "latent (SP off): fused LM head's non-contiguous grad into Megatron's _reduce: reduced copy dropped",
+          fixed_by="NVIDIA/Megatron-LM pull #5338 (a Megatron later than SkyRL pinned)")
 
 
 class CopyToTensorParallelRegionFixed(torch.autograd.Function):
