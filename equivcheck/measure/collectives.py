@@ -192,7 +192,7 @@ class ShardedCommCounter:
         counting_reduce_scatter, counting_all_gather = _counting_collectives()
         for sharded in (m for m in module.modules() if is_fsdp_module(m)):
             own = _parameters_of_its_own(sharded)
-            if own:  # a root holding none syncs nothing
+            if any(p.requires_grad for p in own):  # a root holding none, or a frozen block, syncs nothing
                 counter.wrappers += 1
                 sharded.set_custom_reduce_scatter(counting_reduce_scatter(counter))
                 sharded.set_custom_all_gather(counting_all_gather(counter))

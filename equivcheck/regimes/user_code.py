@@ -34,7 +34,7 @@ from .ddp import DdpOptions, Distributed, shard
 from ..process.torch_imports import is_dtensor
 from .tensor import quiet_read_back
 from .pipeline import share_team_gradients
-from .zero import local_part
+from .zero import local_part, with_step_hooks_of
 
 
 StepFn = Callable[[nn.Module, Optimizer, tuple[Tensor, Tensor]], object]
@@ -176,7 +176,7 @@ class DdpStep(DdpOptions, Distributed):
         if not isinstance(made, Optimizer):
             raise InvalidArgument(f"optimizer_wrap {self.optimizer_wrapper!r} returned a {type(made).__name__}: expected a "
                                   "torch.optim.Optimizer (ZeroRedundancyOptimizer around the one it was given, say)")
-        return made
+        return with_step_hooks_of(optimizer, made)
 
     def local_optimizer(self, optimizer):
         return local_part(optimizer)

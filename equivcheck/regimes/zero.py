@@ -29,7 +29,22 @@ def sharded_like(optimizer: Optimizer) -> Optimizer:
     # The class's own keywords only: AdamW's defaults hold decoupled_weight_decay, which its __init__ refuses.
     accepted = inspect.signature(type(optimizer).__init__).parameters
     defaults = {key: value for key, value in optimizer.defaults.items() if key in accepted}
-    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **defaults)
+    return with_step_hooks_of(optimizer, ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **defaults))
+
+
+def with_step_hooks_of(case_optimizer: Optimizer, made: Optimizer) -> Optimizer:
+    """``made``, an optimizer built from the case's, with the step hooks the case's factory registered on it (clipping,
+    warmup or an EMA run before or after each step): they would stay on an optimizer nobody steps. A hook ``made``
+    holds already is not added twice."""
+    if made is case_optimizer:
+        return made
+    for hooks, register in ((case_optimizer._optimizer_step_pre_hooks, made.register_step_pre_hook),
+                            (case_optimizer._optimizer_step_post_hooks, made.register_step_post_hook)):
+        held = set(map(id, made._optimizer_step_pre_hooks.values())) | set(map(id, made._optimizer_step_post_hooks.values()))
+        for hook in list(hooks.values()):
+            if id(hook) not in held:
+                register(hook)
+    return made
 
 
 def local_part(optimizer: Optimizer) -> Optimizer:

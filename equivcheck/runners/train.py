@@ -150,6 +150,11 @@ def trained_model(model: nn.Module, module: nn.Module) -> nn.Module:
     return module.module if isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)) else module
 
 
+def dense(tensor: Tensor) -> Tensor:
+    """``tensor`` as a strided tensor: a sparse gradient densified (the tensor it adds to a parameter)."""
+    return tensor.to_dense() if tensor.layout != torch.strided else tensor
+
+
 def ensure_finite(regime: str, losses: Sequence[float | None], grads: Sequence[dict[str, Tensor]],
                   weights: dict[str, Tensor]) -> None:
     """A NaN or an infinity is an error of its own: it compares unequal even to itself, and would
@@ -308,8 +313,9 @@ class GradRecorder:
     def _before_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         call = evaluate_closure(args, kwargs)
         self.grad_bytes = held_bytes(p.grad for _, p in self._named)
-        # A parameter that took no part in the step has no gradient: mathematically a zero one.
-        grads = {n: self._full_tensor(p.grad.detach() if p.grad is not None else torch.zeros_like(p), n)
+        # A parameter that took no part in the step has no gradient: mathematically a zero one. A sparse gradient (a
+        # sparse nn.Embedding's) is compared as the dense tensor it stands for.
+        grads = {n: self._full_tensor(dense(p.grad.detach()) if p.grad is not None else torch.zeros_like(p), n)
                  for n, p in self._named}
         if self._norms:
             self.grad_norms.append(math.sqrt(sum(float(torch.linalg.vector_norm(g, dtype=_wide(g))) ** 2
