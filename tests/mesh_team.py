@@ -184,3 +184,17 @@ import equivcheck as ec  # noqa: E402
 _TP_MLP = ec.get_case("tp_mlp")
 SHORT_TAIL = ec.register_case(dataclasses.replace(_TP_MLP, name="tp_mlp_short_tail", last_batch="keep",
                                                   data=lambda: tuple(t[:25] for t in _TP_MLP.data())))
+
+
+def data_parallel_in_pairs(model, mesh):
+    """FSDP2 over dp, and the team's own groups of two ranks (an expert-parallel habit), made on every rank."""
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    TEAM["pair"] = pairs[dist.get_rank() // 2]
+    return fully_shard(model, mesh=mesh["dp"])
+
+
+def train_step_syncing_a_pair(model, optimizer, batch):
+    """A faithful step, then a tensor exchanged within the rank's pair (the numbers untouched)."""
+    loss = train_step(model, optimizer, batch)
+    dist.all_reduce(loss.clone(), group=TEAM["pair"])
+    return loss

@@ -63,6 +63,24 @@ def test_a_teams_step_counts_per_call_what_it_communicates_after_its_optimizer_s
         [{"all_reduce[tp]": 2}] * 3
 
 
+def test_collectives_on_a_teams_own_sub_groups_are_counted_by_their_ranks_and_can_be_declared():
+    declared = {"all_gather[dp]": 1, "reduce_scatter[dp]": 1, "all_reduce[ranks_0_1]": 1}
+    (held,) = ec.check_step("tp_mlp", mesh_team.train_step_syncing_a_pair, mesh={"dp": 4},
+                            parallelize=mesh_team.data_parallel_in_pairs, collectives=declared).outcomes
+    assert held.verdict is Verdict.EQUIVALENT, held.describe()
+    (short,) = ec.check_step("tp_mlp", mesh_team.train_step_syncing_a_pair, mesh={"dp": 4},
+                             parallelize=mesh_team.data_parallel_in_pairs,
+                             collectives={"all_gather[dp]": 1, "reduce_scatter[dp]": 1}).outcomes
+    assert short.verdict is Verdict.COMMUNICATION and "all_reduce[ranks_0_1] 1 time" in short.comparison.problems[0]
+
+
+def test_a_declaration_naming_a_dimension_the_mesh_lacks_is_refused_before_anything_runs():
+    with pytest.raises(ec.InvalidArgument, match=r"'all_to_all\[ep\]' names 'ep', expected a dimension of this mesh "
+                                                 r"\('dp', 'tp'\), 'world', or a sub-group by its ranks \('ranks_0_1'\)"):
+        ec.check_step("tp_mlp", mesh_team.train_step, mesh={"dp": 2}, parallelize=mesh_team.sequence_over_cp,
+                      collectives={"all_to_all[ep]": 2})
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"mesh": {"tp": 2}}, r"parallelize=None is not allowed with mesh=: expected both"),
     ({"mesh": {"pp": 2}, "parallelize": mesh_team.tensor_parallel},

@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import math
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -411,12 +411,20 @@ def mesh_dimensions(module: nn.Module, names: tuple[str, ...] = ()) -> dict[tupl
     return dims
 
 
+SUB_GROUP_PREFIX = "ranks_"
+
+
+def sub_group_name(ranks: Iterable[int]) -> str:
+    """A group on no dimension of the mesh, by its ranks (``ranks_0_1``), as a count names it and a declaration may."""
+    return SUB_GROUP_PREFIX + "_".join(map(str, ranks))
+
+
 @dataclasses.dataclass
 class DispatchedCounter(CallCounter):
     """Every collective that reaches the dispatcher while :meth:`counting` on this thread (DTensor's functional
     collectives, FSDP2's and torch.distributed's c10d ops), by kind and mesh dimension: ``"all_reduce[tp]"``, with
     the bytes of the tensors this rank hands over. A group on no dimension of ``dims`` is named by its ranks
-    (``"all_reduce[ranks 0,1]"``). The harness's own read-back (``DTensor.full_tensor`` for the report) is left out, as
+    (``"all_to_all[ranks_0_1]"``: a team's own sub-group, declared by that name). The harness's own read-back (``DTensor.full_tensor`` for the report) is left out, as
     :func:`uncounted` leaves out any other."""
 
     dims: dict[tuple[int, ...], str] = dataclasses.field(default_factory=dict)  # a group's ranks -> mesh dimension
@@ -451,7 +459,7 @@ class DispatchedCounter(CallCounter):
         if isinstance(group, str):
             group = dist.distributed_c10d._resolve_process_group(group)
         ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else None
-        where = "world" if ranks is None else self.dims.get(ranks, "ranks " + ",".join(map(str, ranks)))
+        where = "world" if ranks is None else self.dims.get(ranks, sub_group_name(ranks))
         handed = args[1] if name in _OUTPUT_FIRST else args[0]
         tensors = [t for t in torch.utils._pytree.tree_leaves(handed) if isinstance(t, torch.Tensor)]
         sent = sum(t.numel() * t.element_size() for t in tensors)

@@ -28,7 +28,7 @@ from torch.utils.data import TensorDataset
 from ..case import Batch, Objective
 from ..errors import InvalidArgument, expect_callable, expect_int
 from ..process.import_paths import resolve
-from ..measure.collectives import StepTraffic, attach_mesh_counter, uncounted
+from ..measure.collectives import SUB_GROUP_PREFIX, StepTraffic, attach_mesh_counter, uncounted
 from .base import DeclaresCollectives, Regime
 from .ddp import DdpOptions, Distributed, shard
 from ..process.torch_imports import is_dtensor
@@ -319,6 +319,19 @@ class MeshStep(DeclaresCollectives, Distributed):
         object.__setattr__(self, "world_size", ranks)
         super().__post_init__()
         expect_import_paths(self, "fn", "parallelizer", "gatherer")
+        self._expect_declared_groups()
+
+    def _expect_declared_groups(self) -> None:
+        """A declared kind's group is a dimension of this mesh, the whole world, or a team's own sub-group by its ranks
+        (``ranks_0_1``): a dimension the mesh lacks would only be judged wrong at run time."""
+        for kind in self.declared_collectives() or {}:
+            group = kind.partition("[")[2].rstrip("]")
+            if group and group not in (*self.sizes, "world") and not (
+                    group.startswith(SUB_GROUP_PREFIX) and group[len(SUB_GROUP_PREFIX):].replace("_", "").isdigit()):
+                raise InvalidArgument(
+                    f"collectives={self.collectives!r} is not allowed: {kind!r} names {group!r}, expected a dimension "
+                    f"of this mesh ({', '.join(map(repr, self.sizes))}), 'world', or a sub-group by its ranks "
+                    f"('{SUB_GROUP_PREFIX}0_1')")
 
     @property
     def sizes(self) -> dict[str, int]:
