@@ -93,8 +93,9 @@ def check_step(
     makes another count of any kind is a ``communication`` verdict. A team whose own layers keep plain local shards
     hands over ``gather(name, local)``: the whole tensor of parameter ``name`` (its weight, or its gradient) from this
     rank's shard, by its own collectives (uncounted: the harness's read-back), found by name as ``parallelize`` is.
-    ``gather`` runs on every rank in lockstep, parameter by parameter in one order, so a gather made of collectives
-    (an ``all_gather`` over the TP group) meets its peers; it must make the same collectives on every rank.
+    ``gather`` runs on every rank in lockstep, for every parameter name of the case's model in one order, so a gather
+    made of collectives (an ``all_gather`` over the TP group) meets its peers; it must make the same collectives on
+    every rank. ``local`` is None on a rank that holds no part of ``name`` (an expert that lives on another rank).
     ``options`` go to :func:`equivcheck.check` (rtol, atol, seed, backend, timeout).
     """
     reference = reference if isinstance(reference, (str, Regime)) else UserStep(reference)

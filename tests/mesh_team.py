@@ -198,3 +198,32 @@ def train_step_syncing_a_pair(model, optimizer, batch):
     loss = train_step(model, optimizer, batch)
     dist.all_reduce(loss.clone(), group=TEAM["pair"])
     return loss
+
+
+class MegatronMLPBiasOnce(nn.Sequential):
+    """As MegatronMLP, the row bias held by the TP group's first rank alone and added there before the all-reduce:
+    the other ranks hold no part of it (no parameter of that name)."""
+
+    def forward(self, x):
+        up, act, down = self
+        return _ReduceFromRegion.apply(F.linear(act(up(x)), down.weight, down.bias), TEAM["group"])
+
+
+def megatron_bias_on_first_rank(model, mesh):
+    mlp = megatron_shards(model, mesh)
+    TEAM["bias"] = (mlp[2].bias.shape, mlp[2].bias.dtype)
+    if mesh["tp"].get_local_rank():
+        del mlp[2].bias
+        mlp[2].bias = None
+    return MegatronMLPBiasOnce(*mlp)
+
+
+def gather_shards_and_the_bias(name, local):
+    """The shards as gather_shards reads them; the bias from the first rank, which alone holds it (``local`` is None
+    on the others)."""
+    if name != "2.bias":
+        return gather_shards(name, local)
+    shape, dtype = TEAM["bias"]
+    whole = local.detach().clone() if local is not None else torch.empty(shape, dtype=dtype)
+    dist.broadcast(whole, dist.get_global_rank(TEAM["group"], 0), group=TEAM["group"])
+    return whole

@@ -137,6 +137,10 @@ def test_a_teams_own_layers_on_plain_local_shards_are_read_back_through_its_gath
     (new_layers,) = ec.check_step("tp_mlp", mesh_team.train_step, mesh={"tp": 2},
                                   parallelize=mesh_team.megatron_new_layers, gather=mesh_team.gather_shards).outcomes
     assert new_layers.verdict is Verdict.EQUIVALENT, new_layers.describe()  # optimised, recorded and read back
+    (held_by_one,) = ec.check_step("tp_mlp", mesh_team.train_step, mesh={"tp": 2},
+                                   parallelize=mesh_team.megatron_bias_on_first_rank,
+                                   gather=mesh_team.gather_shards_and_the_bias).outcomes
+    assert held_by_one.verdict is Verdict.EQUIVALENT, held_by_one.describe()  # asked for every name on every rank
     with pytest.raises(ec.InvalidArgument, match=r"gather=<function gather_shards .*> is not allowed without mesh=: "
                                                  r"expected mesh= and parallelize="):
         ec.check_step("tp_mlp", mesh_team.train_step, world_size=2, gather=mesh_team.gather_shards)

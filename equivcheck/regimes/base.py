@@ -171,6 +171,11 @@ class Regime:
         wrapper gathers its shards here)."""
         return tensor
 
+    def read_back(self, named: dict[str, Tensor]) -> dict[str, Tensor]:
+        """This rank's parameters (or their gradients) by name, each whole (:meth:`full_tensor`), under the names the
+        case's model gives them: what is compared with the reference's."""
+        return {name: self.full_tensor(tensor, name) for name, tensor in named.items()}
+
     def random_streams(self, model: nn.Module, optimizer: Optimizer, inputs: Sequence[Tensor]) -> AbstractContextManager:
         """The context training runs in, as far as the random draws of the model's forwards go: as they come in one
         process; on ranks, dropout drawing the global batch's masks (each global batch's ``inputs``: see

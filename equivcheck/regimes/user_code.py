@@ -344,10 +344,19 @@ class MeshStep(DeclaresCollectives, Distributed):
         collectives)."""
         return attach_mesh_counter(module, layout=self.sizes)
 
-    def full_tensor(self, tensor: Tensor, name: str = "") -> Tensor:
-        """A DTensor through ``full_tensor()``; a plain tensor through the team's gather where it hands one over (its
-        own layers' local shards), else as it is (a replica)."""
-        if is_dtensor(tensor) or not self.gatherer:
+    def read_back(self, named: dict[str, Tensor]) -> dict[str, Tensor]:
+        """With the team's gather: every name of the case's model, on every rank in one order, each whole from what
+        this rank holds under that name, or None where it holds none of it (experts that live on another rank): a
+        gather made of collectives meets its peers. Without one: each tensor this rank holds, whole."""
+        names = getattr(self, "_case_names", None)
+        if not self.gatherer or names is None:
+            return super().read_back(named)
+        return {name: self.full_tensor(named.get(name), name) for name in names}
+
+    def full_tensor(self, tensor: Tensor | None, name: str = "") -> Tensor:
+        """A DTensor through ``full_tensor()``; a plain tensor (or None: this rank holds none of it) through the team's
+        gather where it hands one over (its own layers' local shards), else as it is (a replica)."""
+        if tensor is not None and (is_dtensor(tensor) or not self.gatherer):
             return super().full_tensor(tensor, name)
         with uncounted():  # the harness's read-back, in the team's words: no collective of its step
             whole = resolve(self.gatherer)(name, tensor)
@@ -362,6 +371,9 @@ class MeshStep(DeclaresCollectives, Distributed):
         quiet_read_back()  # the team's own warnings stay: only the harness's read-back of a 2-D DTensor is quieted
         mesh = init_device_mesh(next(model.parameters()).device.type, tuple(self.sizes.values()),
                                 mesh_dim_names=tuple(self.sizes))
+        # The names the reference gives: read back (with the team's gather) whatever this rank's layers hold. Set on
+        # this run's own regime (parsed afresh for every job); no field of its spec.
+        object.__setattr__(self, "_case_names", [name for name, _ in model.named_parameters()])
         made = resolve(self.parallelizer)(model, mesh)
         if not isinstance(made, nn.Module):
             raise InvalidArgument(f"parallelize {self.parallelizer!r} returned a {type(made).__name__}: expected the "

@@ -92,7 +92,7 @@ def _train(request: RunRequest, device: torch.device, *, against: Expected | Non
         counter = regime.count_communication(module)
         counts_syncs = counter is not None and counter.counts_syncs  # a pipeline counts traffic, but no sync
         data = [t for batch in batches for t in (batch.inputs, batch.targets)]
-        with GradRecorder(model, optimizer, counter, regime.full_tensor, against, norms=regime.clips_at() is not None,
+        with GradRecorder(model, optimizer, counter, regime, against, norms=regime.clips_at() is not None,
                           keeps=keeps_gradients, per_call=regime.counts_per_call and regime.steps_observable) \
                 as recorder, \
                 activation_meter(model, data, enabled=request.measure_memory) as memory:
@@ -108,8 +108,8 @@ def _train(request: RunRequest, device: torch.device, *, against: Expected | Non
     named_buffers = [(n, b) for n, b in model.named_buffers() if b.is_floating_point() or b.is_complex()]
     if against is None:
         # The final state is no copy: the model is done with once this returns, and nothing writes to it again.
-        weights, buffers = (snapshot(named, regime.full_tensor, copy=False)
-                            for named in (model.named_parameters(), named_buffers))
+        weights = snapshot(regime.read_back(dict(model.named_parameters())).items(), copy=False)
+        buffers = snapshot(named_buffers, regime.full_tensor, copy=False)
         ensure_finite(str(regime), losses, recorder.grads, weights)
     else:
         weights = buffers = {}
@@ -281,11 +281,11 @@ class GradRecorder:
     :class:`StepWatch`), not per optimizer step, so what the step does after ``optimizer.step()`` counts with it."""
 
     def __init__(self, model: nn.Module, optimizer: Optimizer, counter: CommunicationCounter | None = None,
-                 full_tensor: Callable[[Tensor, str], Tensor] = lambda t, name: t, against: Expected | None = None,
+                 regime: Regime | None = None, against: Expected | None = None,
                  norms: bool = False, keeps: bool = False, per_call: bool = False) -> None:
         self._named = list(model.named_parameters())
         self._per_call = per_call
-        self._full_tensor = full_tensor
+        self._regime = regime or Regime()  # reads tensors back whole (Regime.read_back, Regime.full_tensor)
         self._optimizer = optimizer
         self._counter = counter
         self._against, self._norms, self._keeps = against, norms, keeps
@@ -315,8 +315,8 @@ class GradRecorder:
         self.grad_bytes = held_bytes(p.grad for _, p in self._named)
         # A parameter that took no part in the step has no gradient: mathematically a zero one. A sparse gradient (a
         # sparse nn.Embedding's) is compared as the dense tensor it stands for.
-        grads = {n: self._full_tensor(dense(p.grad.detach()) if p.grad is not None else torch.zeros_like(p), n)
-                 for n, p in self._named}
+        grads = self._regime.read_back({n: dense(p.grad.detach()) if p.grad is not None else torch.zeros_like(p)
+                                 for n, p in self._named})
         if self._norms:
             self.grad_norms.append(math.sqrt(sum(float(torch.linalg.vector_norm(g, dtype=_wide(g))) ** 2
                                                  for g in grads.values())))
@@ -352,9 +352,9 @@ class GradRecorder:
     def measure_final(self, parameters, buffers) -> None:
         """The final weights and buffers compared with the reference's (a run compared as it trains), and, on ranks,
         how far each rank's weights ended from rank 0's."""
-        weights = {n: self._full_tensor(t.detach(), n) for n, t in parameters}
+        weights = self._regime.read_back({n: t.detach() for n, t in parameters})
         self._measure("weight", None, weights)
-        self._measure("buffer", None, {n: self._full_tensor(t.detach(), n) for n, t in buffers})
+        self._measure("buffer", None, {n: self._regime.full_tensor(t.detach(), n) for n, t in buffers})
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self.rank_spread, self.rank_drift = rank_spread(weights)
 
