@@ -14,8 +14,9 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch import Tensor
 
-from ..diff import Comparison, Mismatch, as_real
+from ..diff import Comparison, Mismatch, ProblemKind, as_real
 from ..result import RunResult
 
 # A common factor must explain every gradient to this relative residual to count as "one factor".
@@ -27,8 +28,17 @@ def diagnose(reference: RunResult, candidate: RunResult, comparison: Comparison)
     run speak first), else the first rule's that fits a failed comparison, else none."""
     if comparison.ok or comparison.hint:
         return comparison
-    return dataclasses.replace(comparison, hint=_hint(reference, candidate, comparison.mismatches,
-                                                      comparison.tolerance.atol))
+    shapes = [p for p in comparison.problems if getattr(p, "kind", None) is ProblemKind.SHAPE]
+    hint = _shapes_hint(shapes) if shapes else _hint(reference, candidate, comparison.mismatches,
+                                                      comparison.tolerance.atol)
+    return dataclasses.replace(comparison, hint=hint)
+
+
+def _shapes_hint(shapes: list) -> str:
+    """Tensors of another shape than the reference's are no numbers to weigh: the parameter was read back as a part."""
+    return (f"{len(shapes)} tensor{'s' * (len(shapes) > 1)} came back in another shape than the reference's (first: "
+            f"{shapes[0]}): likely a shard read back as it is (a team's own layers: give gather=), or layers the "
+            "parallelize made that the case's model does not name alike")
 
 
 def _over_tp(run: RunResult) -> bool:
@@ -62,6 +72,11 @@ def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch
                 "or approximate loss (say the last micro-batch's loss x K) instead of the global batch's mean; "
                 "return that mean or None, or check with compare_losses=False")
     factor = common_factor(reference, candidate) if first_grads else None
+    if factor is not None and _over_tp(candidate) and _whole_ratio(factor):
+        return (f"every gradient is {factor:.6g} x the reference's from step 0 on a tensor-parallel mesh: likely the "
+                f"loss divided by the TP size (each TP rank counted as a data-parallel one)" if factor < 1 else
+                f"every gradient is {factor:.6g} x the reference's from step 0 on a tensor-parallel mesh: likely the "
+                "loss summed over the TP ranks, each of which computes the whole loss")
     if factor is not None:
         clipping = (", or gradient clipping that engages in only one of the two (clip_grad_norm_ scales every "
                     "gradient by one factor below 1): give the reference the same clipping") if factor < 1 else ""
@@ -71,10 +86,17 @@ def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch
         names = ", ".join(sorted(m.name for m in mismatches if m.kind == "buffer"))
         return (f"running statistics differ ({names}): likely BatchNorm seeing other batch statistics per "
                 "micro-batch or rank; use a layer without batch statistics, or SyncBatchNorm under DDP")
+    if loss_first == 0 and _over_tp(candidate):
+        return ("the step-0 loss already differs though every run starts from the same weights, on a tensor-parallel "
+                "mesh: the forward differs; likely a bias or another replicated term added on every TP rank before "
+                "the reduce (counted TP times), the TP ranks handed other batches or other dropout masks")
     if loss_first == 0:
         return ("the step-0 loss already differs though every run starts from the same weights: the forward or the "
                 "loss weighting differs; likely micro-batch mean / K with uneven chunks or token counts, dropout "
                 "masks drawn differently per micro-batch, or batch statistics")
+    tp_rule = _tensor_parallel(reference, candidate, first_grads) if _over_tp(candidate) else ""
+    if tp_rule:
+        return tp_rule
     if first_grads and len(first_grads) < len(reference.grads[0]):
         exact = sorted(set(reference.grads[0]) - first_grads)
         return (f"at step 0 only some gradients differ ({', '.join(sorted(first_grads))}) while "
@@ -132,6 +154,51 @@ def _step_count(expected: int, taken: int, pattern: tuple[int, ...] | None) -> s
                 "partial last window)")
     return (f"{taken} optimizer steps where the reference took {expected}{per}: likely optimizer.step() "
             "(or GradScaler.step) per micro-batch instead of once per global batch")
+
+
+def _tensor_parallel(reference: RunResult, candidate: RunResult, first_grads: set[str]) -> str:
+    """On a run that communicated over tp, where some step-0 gradients are one factor k x the reference's and the rest
+    match: the parameters a TP group replicates (norms, row biases), their gradient summed or averaged wrongly over
+    tp. Where every step-0 gradient differs by no one factor: the loss weighting over the data-parallel shards."""
+    if not first_grads or not reference.grads or not candidate.grads:
+        return ""
+    if len(first_grads) == len(reference.grads[0]):
+        if common_factor(reference, candidate) is not None:
+            return ""
+        return ("every gradient differs from step 0 on a tensor-parallel mesh, by no one factor: likely the loss "
+                "weighting over the data-parallel shards (a shard's own mean averaged over dp where shards hold other "
+                "item counts), or the TP ranks handed other batches")
+    factors = {name: _factor(reference.grads[0][name], candidate.grads[0].get(name)) for name in sorted(first_grads)}
+    found = set(factors.values())
+    if len(found) != 1 or None in found or not _whole_ratio(next(iter(found))):
+        return ""
+    factor = next(iter(found))
+    names = ", ".join(factors)
+    why = (f"their gradient averaged over the TP group where it must be summed (a sequence-parallel norm's gradients "
+           f"all-reduced with a mean: 1/{round(1 / factor)})" if factor < 1 else
+           f"counted {round(factor)} times: a row bias added on every TP rank before the reduce, or a replicated "
+           "gradient all-reduced over tp where every rank held the whole already")
+    return (f"at step 0 the gradients of {names} are {factor:.6g} x the reference's and the others match: parameters "
+            f"the TP group replicates, {why}")
+
+
+def _whole_ratio(factor: float) -> bool:
+    """Whether ``factor`` is n or 1/n for a whole n >= 2: what a TP group of n ranks makes of a sum or a mean."""
+    n = factor if factor > 1 else 1 / factor
+    return n >= 1.5 and abs(n - round(n)) < 1e-3
+
+
+def _factor(reference: Tensor, candidate: Tensor | None) -> float | None:
+    """The c with candidate == c * reference, element by element within a relative 1e-6, or None."""
+    if candidate is None or candidate.shape != reference.shape:
+        return None
+    ref, cand = as_real(reference).reshape(-1).double(), as_real(candidate).reshape(-1).double()
+    norm = float(ref.dot(ref))
+    if norm == 0.0:
+        return None
+    factor = float(cand.dot(ref)) / norm
+    residual = float((cand - factor * ref).norm()) / (abs(factor) * norm ** 0.5 or 1.0)
+    return round(factor, 6) if residual <= FACTOR_RESIDUAL else None
 
 
 def common_factor(reference: RunResult, candidate: RunResult) -> float | None:
