@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from equivcheck import Verdict
 from equivcheck.runners import isolation
 from equivcheck.runners.request import RunRequest
 from equivcheck.process import kernels
+from equivcheck.process.torch_imports import import_what_training_imports
 from equivcheck.judge.verdict import Status
 from equivcheck.check import isolated, iter_outcomes, plan
 from equivcheck.suites.catalogue import Entry, run_catalogue
@@ -126,17 +126,24 @@ def test_an_interrupt_during_an_isolated_run_kills_its_child(monkeypatch):
     runner = isolation.IsolatedRunner([(slow, [full_batch])])
     children = []
 
-    def interrupt_inside_the_run() -> None:
-        deadline = time.monotonic() + 60
-        while not (runner._child and runner._child.alive) and time.monotonic() < deadline:
-            time.sleep(0.01)
+    def interrupt_inside_the_run(signum, frame) -> None:
+        """Ctrl-C as the terminal sends it, raised here in the main thread while it waits for the child (a signal a
+        helper thread sent could reach that thread instead, and the main thread's wait would not wake)."""
+        if not (runner._child and runner._child.alive):
+            signal.setitimer(signal.ITIMER_REAL, 0.05)  # not forked yet: a little later
+            return
         children.append(runner._child.pid)
-        time.sleep(0.3)  # inside the run's first forward
-        os.kill(os.getpid(), signal.SIGINT)
+        raise KeyboardInterrupt
 
-    threading.Thread(target=interrupt_inside_the_run, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt):
-        runner.train(RunRequest.of(slow, full_batch, threads=1))  # one thread: the run forks, whatever threads ran before
+    import_what_training_imports()  # before the timer: the child forks at once, and trains for 3 s
+    previous = signal.signal(signal.SIGALRM, interrupt_inside_the_run)
+    signal.setitimer(signal.ITIMER_REAL, 0.5)  # inside the run's first forward
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            runner.train(RunRequest.of(slow, full_batch, threads=1))  # one thread: the run forks, whatever ran before
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
     assert runner._child is None and children and not alive(children[0])
 
 
