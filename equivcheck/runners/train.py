@@ -74,37 +74,107 @@ def run_request(request: RunRequest, against: Expected | None = None) -> RunResu
 
 def _train(request: RunRequest, device: torch.device, *, against: Expected | None,
            keeps_gradients: bool) -> RunResult | None:
-    case, regime, precision, order = request.case, request.regime, request.precision, request.order
+    """One run's stages in their order: build what the case trains, assemble it under the regime, train the segment
+    (every batch), read back what it produced. None where the recording was written to after its step (run_request
+    trains again, copying)."""
     started = time.perf_counter()
-    with intra_op.using(request.threads), seeded(request.seed), default_dtype(precision.dtype), \
-            precision.kernel_path.applied():
-        with default_dtype(precision.draw_dtype or precision.dtype):
-            model = build_model(case, precision, device)
-            batches = [reordered(batch, order) for batch in load_batches(case, precision, device)]
-        objective = Objective(case, precision, device)
-        counted = objective.counted_by_its_loss(model, batches[0])
-        if counted is not case:  # a per-token loss without items=: every batch counts its tokens
-            case, objective = counted, Objective(counted, precision, device)
-            batches = [dataclasses.replace(batch, count=case.items) for batch in batches]
-        module = regime.wrap(model, objective)  # first: a sharding wrapper replaces the parameters the optimizer holds
-        model = trained_model(model, module)
-        optimizer = regime.build_optimizer(case, model)
-        counter = regime.count_communication(module)
-        counts_syncs = counter is not None and counter.counts_syncs  # a pipeline counts traffic, but no sync
-        data = [t for batch in batches for t in (batch.inputs, batch.targets)]
-        with GradRecorder(model, optimizer, counter, regime, against, norms=regime.clips_at() is not None,
-                          keeps=keeps_gradients, per_call=regime.counts_per_call and regime.steps_observable) \
-                as recorder, \
-                activation_meter(model, data, enabled=request.measure_memory) as memory:
-            watched = StepWatch(batches, recorder)
-            with regime.random_streams(model, optimizer, [batch.inputs for batch in batches]):
-                losses = tuple(None if loss is None else float(loss)
-                               for loss in regime.train(module, optimizer,
-                                                        watched if regime.steps_observable else batches, objective))
-    if not recorder.intact():
+    with intra_op.using(request.threads), seeded(request.seed), default_dtype(request.precision.dtype), \
+            request.precision.kernel_path.applied():
+        built = build(request, device)
+        assembled = assemble(request.regime, built)
+        segment = train_segment(request, assembled, against, keeps_gradients)
+    if not segment.recorder.intact():
         return None
+    return result_of(request, assembled, segment, against, started)
+
+
+@dataclasses.dataclass
+class Built:
+    """What a run trains, before any regime touched it: the case (counting its tokens where its loss does), the model
+    on its device, the global batches, the objective."""
+
+    case: Case
+    model: nn.Module
+    batches: list[Batch]
+    objective: Objective
+
+
+def build(request: RunRequest, device: torch.device) -> Built:
+    """The model and the batches from the seeded start, drawn in the precision's draw dtype, on ``device``."""
+    case, precision = request.case, request.precision
+    with default_dtype(precision.draw_dtype or precision.dtype):
+        model = build_model(case, precision, device)
+        batches = [reordered(batch, request.order) for batch in load_batches(case, precision, device)]
+    objective = Objective(case, precision, device)
+    counted = objective.counted_by_its_loss(model, batches[0])
+    if counted is not case:  # a per-token loss without items=: every batch counts its tokens
+        case, objective = counted, Objective(counted, precision, device)
+        batches = [dataclasses.replace(batch, count=case.items) for batch in batches]
+    return Built(case, model, batches, objective)
+
+
+@dataclasses.dataclass
+class Assembled:
+    """A built run under its regime: the module the regime drives, the model it optimises, records and reads back
+    (what the wrap returned, where that holds parameters of its own), the optimizer made over that model, and the
+    counter of what the wrappers communicate."""
+
+    built: Built
+    regime: Regime
+    module: nn.Module
+    model: nn.Module
+    optimizer: Optimizer
+    counter: CommunicationCounter | None
+
+
+def assemble(regime: Regime, built: Built) -> Assembled:
+    """Wrap first (a sharding wrapper replaces the parameters the optimizer holds), then the optimizer over what the
+    wrap returns, then the communication counter on the wrappers."""
+    module = regime.wrap(built.model, built.objective)
+    model = trained_model(built.model, module)
+    optimizer = regime.build_optimizer(built.case, model)
+    return Assembled(built, regime, module, model, optimizer, regime.count_communication(module))
+
+
+@dataclasses.dataclass
+class Segment:
+    """What training a run's batches produced: the losses, the recording (gradients, counts, norms), the activation
+    meter and the watch over which batch took which step."""
+
+    losses: tuple[float | None, ...]
+    recorder: GradRecorder
+    memory: object
+    watched: StepWatch
+
+
+def train_segment(request: RunRequest, assembled: Assembled, against: Expected | None,
+                  keeps_gradients: bool) -> Segment:
+    """The regime's training over the built batches, every optimizer step recorded (or compared with ``against``)."""
+    regime, model, optimizer, built = assembled.regime, assembled.model, assembled.optimizer, assembled.built
+    batches = built.batches
+    data = [t for batch in batches for t in (batch.inputs, batch.targets)]
+    with GradRecorder(model, optimizer, assembled.counter, regime, against, norms=regime.clips_at() is not None,
+                      keeps=keeps_gradients, per_call=regime.counts_per_call and regime.steps_observable) \
+            as recorder, \
+            activation_meter(model, data, enabled=request.measure_memory) as memory:
+        watched = StepWatch(batches, recorder)
+        with regime.random_streams(model, optimizer, [batch.inputs for batch in batches]):
+            losses = tuple(None if loss is None else float(loss)
+                           for loss in regime.train(assembled.module, optimizer,
+                                                    watched if regime.steps_observable else batches,
+                                                    built.objective))
+    return Segment(losses, recorder, memory, watched)
+
+
+def result_of(request: RunRequest, assembled: Assembled, segment: Segment, against: Expected | None,
+              started: float) -> RunResult:
+    """The run's result: the final weights and buffers whole (or compared with ``against`` as they are read), checked
+    finite, with everything the recording and the meters noted."""
+    regime, model, counter, built = assembled.regime, assembled.model, assembled.counter, assembled.built
+    recorder, losses, memory, watched = segment.recorder, segment.losses, segment.memory, segment.watched
+    counts_syncs = counter is not None and counter.counts_syncs  # a pipeline counts traffic, but no sync
     held = (held_bytes(model.parameters()), recorder.grad_bytes,
-            optimizer_state_bytes(regime.local_optimizer(optimizer)))
+            optimizer_state_bytes(regime.local_optimizer(assembled.optimizer)))
     named_buffers = [(n, b) for n, b in model.named_buffers() if b.is_floating_point() or b.is_complex()]
     if against is None:
         # The final state is no copy: the model is done with once this returns, and nothing writes to it again.
@@ -116,7 +186,7 @@ def _train(request: RunRequest, device: torch.device, *, against: Expected | Non
         recorder.measure_final(model.named_parameters(), named_buffers)
         ensure_finite(str(regime), losses, (), {})
     return RunResult(
-        case=case.name,
+        case=built.case.name,
         regime=str(regime),
         losses=losses,
         grads=tuple(recorder.grads),
@@ -128,11 +198,11 @@ def _train(request: RunRequest, device: torch.device, *, against: Expected | Non
         collectives=None if counter is None else tuple(recorder.collectives),
         sync_wrappers=counter.wrappers if counts_syncs else None,
         steps_per_batch=watched.steps_per_batch(len(recorder.grads)) if regime.steps_observable else None,
-        precision=precision.name,
+        precision=request.precision.name,
         peak_activation_bytes=memory.peak,
         memory_method=memory.method,
-        loss_dtypes=tuple(sorted(str(dtype) for dtype in objective.loss_dtypes)),
-        batch_samples=tuple(len(batch) for batch in batches),
+        loss_dtypes=tuple(sorted(str(dtype) for dtype in built.objective.loss_dtypes)),
+        batch_samples=tuple(len(batch) for batch in built.batches),
         state_bytes=held,
         grad_norms=tuple(recorder.grad_norms),
         rank_spread=recorder.rank_spread,
