@@ -2,16 +2,21 @@
 # Everything a GPU machine must pass, in one go (make test-gpu; a lent GPU's few minutes): install the tree, then the
 # suite, the catalogue, the field and the matrix, on the CPU default and with --device cuda, and the GPU bench. Every
 # output lands in $OUT (default build/gpu), with one line per step in $OUT/summary.txt: its exit code and seconds.
-# Steps run side by side (a GPU machine has cores to spare); the bench runs last, alone on the GPU. WHEELS: a folder
-# with a setuptools>=77 wheel, for a machine that cannot fetch one.
+# Steps run side by side (a GPU machine has cores to spare); the bench runs last, alone on the GPU, within BENCH_LIMIT.
+# WHEELS: a folder with a setuptools>=77 wheel, for a machine that cannot fetch one. Every step's output is also packed
+# into $OUT/outputs.tar.gz beside summary.txt and machine.txt (each step writes under build/gpu-work), for a machine
+# that hands back only a few files.
 set -u
 cd "$(dirname "$0")/.."
-OUT=$(realpath -m "${OUT:-build/gpu}")
+RESULTS=$(realpath -m "${OUT:-build/gpu}")  # what comes back: the summary, the machine, every output packed
+OUT=$(realpath -m build/gpu-work)  # each step's own output
 PYTHON=${PYTHON:-python3}
+case $PYTHON in */*) PYTHON="$(cd "$(dirname "$PYTHON")" && pwd)/$(basename "$PYTHON")" ;; esac  # the bench runs from bench/
 WHEELS=${WHEELS:-build/wheels}
 WORKERS=${WORKERS:-10}
 LIMIT=${LIMIT:-420}  # seconds each step may take: past that it is stopped and says so (exit 124)
-mkdir -p "$OUT"
+BENCH_LIMIT=${BENCH_LIMIT:-300}
+rm -rf "$OUT"; mkdir -p "$OUT" "$RESULTS"
 export OMP_NUM_THREADS=1
 if [ -d "$WHEELS" ]; then "$PYTHON" -m pip install -q --no-index --find-links "$WHEELS" 'setuptools>=77' > "$OUT/install.txt" 2>&1; fi
 "$PYTHON" -m pip install -q --no-build-isolation --no-deps -e . >> "$OUT/install.txt" 2>&1 || { cat "$OUT/install.txt"; exit 2; }
@@ -33,7 +38,9 @@ step suite "$PYTHON" -m pytest -q -n "$WORKERS" -p no:randomly -p no:cacheprovid
   step run "${EC[@]}" run; step run_cuda_float32 "${EC[@]}" run --device cuda --dtype float32;
   step run_cuda_bf16 "${EC[@]}" run --device cuda --dtype bf16-autocast; } &
 wait
-(cd bench && step bench_gpu "$PYTHON" bench_gpu.py --repeats 2 --json "$OUT/bench_gpu.json")
+(cd bench && LIMIT=$BENCH_LIMIT step bench_gpu "$PYTHON" bench_gpu.py --repeats 2 --json "$OUT/bench_gpu.json")
+tar -czf "$RESULTS/outputs.tar.gz" -C "$OUT" .
+cp "$OUT/summary.txt" "$OUT/machine.txt" "$RESULTS/"
 cat "$OUT/machine.txt" "$OUT/summary.txt"
 for name in suite catalogue catalogue_fp16 catalogue_cuda field field_cuda run run_cuda_float32 run_cuda_bf16 bench_gpu; do
     echo "== $name"; tail -n 4 "$OUT/$name.txt" 2>/dev/null
