@@ -189,16 +189,21 @@ def _whole_ratio(factor: float) -> bool:
 
 
 def _factor(reference: Tensor, candidate: Tensor | None) -> float | None:
-    """The c with candidate == c * reference, element by element within a relative 1e-6, or None."""
-    if candidate is None or candidate.shape != reference.shape:
+    """The c with candidate == c * reference for one tensor (:func:`_scaled_by`), to 6 digits, or None."""
+    if candidate is None:
         return None
-    ref, cand = as_real(reference).reshape(-1).double(), as_real(candidate).reshape(-1).double()
+    factor = _scaled_by(as_real(reference).reshape(-1).double(), as_real(candidate).reshape(-1).double())
+    return None if factor is None else round(factor, 6)
+
+
+def _scaled_by(ref: Tensor, cand: Tensor) -> float | None:
+    """The c with ``cand == c * ref`` (flat float64 tensors) to a relative residual of FACTOR_RESIDUAL, or None."""
     norm = float(ref.dot(ref))
-    if norm == 0.0:
+    if norm == 0.0 or ref.shape != cand.shape:
         return None
     factor = float(cand.dot(ref)) / norm
     residual = float((cand - factor * ref).norm()) / (abs(factor) * norm ** 0.5 or 1.0)
-    return round(factor, 6) if residual <= FACTOR_RESIDUAL else None
+    return factor if residual <= FACTOR_RESIDUAL else None
 
 
 def common_factor(reference: RunResult, candidate: RunResult) -> float | None:
@@ -207,14 +212,8 @@ def common_factor(reference: RunResult, candidate: RunResult) -> float | None:
         return None
     ref = torch.cat([as_real(g).reshape(-1).double() for g in reference.grads[0].values()])
     cand = torch.cat([as_real(candidate.grads[0][name]).reshape(-1).double() for name in reference.grads[0]])
-    norm = float(ref.dot(ref))
-    if norm == 0.0 or ref.shape != cand.shape:
-        return None
-    factor = float(cand.dot(ref)) / norm
-    residual = float((cand - factor * ref).norm()) / (abs(factor) * norm ** 0.5 or 1.0)
-    if residual > FACTOR_RESIDUAL or abs(factor - 1.0) < 10 * FACTOR_RESIDUAL:
-        return None
-    return factor
+    factor = _scaled_by(ref, cand)
+    return None if factor is None or abs(factor - 1.0) < 10 * FACTOR_RESIDUAL else factor
 
 
 def unsynchronised_ranks(result: RunResult, atol: float) -> tuple[int, tuple[int, ...], float] | None:

@@ -31,6 +31,12 @@ FILE_MODULE_PREFIX = "equivcheck_user_cases_"  # the names files imported by pat
 SOURCE_ATTRIBUTE = "__equivcheck_source__"  # set on modules loaded from a file path: the file they came from
 
 
+def search_path() -> list[str]:
+    """This process's module search path, so that a process it starts (the forker, its ranks, a kernel probe) imports
+    modules where this one does."""
+    return [p or os.getcwd() for p in sys.path]
+
+
 def import_path(fn: Callable, argument: str = "step") -> str:
     """``module:name`` (or ``script.py:name``) under which ``fn`` imports back to ``fn`` in another process."""
     for module in _modules_of(fn):

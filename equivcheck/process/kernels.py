@@ -36,7 +36,7 @@ from torch import nn
 from .forking import fork_is_safe
 from ..errors import InvalidArgument
 from .exit import exit_words
-from .import_paths import WITHOUT_WORKING_DIRECTORY
+from .import_paths import WITHOUT_WORKING_DIRECTORY, search_path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +174,7 @@ def _probe_in_fresh_interpreter(precision, path: KernelPath) -> str:
     try:
         autocast = str(precision.autocast).removeprefix("torch.")
         done = subprocess.run([sys.executable, "-c", PROBE_COMMAND, autocast, path.name],
-                              env=os.environ | dict(path.environment) | {"PYTHONPATH": os.pathsep.join(sys.path)},
+                              env=os.environ | dict(path.environment) | {"PYTHONPATH": os.pathsep.join(search_path())},
                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               timeout=PROBE_SECONDS)
     except subprocess.TimeoutExpired:

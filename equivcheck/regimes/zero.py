@@ -38,9 +38,10 @@ def with_step_hooks_of(case_optimizer: Optimizer, made: Optimizer) -> Optimizer:
     holds already is not added twice."""
     if made is case_optimizer:
         return made
+    held = {id(hook) for hooks in (made._optimizer_step_pre_hooks, made._optimizer_step_post_hooks)
+            for hook in hooks.values()}
     for hooks, register in ((case_optimizer._optimizer_step_pre_hooks, made.register_step_pre_hook),
                             (case_optimizer._optimizer_step_post_hooks, made.register_step_post_hook)):
-        held = set(map(id, made._optimizer_step_pre_hooks.values())) | set(map(id, made._optimizer_step_post_hooks.values()))
         for hook in list(hooks.values()):
             if id(hook) not in held:
                 register(hook)

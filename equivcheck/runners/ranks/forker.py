@@ -28,7 +28,7 @@ from multiprocessing.connection import Connection
 
 from ...errors import WorkerError
 from ...process.exit import exit_words
-from ...process.import_paths import WITHOUT_WORKING_DIRECTORY
+from ...process.import_paths import WITHOUT_WORKING_DIRECTORY, search_path
 from ...process.torch_imports import TRAINING_IMPORTS
 
 PRELOADED = ("torch", "torch.distributed", *TRAINING_IMPORTS, "equivcheck.runners.ranks.worker", "equivcheck.runners.ranks.jobs")
@@ -217,11 +217,6 @@ class ForkedRank:
         """Why this rank's exit cannot be known, where its forker is gone (ranks leave with it); else ''."""
         death = self._forker.death
         return f"the forker that starts and reaps the ranks is gone ({death}), and its ranks with it" if death else ""
-
-
-def search_path() -> list[str]:
-    """This process's module search path, so that the forker and its ranks import modules where this one does."""
-    return [p or os.getcwd() for p in sys.path]
 
 
 def _is_open(fd: int) -> bool:

@@ -29,7 +29,8 @@ from typing import NamedTuple
 from ...errors import RAISE_TIMEOUT, InvalidArgument, WorkerError
 from .capacity import ensure_room
 from ...process.exit import exit_words
-from .forker import ForkedRank, forker, search_path
+from .forker import ForkedRank, forker
+from ...process.import_paths import search_path
 from .jobs import Job
 from .shared_reference import REFERENCE_PREFIX
 from .worker import INSIDE_RANK_VARIABLE, stack_file
