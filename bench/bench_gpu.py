@@ -88,6 +88,7 @@ def main() -> None:
     card = torch.cuda.get_device_name()
     print(f"{CASE} on {card}, torch {torch.__version__}: {REGIME} checked against torch alone's three trainings, "
           f"median of {args.repeats}")
+    header = ("precision", "torch alone", "check", "time", "alone's peak", "check's peak", "memory")
     rows, figures, met = [], {}, True
     for dtype in args.dtypes:
         sides = {side: side_in_fresh_process(side, dtype, args.repeats) for side in ("alone", "check")}
@@ -98,8 +99,8 @@ def main() -> None:
         rows.append([dtype, f"{sides['alone']['seconds']:.2f} s", f"{sides['check']['seconds']:.2f} s",
                      f"{time_ratio:.2f}x", f"{sides['alone']['peak_bytes'] / 2**30:.2f} GiB",
                      f"{sides['check']['peak_bytes'] / 2**30:.2f} GiB", f"{memory_ratio:.2f}x"])
-    print(markdown_table([("precision", "torch alone", "check", "time", "alone's peak", "check's peak", "memory"),
-                          *rows]))
+        print(markdown_table([header, rows[-1]]), flush=True)  # each precision as it ends: a stopped bench keeps it
+    print(markdown_table([header, *rows]))
     print(f"targets: time <= {TIME_TARGET}x, peak GPU memory <= {MEMORY_TARGET}x: {'met' if met else 'MISSED'}")
     if args.json:
         with open(args.json, "w") as file:
