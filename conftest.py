@@ -28,6 +28,7 @@ def isolated_registry(monkeypatch):
     registry.all_cases()  # the built-in cases are loaded once, into the registry the test leaves as it was
     monkeypatch.setattr(registry, "_cases", dict(registry._cases))
     monkeypatch.setattr(registry, "_sources", dict(registry._sources))
+    monkeypatch.setattr(registry, "_registered_by_a_call", set(registry._registered_by_a_call))
 
 
 # `make mutation` maps every mutant to the tests that reach its function by recording, in the test process,

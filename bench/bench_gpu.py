@@ -46,7 +46,7 @@ def alone(dtype: str) -> None:
 def checked(dtype: str) -> None:
     report = ec.check(CASE, [REGIME], device="cuda", dtype=dtype)
     if not report.ok:
-        raise SystemExit(f"the check did not pass: {report.describe()}")
+        raise SystemExit("the check did not pass:\n" + "\n".join(o.describe() for o in report.outcomes))
 
 
 def measure_side(side: str, dtype: str, repeats: int) -> dict:

@@ -112,7 +112,8 @@ class WorkerError(EquivcheckError, RuntimeError):
 
 
 class RunDied(WorkerError):
-    """An isolated run's process died before it answered: a signal (SIGILL in a kernel, SIGSEGV) or an exit.
+    """A process training a run (an isolated run's child, a rank) died before it answered: a signal (SIGILL in a
+    kernel, SIGSEGV) or an exit.
 
     ``remote_traceback`` holds the Python frames faulthandler wrote as it died, where it could; ``exit_code`` is
     how it ended, as ``subprocess.Popen.returncode`` says it (negative: the signal)."""

@@ -19,6 +19,7 @@ from .process.import_paths import FILE_MODULE_PREFIX, SOURCE_ATTRIBUTE, import_f
 BUILTIN_PACKAGE = "equivcheck_cases"
 _cases: dict[str, Case] = {}
 _sources: dict[str, tuple[str, str | None]] = {}  # case name -> (module name, file) it was registered from
+_registered_by_a_call: set[str] = set()  # cases registered outside their module's import (inside a test, say)
 _builtins_loaded = False
 
 T = TypeVar("T", Case, Callable[[], Case])
@@ -35,7 +36,28 @@ def register_case(case: T) -> T:
     _cases[built.name] = built
     caller = sys._getframe(1).f_globals
     _sources[built.name] = (caller.get("__name__", ""), caller.get(SOURCE_ATTRIBUTE) or caller.get("__file__"))
+    if _importing(caller):
+        _registered_by_a_call.discard(built.name)
+    else:
+        _registered_by_a_call.add(built.name)
     return case
+
+
+def _importing(module_globals: dict) -> bool:
+    """Whether the module of ``module_globals`` is running its top level now (its import, a script's run): a
+    registration made there is made again wherever the module is imported, one made by a later call is not."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals is module_globals:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def registered_on_import(case: Case) -> bool:
+    """Whether a fresh process that imports the source of ``case`` registers it too: registered by its module's top
+    level (or a function that top level calls), not by a call made later, such as a test's."""
+    return importable_source(case) is not None and case.name not in _registered_by_a_call
 
 
 def case_source(name: str) -> str:

@@ -16,12 +16,19 @@ import torch.distributed as dist
 from torch import nn
 
 import equivcheck as ec
+from equivcheck.runners.ranks.worker import INSIDE_RANK_VARIABLE
 
 
 def pool_owner() -> int:
     """The process whose pool this rank serves: the parent of the forker that forked it."""
     with open(f"/proc/{os.getppid()}/stat") as stat:
         return int(stat.read().rsplit(")", 1)[1].split()[1])
+
+
+def the_command() -> int:
+    """The process running the check an isolated run belongs to: the parent of the forked child it trains in, or,
+    where it trains on a clean child (a GPU machine's one-rank worker), that worker's pool owner."""
+    return pool_owner() if os.environ.get(INSIDE_RANK_VARIABLE) is not None else os.getppid()
 
 
 _signalled: set[str] = set()
@@ -109,6 +116,12 @@ for name, signum in (("sigsegv", signal.SIGSEGV), ("sigill", signal.SIGILL), ("e
     ))
 
 
+# A crash that declares a pitfall: a catalogue entry of it is an error row (registered here, at the top level, so
+# that an isolating child that imports it by name, a GPU machine's, knows it too).
+ec.register_case(dataclasses.replace(ec.get_case("crash_sigsegv"), name="crash_declared",
+                                     expect_mismatch={"naive_accumulate": "a planted pitfall"}))
+
+
 class MkldnnFaults(nn.Module):
     """A run on a machine whose oneDNN bf16 kernels fault: its first autocast forward with mkldnn on kills the
     process with SIGILL, as oneDNN's AMX path does on some virtual CPUs."""
@@ -152,11 +165,11 @@ class Interrupting(nn.Module):
         self.signum, self.batch_size = signum, batch_size
 
     def forward(self, x):
-        if x.shape[0] < self.batch_size and not dist.is_initialized():
+        if x.shape[0] < self.batch_size and (not dist.is_initialized() or dist.get_world_size() == 1):
             if self.signum == signal.SIGINT:
-                os.killpg(os.getpgid(0), signal.SIGINT)
+                os.killpg(os.getpgid(the_command()), signal.SIGINT)
             else:
-                os.kill(os.getppid(), signal.SIGTERM)  # the command that forked this run's child
+                os.kill(the_command(), signal.SIGTERM)
             time.sleep(5.0)
         return self.linear(x)
 

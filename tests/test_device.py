@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -132,6 +133,22 @@ def test_a_run_that_cannot_cross_by_name_trains_here_with_a_warning_where_this_p
     with pytest.warns(IsolationWarning, match="'built_in_a_test' under 'full_batch' cannot cross by name"):
         report = ec.check(case, ["accumulate:chunks=3"], isolate=True)
     assert report.ok
+
+
+def test_a_case_registered_inside_a_test_trains_here_with_a_warning_where_this_process_may_not_fork(
+        monkeypatch, isolated_registry):
+    """Registered, but by a call inside a test: a clean child that imports its module by name never sees it (on the
+    H200 the child answered 'unknown case'), so the run trains here, saying so; the module's own cases cross."""
+    from equivcheck.registry import registered_on_import
+
+    monkeypatch.setattr(isolation, "fork_is_safe", lambda: False)
+    pool.start_forker()  # the clean child's forker exists before the registration, as after a user's earlier tests
+    ec.register_case(dataclasses.replace(ec.get_case("mlp"), name="registered_in_a_test"))
+    assert not registered_on_import(ec.get_case("registered_in_a_test"))
+    assert registered_on_import(ec.get_case("mlp")) and registered_on_import(ec.get_case(device_cases.CASE_NAME))
+    with pytest.warns(IsolationWarning, match="'registered_in_a_test' under 'full_batch' cannot cross by name"):
+        report = ec.check("registered_in_a_test", ["accumulate:chunks=3"], isolate=True)
+    assert report.ok, report.outcomes
 
 
 def test_deterministic_kernels_on_cuda_only_and_settings_restored():

@@ -7,7 +7,6 @@ full-batch reference trains, every split run dies. Each test here would take its
 the isolation were removed.
 """
 
-import dataclasses
 import json
 import os
 import signal
@@ -25,6 +24,7 @@ from equivcheck import Verdict
 from equivcheck.runners import isolation
 from equivcheck.runners.request import RunRequest
 from equivcheck.process import kernels
+from equivcheck.process.forking import fork_is_safe
 from equivcheck.process.torch_imports import import_what_training_imports
 from equivcheck.judge.verdict import Status
 from equivcheck.check import isolated, iter_outcomes, plan
@@ -33,6 +33,7 @@ from equivcheck.errors import RunDied
 from equivcheck.precision import registered_name, resolve_precision
 
 import fault_cases
+import faulty_kernels
 from processes import alive
 
 FAULT_CASES = str(Path(fault_cases.__file__))
@@ -119,6 +120,8 @@ def _forkers() -> set[int]:
     return {forker._forker._process.pid} if forker._forker is not None and forker._forker.alive else set()
 
 
+@pytest.mark.skipif(not fork_is_safe(), reason="a forked child's interruption: on a machine with a GPU an isolated "
+                    "run trains on a one-rank worker, which the interrupted-command tests below stop")
 def test_an_interrupt_during_an_isolated_run_kills_its_child(monkeypatch):
     slow, full_batch = ec.get_case("fault_slow"), ec.parse_regime("full_batch")
     # The class the registered case builds: a test before may have registered it again from fault_cases.py by path.
@@ -148,14 +151,16 @@ def test_an_interrupt_during_an_isolated_run_kills_its_child(monkeypatch):
 
 
 def test_a_ctrl_c_that_reaches_the_child_is_left_to_the_command():
-    (outcome,) = ec.check("interrupts_itself", ["accumulate:chunks=2"], isolate=True).outcomes
-    assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
+    """The run's child ignores it, and so does a rank (a GPU machine's isolating child is a one-rank worker)."""
+    for outcome in ec.check("interrupts_itself", ["accumulate:chunks=2", "ddp:world_size=2"], isolate=True).outcomes:
+        assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
 
 
 def test_a_crash_on_a_rank_is_an_error_and_the_pool_recovers():
     report = ec.check("crash_sigsegv", ["ddp:world_size=2", "accumulate:chunks=2"], isolate=True)
     ranked, local = report.outcomes
-    assert ranked.verdict is Verdict.ERROR and "died (killed by SIGSEGV)" in ranked.reason
+    assert ranked.verdict is Verdict.ERROR and "died (killed by SIGSEGV) in forward (fault_cases.py:" in ranked.reason
+    assert "Fatal Python error" in ranked.details  # the frames the rank's faulthandler wrote as it died
     assert local.verdict is Verdict.ERROR and "killed by SIGSEGV" in local.reason
     ec.check("mlp", ["ddp:world_size=2"]).assert_equivalent()
 
@@ -176,9 +181,7 @@ def test_the_cli_keeps_every_verdict_and_writes_every_report(tmp_path):
     assert "killed by SIGSEGV" in out["html"].read_text() and "crash_sigsegv" in out["md"].read_text()
 
 
-def test_the_catalogue_gives_error_rows_for_an_entry_that_kills_its_process(isolated_registry):
-    ec.register_case(dataclasses.replace(ec.get_case("crash_sigsegv"), name="crash_declared",
-                                         expect_mismatch={"naive_accumulate": "a planted pitfall"}))
+def test_the_catalogue_gives_error_rows_for_an_entry_that_kills_its_process():
     entry = Entry("planted crash", "crash_declared", "naive_accumulate:chunks=3", "accumulate:chunks=3")
     (row,) = run_catalogue(["float64"], [entry], isolate=True)
     assert row.pitfall.verdict is Verdict.ERROR and row.twin.verdict is Verdict.ERROR
@@ -227,14 +230,6 @@ def test_marked(equivcheck):
 
 # --- the precision preflight ---------------------------------------------------------------------------------
 
-def _dies_unless(allowed) -> None:
-    """A probe on a machine whose default bf16 kernels fault: the child dies of SIGILL unless ``allowed()``."""
-    def probe(precision):
-        if not allowed():
-            os.kill(os.getpid(), signal.SIGILL)
-    return probe
-
-
 @pytest.fixture
 def fresh_decisions(monkeypatch):
     """No precision probed yet in this process; oneDNN's variable as it was, afterwards."""
@@ -242,8 +237,12 @@ def fresh_decisions(monkeypatch):
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
 
 
-def test_the_isa_cap_is_chosen_where_it_survives(monkeypatch, fresh_decisions):
-    monkeypatch.setattr(kernels, "probe_kernels", _dies_unless(lambda: "ONEDNN_MAX_CPU_ISA" in os.environ))
+@pytest.mark.parametrize("forked", [True, False], ids=["forked probe", "probe in a fresh interpreter"])
+def test_the_isa_cap_is_chosen_where_it_survives(monkeypatch, fresh_decisions, forked):
+    """Either way a probe goes (a fork of this process where it may fork one, else a fresh interpreter: a GPU
+    machine), the faulting default is seen and the cap chosen."""
+    monkeypatch.setattr(kernels, "fork_is_safe", lambda: forked)
+    faulty_kernels.install("isa_capped", monkeypatch.setattr)
     (outcome,) = ec.check("mlp", ["accumulate:chunks=2"], dtype="bf16-autocast").outcomes
     assert outcome.verdict is Verdict.EQUIVALENT
     assert "bf16-autocast ran on kernel path onednn-avx512" in outcome.reason
@@ -252,7 +251,7 @@ def test_the_isa_cap_is_chosen_where_it_survives(monkeypatch, fresh_decisions):
 
 
 def test_mkldnn_off_is_applied_to_the_runs_in_process_and_on_ranks(monkeypatch, fresh_decisions):
-    monkeypatch.setattr(kernels, "probe_kernels", _dies_unless(lambda: not torch._C._get_mkldnn_enabled()))
+    faulty_kernels.install("mkldnn_off", monkeypatch.setattr)
     specs = ["accumulate:chunks=3", "ddp:world_size=2"]
     report = ec.check("mkldnn_faults", specs, dtype="bf16-autocast", isolate=True)
     for outcome in report.outcomes:
@@ -268,7 +267,7 @@ def test_mkldnn_off_is_applied_to_the_runs_in_process_and_on_ranks(monkeypatch, 
 def test_a_capped_isa_reaches_the_runs_child_and_ranks_started_before_it_was_chosen(monkeypatch, fresh_decisions):
     """One runner for a command's float64 and bf16 plans: its child, forked for the float64 runs, lacks the
     variable the bf16 probe chose, as do warm ranks; both are started afresh, so the bf16 runs are capped."""
-    monkeypatch.setattr(kernels, "probe_kernels", _dies_unless(lambda: "ONEDNN_MAX_CPU_ISA" in os.environ))
+    faulty_kernels.install("isa_capped", monkeypatch.setattr)
     specs = ["accumulate:chunks=3", "ddp:world_size=2"]
     plans = [plan("isa_faults", specs, dtype=dtype, isolate=True) for dtype in ("float64", "bf16-autocast")]
     runner = isolated(plans)
@@ -289,7 +288,7 @@ def test_the_path_crosses_to_the_ranks_by_name():
 
 
 def test_a_precision_no_path_survives_is_skipped_with_the_signal_and_the_way_out(monkeypatch, fresh_decisions):
-    monkeypatch.setattr(kernels, "probe_kernels", _dies_unless(lambda: False))
+    faulty_kernels.install("never", monkeypatch.setattr)
     (outcome,) = ec.check("mlp", ["accumulate:chunks=2"], dtype="bf16-autocast").outcomes
     assert outcome.verdict is Verdict.SKIPPED
     assert "no kernel path survives here" in outcome.reason and "killed by SIGILL" in outcome.reason
@@ -304,13 +303,11 @@ def test_a_hung_probe_is_a_path_that_does_not_work(monkeypatch, fresh_decisions)
     assert not children_of(os.getpid()) - _forkers()
 
 
-CATALOGUE_WITH_FAULTY_KERNELS = textwrap.dedent("""
-    import os, signal, sys, torch
-    from equivcheck.process import kernels
-    def probe(precision):
-        if torch._C._get_mkldnn_enabled():
-            os.kill(os.getpid(), signal.SIGILL)
-    kernels.probe_kernels = probe
+CATALOGUE_WITH_FAULTY_KERNELS = textwrap.dedent(f"""
+    import sys
+    sys.path.insert(0, {str(Path(__file__).parent)!r})
+    import faulty_kernels
+    faulty_kernels.install("mkldnn_off")
     from equivcheck.cli import main
     sys.exit(main(sys.argv[1:]))
 """)

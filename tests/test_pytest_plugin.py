@@ -9,7 +9,7 @@ import _pytest.pytester
 import pytest
 
 from equivcheck.cli import main
-from equivcheck.device import auto_backend
+from equivcheck.device import auto_backend, gpus
 
 
 @pytest.fixture(autouse=True)
@@ -389,7 +389,7 @@ def test_xdist_two_workers_give_the_same_verdicts_and_one_matrix(pytester):
     parallel.stdout.fnmatch_lines(["*test_user.py:*: BlindSpotWarning: case 'mlp' cannot catch*"])
     page = html_path.read_text()
     assert "<h3>mlp under step:naive_step: mismatch</h3>" in page and "<td>ddp_no_sync:world_size=2,chunks=3</td>" in page
-    assert "title='DataParallel needs at least 2 CUDA devices; 0 found'>skipped</td>" in page
+    assert f"title='DataParallel needs at least 2 CUDA devices; {gpus()} found'>skipped</td>" in page
     assert "<h2 id='caught-pitfalls'>Caught pitfalls</h2>" in page  # --equivcheck-plots=all
     assert "<h3>batchnorm_cnn under sample_by_sample: expected_mismatch</h3>" in page
     markdown = markdown_path.read_text()

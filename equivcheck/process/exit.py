@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import signal
 import sys
 import threading
@@ -53,3 +54,12 @@ def leave_with_parent(parent: int, cleanup: Callable[[], None] = lambda: None) -
 
 
 PARENT_POLL_SECONDS = 0.5
+
+
+FRAMES_LIMIT = 20_000  # characters of faulthandler's dump kept in an error's details
+
+
+def innermost_frame(frames: str) -> str:
+    """``forward (model.py:12)``: the frame a faulthandler dump names first (most recent call first), or ''."""
+    found = re.search(r'File "([^"]+)", line (\d+) in (\S+)', frames)
+    return f"{found[3]} ({os.path.basename(found[1])}:{found[2]})" if found else ""

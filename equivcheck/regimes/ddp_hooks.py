@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from ..case import Case
+from ..device import DEFAULT_DEVICE, gpus
 from ..errors import InvalidArgument, expect_int
 from ..measure.collectives import attach_counter
 from ..precision import Precision, Tolerance
@@ -68,6 +69,13 @@ class DdpHook(Ddp):
                 if getattr(self, option) != default:
                     raise InvalidArgument.value(option, getattr(self, option), f"{default} (the default) with "
                                                 f"hook={self.hook}: only hook=powersgd takes it")
+
+    def unavailable(self, device: str = DEFAULT_DEVICE) -> str | None:
+        if self.hook == "powersgd" and not self.placement(device).on_gpus and gpus() > 0:
+            return ("torch's powerSGD_hook calls torch.cuda.synchronize(device) on its gradients' device wherever CUDA "
+                    "is available (powerSGD_hook.py), which raises for ranks on the CPU beside a GPU: it needs nccl with "
+                    f"a CUDA device per rank ({self.world_size} asked, {gpus()} found, device={device!r})")
+        return super().unavailable(device)
 
     def count_communication(self, module: nn.Module) -> CommunicationCounter:
         """DDP takes one comm hook per wrapper: the counter's, which counts and then calls this regime's."""

@@ -24,7 +24,6 @@ import atexit
 import faulthandler
 import os
 import pickle
-import re
 import signal
 import sys
 import tempfile
@@ -42,15 +41,12 @@ from ..errors import InvalidArgument, IsolationWarning, RunDied, warn
 from .ranks import pool
 from .ranks.jobs import TrainJob
 from .train import run_request
-from ..process.exit import exit_words, leave_with_parent
+from ..process.exit import FRAMES_LIMIT, exit_words, innermost_frame, leave_with_parent
 from ..regimes import Regime, parse_regime
-from ..registry import importable_source
+from ..registry import importable_source, registered_on_import
 from ..result import RunResult
 from .request import RunRequest
 from ..process.torch_imports import import_what_training_imports
-
-FRAMES_LIMIT = 20_000  # characters of faulthandler's dump kept in an error's details
-
 
 def can_fork(request: RunRequest) -> bool:
     """Whether the run ``request`` asks for can train in a child forked from this process: a CPU run on one thread
@@ -69,7 +65,7 @@ def by_name(request: RunRequest) -> str | None:
         same = parse_regime(str(request.regime)) == request.regime
     except (InvalidArgument, ValueError, TypeError):
         return None
-    return source if same else None
+    return source if same and registered_on_import(request.case) else None
 
 
 class IsolatedRunner:
@@ -103,7 +99,7 @@ class IsolatedRunner:
                if request.threads != 1 else
                f"this machine has a GPU, so its isolating child imports the case and the regime by name, and case "
                f"{request.case.name!r} under {str(request.regime)!r} cannot cross by name (register the case at a "
-               "module's top level; a team's step given as a function crosses only to ranks)")
+               "module's top level, not inside a test; a team's step given as a function crosses only to ranks)")
         if why not in self._warned:
             self._warned.add(why)
             warn(IsolationWarning(f"a run of {request.case.name!r} trains in the checking process: {why}; a crash "
@@ -176,7 +172,7 @@ class _Child:
         code = os.waitstatus_to_exitcode(status)
         frames = os.pread(self._crash_log.fileno(), FRAMES_LIMIT, 0).decode(errors="replace").strip()
         self._close_files()
-        where = _innermost_frame(frames)
+        where = innermost_frame(frames)
         return RunDied(f"the run's process died ({exit_words(code)})" + (f" in {where}" if where else ""),
                        remote_traceback=frames, exit_code=code)
 
@@ -256,12 +252,6 @@ def _serve(runs: Sequence[tuple[Case, Regime]], requests: Connection, replies: C
             except (OSError, ValueError):
                 pass
         os._exit(code)
-
-
-def _innermost_frame(frames: str) -> str:
-    """``forward (model.py:12)``: the frame faulthandler names first (most recent call first), or ''."""
-    found = re.search(r'File "([^"]+)", line (\d+) in (\S+)', frames)
-    return f"{found[3]} ({os.path.basename(found[1])}:{found[2]})" if found else ""
 
 
 def _portable(error: Exception) -> Exception:

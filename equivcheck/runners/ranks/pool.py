@@ -26,9 +26,9 @@ import time
 from multiprocessing.connection import wait
 from typing import NamedTuple
 
-from ...errors import RAISE_TIMEOUT, InvalidArgument, WorkerError
+from ...errors import RAISE_TIMEOUT, InvalidArgument, RunDied, WorkerError
 from .capacity import ensure_room
-from ...process.exit import exit_words
+from ...process.exit import FRAMES_LIMIT, exit_words, innermost_frame
 from .forker import ForkedRank, forker
 from ...process.import_paths import search_path
 from .jobs import Job
@@ -144,7 +144,7 @@ class WorkerPool:
                 try:
                     answered, status, payload = self._conns[rank].recv()
                 except EOFError:
-                    raise WorkerError(f"{what}: rank {rank} died ({_exit_reason(self._processes[rank])})") from None
+                    raise self._death(what, rank) from None
                 if answered != job:
                     raise WorkerError(f"{what}: rank {rank} answered job {answered} while job {job} was waiting "
                                       "(a protocol error); the pool was torn down")
@@ -153,13 +153,27 @@ class WorkerPool:
                 if status == "error":
                     dead = _dead_peer(self._processes, rank, DEATH_GRACE)
                     if dead is not None:
-                        raise WorkerError(f"{what}: rank {dead} died ({_exit_reason(self._processes[dead])}); "
-                                          f"rank {rank} then raised {_exception_line(payload)}",
-                                          remote_traceback=f"rank {rank}: {payload}")
+                        died = self._death(what, dead)
+                        raise RunDied(f"{died}; rank {rank} then raised {_exception_line(payload)}",
+                                      remote_traceback=f"{died.remote_traceback}\n\nrank {rank}: {payload}".strip(),
+                                      exit_code=died.exit_code)
                     raise WorkerError(f"{what}: rank {rank} raised {_exception_line(payload)}",
                                       remote_traceback=f"rank {rank}: {payload}", raised=True)
                 replies[rank] = payload
         return [replies[r] for r in range(self.world_size)]
+
+    def _death(self, what: str, rank: int) -> RunDied:
+        """Rank ``rank`` is gone: how it ended, and the frames faulthandler wrote where a fatal signal killed it."""
+        process = self._processes[rank]
+        reason = _exit_reason(process)
+        try:
+            with open(stack_file(self._folder, rank), errors="replace") as dump:
+                frames = dump.read(FRAMES_LIMIT).strip()
+        except OSError:
+            frames = ""
+        where = innermost_frame(frames)
+        return RunDied(f"{what}: rank {rank} died ({reason})" + (f" in {where}" if where else ""),
+                       remote_traceback=frames, exit_code=process.poll() or 0)
 
     def _stacks(self, ranks: list[int]) -> str:
         """Where each hung rank stands: its Python stack, dumped on SIGUSR1 by faulthandler."""

@@ -27,9 +27,14 @@ def worker_main(rank: int, world_size: int, backend: str, store: str, conn: Conn
     os.environ[INSIDE_RANK_VARIABLE] = str(rank)
     # A parent killed without its cleanup leaves its pool's folder to the ranks to remove.
     leave_with_parent(parent, lambda: shutil.rmtree(os.path.dirname(store), ignore_errors=True))
-    # On SIGUSR1 (sent by the pool when a job times out) dump this rank's stack where the pool can read it.
+    # On SIGUSR1 (sent by the pool when a job times out) dump this rank's stack where the pool can read it, and
+    # the frames it stood in where a fatal signal (SIGSEGV, SIGILL) kills it: what the pool's error then quotes.
     stacks = open(stack_file(os.path.dirname(store), rank), "w")  # noqa: SIM115 (lives as long as the rank)
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    faulthandler.enable(file=stacks, all_threads=False)
+    # A terminal's Ctrl-C is the parent's to handle (it closes the pool): a rank in a session of its own meets only a
+    # SIGINT sent to it alone, as an isolated run's child ignores it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
     try:
         if backend == "nccl":
