@@ -2,5 +2,5 @@
 
 from . import (  # noqa: F401
     accumulation_loops, batchnorm, block_stack, clipping, cnn, ddp_hooks, ddp_traps, dropout, gru_decoder, mlp,
-    seed000_embedding_head, seed003_article, seed004_linear, sequence_parallel, tensor_parallel, tokens,
+    resume, seed000_embedding_head, seed003_article, seed004_linear, sequence_parallel, tensor_parallel, tokens,
 )

@@ -11,7 +11,7 @@ only), ``user_code`` (a team's own step or loop). A regime of your own is one mo
 """
 
 from . import (checkpoint, context, ddp, ddp_hooks, ddp_join, ddp_partial, fsdp, local, pipeline, pitfalls, sequence,
-               sync_batchnorm, tensor, user_code, zero)
+               resume, sync_batchnorm, tensor, user_code, zero)
 from .base import (DEFAULT_REGIMES, REGIMES, Chunked, CommunicationCounter, Pitfall, Regime, chunk_pairs, finish_step,
                    parse_regime, regime_source, register_regime, spec_usage)
 from .loop import accumulate, backward_chunks, global_mean_part, inputs_only, meddling_part
@@ -46,6 +46,7 @@ BUILT_IN: tuple[type[Regime], ...] = (
     user_code.PipelineLoop,
     user_code.MeshStep,
     user_code.MeshLoop,
+    resume.Resume, resume.ResumeWithoutOptimizer, resume.ResumeWithoutRng, resume.ResumeFromTheStart,
 )
 for _regime in BUILT_IN:
     register_regime(_regime)

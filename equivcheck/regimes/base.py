@@ -59,13 +59,14 @@ class Pitfall:
         name, _, given = self.twin.partition(":")
         stated = [item.strip() for item in given.split(",") if item.strip()]
         named = {item.partition("=")[0].strip() for item in stated}
-        own = {f.name for f in dataclasses.fields(regime)}
+        own = {f.name for f in spec_fields(regime)}
         if name not in REGIMES:
             raise InvalidArgument.unknown("regime", name, REGIMES)
-        shared = [f"{f.name}={_spec_value(getattr(regime, f.name))}" for f in dataclasses.fields(REGIMES[name])
+        shared = [f"{f.name}={_spec_value(getattr(regime, f.name))}" for f in spec_fields(REGIMES[name])
                   if f.name in own and f.name not in named]
         params = ",".join(stated + shared)
-        return parse_regime(f"{name}:{params}" if params else name)
+        twin = parse_regime(f"{name}:{params}" if params else name)
+        return twin.joined(*regime.joins) if regime.joins else twin  # a resume's twin joins the same regimes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +96,18 @@ class Regime:
     # optimizer.step() (all-reducing a logged loss) included; a regime of equivcheck's counts per optimizer step.
     counts_per_call: ClassVar[bool] = False
     split_contract: ClassVar[str] = "a function model -> (trunk, head) with head(trunk(x)) == model(x)"
+    between: ClassVar[bool] = False  # written between the regimes it joins, with '>' (a resume: :meth:`joined`)
+
+    @property
+    def joins(self) -> tuple[Regime, Regime | None] | None:
+        """The regimes this one joins, written around it with '>' (a resume: ``BEFORE>resume:at=K>AFTER``), else
+        None."""
+        return None
+
+    def joined(self, before: Regime, after: Regime | None) -> Regime:
+        """This regime joining ``before`` to ``after``: only a regime whose spec is written between two takes them."""
+        raise InvalidArgument(f"regime spec {str(self)!r}: '>' joins regimes around a resume only "
+                              "('BEFORE>resume:at=K>AFTER'), and this regime joins none")
 
     def __str__(self) -> str:
         """The canonical spec: parameters in declaration order, those left at their default omitted, and those derived
@@ -337,11 +350,13 @@ def parse_regime(spec: str | Regime) -> Regime:
         return spec
     if not isinstance(spec, str):
         raise InvalidArgument.type("regime", spec, "a regime spec str such as 'accumulate:chunks=4'")
+    if ">" in spec:
+        return _joined(spec)
     name, _, params_text = spec.strip().partition(":")
     if name not in REGIMES:
         raise InvalidArgument.unknown("regime", name, REGIMES)
     cls = REGIMES[name]
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in spec_fields(cls)}
     kwargs: dict[str, object] = {}
     for item in filter(None, params_text.split(",")):
         key, eq, raw = item.partition("=")
@@ -357,6 +372,21 @@ def parse_regime(spec: str | Regime) -> Regime:
         example = ",".join(f"{k}={fields[k].metadata.get('example', 2)}" for k in missing)
         raise InvalidArgument(f"regime spec {spec!r}: {name} needs {', '.join(missing)} (e.g. '{name}:{example}')")
     return cls(**kwargs)
+
+
+def _joined(spec: str) -> Regime:
+    """``BEFORE>resume:at=K[>AFTER]``, or ``resume:at=K>AFTER``: the joining regime between the regimes it joins (a
+    regime before it trains first; one after it takes over, else the one before does)."""
+    parts = [part.strip() for part in spec.split(">")]
+    joining = [i for i, part in enumerate(parts) if getattr(REGIMES.get(part.partition(":")[0]), "between", False)]
+    if len(joining) != 1 or joining[0] > 1 or len(parts) - joining[0] > 2:
+        raise InvalidArgument(f"regime spec {spec!r} is not allowed: '>' joins at most one regime on each side of a "
+                              "resume, as 'BEFORE>resume:at=K>AFTER' (BEFORE trains first, AFTER takes over; either "
+                              "may be left out: full_batch, and BEFORE)")
+    at = joining[0]
+    before = parse_regime(parts[0]) if at == 1 else None
+    after = parse_regime(parts[at + 1]) if at + 1 < len(parts) else None
+    return parse_regime(parts[at]).joined(before, after)
 
 
 _PLACEHOLDERS = {"int": "N", "float": "X", "str": "NAME", "bool": "0|1"}
@@ -378,8 +408,9 @@ def spec_usage(name: str) -> str:
 
 def spec_fields(regime: Regime | type[Regime]) -> list[dataclasses.Field]:
     """A regime's fields in the order a spec writes them: declaration order, the trailing ones (a declaration of what
-    a step communicates) last."""
-    return sorted(dataclasses.fields(regime), key=lambda field: bool(field.metadata.get("trailing")))
+    a step communicates) last; not the regimes a resume joins, which its spec writes around it."""
+    return sorted((f for f in dataclasses.fields(regime) if not f.metadata.get("joined")),
+                  key=lambda field: bool(field.metadata.get("trailing")))
 
 
 def _spec_value(value: object) -> str:

@@ -16,6 +16,7 @@ from ..regimes import Regime, parse_regime
 from ..registry import importable_source, resolve_case
 from ..result import RunResult
 from .request import RunRequest
+from .resume import train_resumed
 from .train import drift_place, run_request
 from ..process.seeding import DEFAULT_SEED
 
@@ -89,6 +90,8 @@ def start_request(request: RunRequest, *, timeout: float = DEFAULT_TIMEOUT, runn
             f", and {placed.note}" if placed.note else ", and these ranks train over gloo on the CPU")
     if reason is not None:
         raise Unavailable(reason)
+    if regime.between:  # a resume: two segments, each in processes of its own
+        return Started(lambda: train_resumed(request, timeout, _assembled))
     if not regime.distributed:
         if runner is not None:
             return Started(lambda: runner.train(request, timeout))

@@ -21,6 +21,23 @@ SAMPLE_ORDERS = ("given", "reversed", "rolled")  # a global batch's samples as g
 
 
 @dataclasses.dataclass(frozen=True)
+class Restart:
+    """Which side of a restart a run is (a resume's segment: equivcheck.regimes.resume): the ``first`` trains the first
+    ``at`` global batches and saves ``parts`` to ``folder``; the ``rest`` builds the model anew, restores them from
+    ``folder`` and trains on, from batch ``at`` (from the first again, where the position is not among the parts)."""
+
+    side: str
+    at: int
+    folder: str
+    parts: tuple[str, ...]
+
+    def batches(self, batches: list) -> list:
+        if self.side == "first":
+            return batches[: self.at]
+        return batches[self.at :] if "position" in self.parts else batches[: len(batches) - self.at]
+
+
+@dataclasses.dataclass(frozen=True)
 class RunRequest:
     """Train ``case`` for its steps under ``regime`` in ``precision`` on ``device`` from ``seed``: with its peak
     activation memory where ``measure_memory``, on ``threads`` intra-op threads, each global batch's samples in
@@ -34,6 +51,7 @@ class RunRequest:
     threads: int = 1
     order: str = "given"
     device: str = DEFAULT_DEVICE
+    restart: Restart | None = None  # a resume's segment (runners/resume.py): set there, never by a caller
 
     @classmethod
     def of(cls, case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED,

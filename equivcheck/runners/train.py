@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ..case import Batch, Case, Objective
+from . import checkpoints
 from .request import RunRequest
 from .closure import evaluate_closure
 from ..judge.compare import Expected
@@ -81,8 +82,15 @@ def _train(request: RunRequest, device: torch.device, *, against: Expected | Non
     with intra_op.using(request.threads), seeded(request.seed), default_dtype(request.precision.dtype), \
             request.precision.kernel_path.applied():
         built = build(request, device)
+        restart = request.restart
+        if restart is not None:  # a resume's segment: its share of the batches, the checkpoint restored or saved
+            built = dataclasses.replace(built, batches=restart.batches(built.batches))
         assembled = assemble(request.regime, built)
+        if restart is not None and restart.side == "rest":
+            checkpoints.restore(restart, assembled.model, assembled.optimizer, built.objective.scaler)
         segment = train_segment(request, assembled, against, keeps_gradients)
+        if restart is not None and restart.side == "first":
+            checkpoints.save(restart, assembled.model, assembled.optimizer, built.objective.scaler)
     if not segment.recorder.intact():
         return None
     return result_of(request, assembled, segment, against, started)

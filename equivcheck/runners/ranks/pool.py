@@ -251,7 +251,8 @@ def _exit_reason(process: ForkedRank) -> str:
 
 LOOPBACK = "lo"
 FOLDER_PREFIX = "equivcheck-pool-"
-ORPHANED_PREFIXES = (FOLDER_PREFIX, REFERENCE_PREFIX)  # each followed by the pid of the process that made it
+CHECKPOINT_PREFIX = "equivcheck-checkpoint-"  # a resume's checkpoint between its segments (runners/resume.py)
+ORPHANED_PREFIXES = (FOLDER_PREFIX, REFERENCE_PREFIX, CHECKPOINT_PREFIX)  # each followed by the pid of its maker
 _pools: dict[tuple[str, int], WorkerPool] = {}
 
 
@@ -321,6 +322,18 @@ def _refuse_inside_a_rank() -> None:
 
 def run_job(backend: str, world_size: int, job: Job, timeout: float = DEFAULT_TIMEOUT) -> list[dict]:
     return submit_job(backend, world_size, job, timeout)()
+
+
+def run_in_fresh_ranks(backend: str, world_size: int, job: Job, timeout: float = DEFAULT_TIMEOUT) -> list[dict]:
+    """``job`` on ranks started for it alone, which end with it: a process a restart begins with (a resume's
+    segment: nothing of an earlier job's random streams, caches or lazily made state survives in it)."""
+    _refuse_inside_a_rank()
+    ensure_room(world_size, [pid for other in _pools.values() for pid in other.pids])
+    ranks = WorkerPool(backend, world_size)
+    try:
+        return ranks.run(job, timeout)
+    finally:
+        ranks.close()
 
 
 class InFlight:

@@ -1,0 +1,43 @@
+"""Resuming from a checkpoint (equivcheck.regimes.resume): a run saved after its first global batch and restored by
+processes started afresh must go on exactly as the uninterrupted run, on the same regime or another world size.
+
+Measured on CPU in float64: a faithful resume matches full batch exactly in process (margin 0: the same kernels in a
+fresh process), and to the accumulation's reordering on ranks, FSDP2 resharded 4 -> 2 and 2 -> 4 included. Each
+pitfall leaves one part of the checkpoint out and is caught: Adam's moments restarted (a fresh optimizer), the first
+global batch trained again (the position reset), and, under dropout, the masks of step 0 drawn again (the random
+state of a fresh process, not the saved one).
+"""
+
+import dataclasses
+
+import equivcheck as ec
+from equivcheck.suites.catalogue import Entry, add_entry
+
+from .dropout import dropout_one_layer
+from .tokens import tokens
+
+resume_tokens = ec.register_case(dataclasses.replace(
+    tokens,
+    name="resume_tokens",
+    regimes=("full_batch", "resume:at=1", "accumulate:chunks=2>resume:at=1>ddp:world_size=2",
+             "resume_without_optimizer:at=1", "resume_from_the_start:at=1"),
+    expect_mismatch={"resume_without_optimizer": "a fresh optimizer after the restart: Adam's moments start again",
+                     "resume_from_the_start": "the restored run trains the first global batch again"},
+    description="resume after the first global batch, in fresh processes: the checkpoint must hold the optimizer "
+                "and the position",
+))
+
+resume_dropout = ec.register_case(dataclasses.replace(
+    dropout_one_layer,
+    name="resume_dropout",
+    regimes=("full_batch", "resume:at=1", "resume_without_rng:at=1"),
+    expect_mismatch={"resume_without_rng": "the fresh processes draw step 1's dropout masks from a fresh random "
+                                           "state"},
+    description="resume under dropout: the checkpoint must hold the random state",
+    cpu_generator_only="",  # a resume restores the generator it drew from, CPU or CUDA
+))
+
+# The catalogue's entries that use these cases.
+add_entry(Entry("resume: optimizer state not saved in the checkpoint", "resume_tokens", "resume_without_optimizer:at=1"))
+add_entry(Entry("resume: data position reset to the first batch", "resume_tokens", "resume_from_the_start:at=1"))
+add_entry(Entry("resume: random state not restored, with dropout", "resume_dropout", "resume_without_rng:at=1"))

@@ -1,0 +1,71 @@
+"""A run's checkpoint, as a careful team writes it, for a resume (:mod:`equivcheck.regimes.resume`): the model and the
+optimizer through ``torch.distributed.checkpoint`` (each rank writes its shards; the ranks that load read the shards
+they hold now, so a checkpoint saved on 4 ranks loads on 2), and each rank's own file of what DCP does not hold: the
+random state and the GradScaler's. A part the resume's regime leaves out (a pitfall) is neither saved nor restored.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from .request import Restart
+
+def save(restart: Restart, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler) -> None:
+    dcp, get_model_state_dict, get_optimizer_state_dict, _, _ = _dcp()
+    state = {"model": get_model_state_dict(model)}
+    if "optimizer" in restart.parts:
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    dcp.save(state, checkpoint_id=_shards(restart))
+    own = {}
+    if "rng" in restart.parts:
+        own["rng"] = torch.default_generator.get_state()
+        if torch.cuda.is_initialized():
+            own["cuda_rng"] = torch.cuda.get_rng_state_all()
+    if "scaler" in restart.parts:
+        own["scaler"] = scaler.state_dict()
+    torch.save(own, _own_file(restart, _rank()))
+
+
+def restore(restart: Restart, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler) -> None:
+    """Into a model and an optimizer built anew: the shards this rank holds now, then its own file (rank 0's where the
+    checkpoint was saved on fewer ranks: every rank is seeded alike, so their random states agree)."""
+    dcp, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict = _dcp()
+    state = {"model": get_model_state_dict(model)}
+    if "optimizer" in restart.parts:
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    dcp.load(state, checkpoint_id=_shards(restart))
+    set_model_state_dict(model, state["model"])
+    if "optimizer" in restart.parts:
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    mine = _own_file(restart, _rank())
+    own = torch.load(mine if os.path.exists(mine) else _own_file(restart, 0), weights_only=False)
+    if "rng" in own:
+        torch.default_generator.set_state(own["rng"])
+        if "cuda_rng" in own and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(own["cuda_rng"])
+    if "scaler" in own:
+        scaler.load_state_dict(own["scaler"])
+
+
+def _dcp():
+    """torch.distributed.checkpoint, imported by the first resume, not by ``import equivcheck``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    return dcp, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
+
+
+def _shards(restart: Restart) -> str:
+    return os.path.join(restart.folder, "shards")
+
+
+def _own_file(restart: Restart, rank: int) -> str:
+    return os.path.join(restart.folder, f"rank{rank}.pt")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0

@@ -1,0 +1,102 @@
+"""Resuming from a checkpoint: two segments in fresh processes, compared with the uninterrupted reference."""
+
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+
+import pytest
+
+import equivcheck as ec
+from equivcheck import Verdict
+from equivcheck.regimes.resume import Resume
+from equivcheck.runners.ranks import pool
+
+import device_cases
+from processes import alive
+
+FAITHFUL = ["resume:at=1", "accumulate:chunks=2>resume:at=1>ddp:world_size=2",
+            "fsdp:world_size=4>resume:at=1>fsdp:world_size=2", "fsdp:world_size=2>resume:at=1>fsdp:world_size=4",
+            "fsdp_tp:dp=2,tp=2>resume:at=1>fsdp:world_size=2"]
+
+
+def test_a_faithful_resume_is_exact_in_process_and_resharded_on_ranks():
+    """FSDP2 saved on 4 ranks and restored on 2 (and 2 -> 4), a 2 x 2 mesh restored as FSDP2 on 2: equivalent, each
+    to its accumulation's reordering; one process's resume is exact."""
+    report = ec.check("tokens", FAITHFUL)
+    for outcome in report.outcomes:
+        assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
+    assert report.outcomes[0].comparison.margin == 0.0
+    assert report.outcome("tokens", FAITHFUL[2]).result.optimizer_steps == 2  # one step saved, one restored
+
+
+@pytest.mark.parametrize(("case", "pitfall"), [("resume_tokens", "resume_from_the_start:at=1"),
+                                               ("resume_dropout", "resume_without_rng:at=1")])
+def test_each_part_left_out_of_the_checkpoint_is_caught_from_the_resumed_step(case, pitfall):
+    (outcome,) = ec.check(case, [pitfall]).outcomes
+    assert outcome.verdict is Verdict.EXPECTED_MISMATCH and outcome.comparison.margin > 1000, outcome.describe()
+    assert outcome.comparison.first_divergent_step == 1  # the step saved before the restart matches
+
+
+@pytest.mark.parametrize("before", ["", "fsdp:world_size=2>"])
+def test_optimizer_state_left_out_is_caught_in_the_update_it_steers(before):
+    """Step 1's gradients come from the restored weights, which are right; Adam's restarted moments then move the
+    weights otherwise: the final weights are what differ, resharded (2 -> 4 ranks) too."""
+    after = ">fsdp:world_size=4" if before else ""
+    (outcome,) = ec.check("resume_tokens", [f"{before}resume_without_optimizer:at=1{after}"]).outcomes
+    assert outcome.verdict is Verdict.EXPECTED_MISMATCH and outcome.comparison.margin > 1000, outcome.describe()
+    assert {m.kind for m in outcome.comparison.mismatches} == {"weight"}
+
+
+def test_each_segment_trains_in_processes_started_for_it_which_end_with_it(tmp_path, monkeypatch):
+    """What a restart loses is lost: the restored segment's ranks are not the saving segment's, none outlives its
+    segment, no warm pool is left, and the checkpoint's folder is removed."""
+    record = tmp_path / "trained_in"
+    monkeypatch.setenv(device_cases.RECORD_VARIABLE, str(record))
+    warm_before = set(pool._pools)
+    result = ec.run(device_cases.CASE_NAME, "ddp:world_size=2>resume:at=1")
+    built = [int(line.split()[0]) for line in record.read_text().split("\n") if line]
+    assert len(built) == 4 and len(set(built)) == 4  # two ranks per segment, four processes
+    assert not any(alive(pid) for pid in built)
+    assert set(pool._pools) == warm_before and result.optimizer_steps == 2
+    assert not glob.glob(os.path.join(tempfile.gettempdir(), f"{pool.CHECKPOINT_PREFIX}{os.getpid()}-*"))
+
+
+def test_specs_join_regimes_around_a_resume_and_print_back():
+    resumed = ec.parse_regime("fsdp:world_size=4>resume:at=2>fsdp:world_size=2")
+    assert isinstance(resumed, Resume) and resumed.at == 2 and resumed.world_size == 4
+    assert resumed.segments == (ec.parse_regime("fsdp:world_size=4"), ec.parse_regime("fsdp:world_size=2"))
+    assert str(resumed) == "fsdp:world_size=4>resume:at=2>fsdp:world_size=2"
+    assert str(ec.parse_regime("ddp:world_size=2>resume:at=1>ddp:world_size=2")) == "ddp:world_size=2>resume:at=1"
+    assert str(ec.parse_regime("full_batch>resume:at=1")) == "resume:at=1"
+    # a pitfall's twin joins the same regimes
+    twin = ec.REGIMES["resume_without_rng"].pitfall.twin_of("ddp:world_size=2>resume_without_rng:at=1>fsdp:world_size=2")
+    assert str(twin) == "ddp:world_size=2>resume:at=1>fsdp:world_size=2"
+
+
+@pytest.mark.parametrize(("spec", "says"), [
+    ("ddp:world_size=2>accumulate:chunks=2", "'>' joins at most one regime on each side of a resume"),
+    ("a>b>resume:at=1", "'>' joins at most one regime on each side of a resume"),
+    ("resume:at=1>resume:at=1", "'>' joins at most one regime on each side of a resume"),
+    ("resume", "resume needs at"),
+    ("resume:at=0", "at=0 is not allowed"),
+])
+def test_a_spec_that_does_not_read_is_refused_saying_how_to_write_one(spec, says):
+    with pytest.raises(ec.InvalidArgument, match=says.replace("(", r"\(")):
+        ec.parse_regime(spec)
+
+
+def test_a_save_must_fall_between_two_of_the_cases_global_batches():
+    with pytest.raises(ec.InvalidArgument, match=r"at=2 is not allowed: expected 1 to 1, a save between two of the "
+                                                 r"case's 2 global batches"):
+        ec.check("tokens", ["resume:at=2"])
+
+
+def test_under_a_launcher_a_resume_is_skipped_saying_why(monkeypatch):
+    """A launcher's group is fixed: no fresh processes for a segment, so the row is skipped, never trained in it."""
+    from equivcheck.runners.ranks import launcher
+
+    monkeypatch.setattr(launcher, "active", lambda: True)
+    (outcome,) = ec.check("tokens", ["resume:at=1"]).outcomes
+    assert outcome.verdict is Verdict.SKIPPED and "a launcher's fixed group cannot" in outcome.reason
