@@ -64,7 +64,8 @@ class Pitfall:
             raise InvalidArgument.unknown("regime", name, REGIMES)
         shared = [f"{f.name}={_spec_value(getattr(regime, f.name))}" for f in spec_fields(REGIMES[name])
                   if f.name in own and f.name not in named]
-        params = ",".join(stated + shared)
+        compiled = [f"compile={regime.compile}"] if getattr(regime, "compile", "") and "compile" not in named else []
+        params = ",".join(stated + shared + compiled)  # a compiled pitfall's twin is compiled alike
         twin = parse_regime(f"{name}:{params}" if params else name)
         return twin.joined(*regime.joins) if regime.joins else twin  # a resume's twin joins the same regimes
 
@@ -356,6 +357,10 @@ def parse_regime(spec: str | Regime) -> Regime:
     if name not in REGIMES:
         raise InvalidArgument.unknown("regime", name, REGIMES)
     cls = REGIMES[name]
+    if "compile=" in params_text and "compile" not in {f.name for f in spec_fields(cls)}:
+        from .compiled import compiled_class  # the regime's compiled subclass: compile is a wrap on any regime
+
+        cls = compiled_class(cls)
     fields = {f.name: f for f in spec_fields(cls)}
     kwargs: dict[str, object] = {}
     for item in filter(None, params_text.split(",")):

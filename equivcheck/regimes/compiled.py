@@ -1,0 +1,94 @@
+"""torch.compile as a wrap: any regime with ``compile=inductor`` (or ``aot_eager``) in its spec trains the module its
+wrap returns compiled, ``torch.compile(module, backend=...)`` (``ddp:world_size=2,compile=inductor`` compiles the DDP
+wrapper, whose graphs DDP's optimizer breaks at its buckets, as torch intends). Everything else is the regime's own:
+the compiled regime is a subclass of it, made once per regime class, so it is what the regime is, and its spec prints
+back with the option. The reference stays eager: a compiled run is judged against the maths.
+
+A compile that compiles nothing would be an eager run called compiled (a regime whose steps call the model's parts, not
+the module that was compiled; ``nn.Module.compile()``, which torch 2.13 leaves eager, its frames in dynamo's skip
+list): each compiled run counts the graphs its backend compiled, and one with none is an error saying so. Dynamo's
+in-memory cache is reset at each compiled run's wrap so that the count is this run's; inductor's on-disk caches are
+kept, so a check's later runs compile faster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import shutil
+from collections.abc import Iterator
+
+from torch import nn
+
+from ..device import DEFAULT_DEVICE
+from ..errors import InvalidArgument
+
+BACKENDS = ("inductor", "aot_eager")
+COUNTER_ATTRIBUTE = "_equivcheck_compiled_graphs"  # on the case's model: the graphs its compiled run made
+
+
+@functools.cache
+def compiled_class(regime_class: type) -> type:
+    """The class of ``regime_class``'s regimes trained compiled: a subclass with the ``compile`` option."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Compiled(regime_class):
+        compile: str = dataclasses.field(default="", kw_only=True, metadata={"trailing": True, "example": "inductor"})
+
+        def __post_init__(self) -> None:
+            checked = getattr(super(), "__post_init__", None)
+            if checked is not None:
+                checked()
+            if self.compile not in BACKENDS:
+                raise InvalidArgument.value("compile", self.compile, f"one of {', '.join(BACKENDS)}")
+
+        def unavailable(self, device: str = DEFAULT_DEVICE) -> str | None:
+            return super().unavailable(device) or missing_compiler(self.compile, device)
+
+        def wrap(self, model: nn.Module, objective) -> nn.Module:
+            return compile_module(super().wrap(model, objective), model, self.compile)
+
+        def random_streams(self, model, optimizer, inputs):
+            return _compiled_something(super().random_streams(model, optimizer, inputs), model, str(self))
+
+    Compiled.__name__ = Compiled.__qualname__ = f"Compiled{regime_class.__name__}"
+    return Compiled
+
+
+def missing_compiler(backend: str, device: str) -> str | None:
+    """Why ``backend`` cannot compile for ``device`` here: inductor writes C++ for the CPU, which needs a compiler."""
+    if backend != "inductor" or device != "cpu":
+        return None
+    compilers = [os.environ.get("CXX", ""), "g++", "c++", "clang++"]
+    if any(shutil.which(compiler) for compiler in compilers if compiler):
+        return None
+    return "compile=inductor writes C++ for the CPU and no C++ compiler is here (CXX, g++, c++, clang++): aot_eager runs"
+
+
+def compile_module(module: nn.Module, model: nn.Module, backend: str) -> nn.Module:
+    """``module`` compiled with ``backend``, each graph it compiles counted on ``model``."""
+    import torch
+    import torch._dynamo
+
+    torch._dynamo.reset()  # this run's graphs are compiled (and counted) here, not found in an earlier run's cache
+    real = torch._dynamo.lookup_backend(backend)
+    graphs: list[int] = []
+
+    def counted(graph_module, example_inputs):
+        graphs.append(len(graph_module.graph.nodes))
+        return real(graph_module, example_inputs)
+
+    object.__setattr__(model, COUNTER_ATTRIBUTE, graphs)
+    return torch.compile(module, backend=counted)
+
+
+@contextlib.contextmanager
+def _compiled_something(inner, model: nn.Module, regime: str) -> Iterator[None]:
+    """Training in ``inner``, then an error where the compiled run compiled no graph."""
+    with inner:
+        yield
+    if not getattr(model, COUNTER_ATTRIBUTE, None):
+        raise RuntimeError(f"{regime} compiled nothing: its steps never called the module torch.compile wrapped "
+                           "(a regime that drives the model's parts), so the run was eager")

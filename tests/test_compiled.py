@@ -1,0 +1,41 @@
+"""torch.compile as a wrap on any regime: judged against the eager reference, and a compile that compiled nothing is
+an error, never an eager run called compiled."""
+
+from __future__ import annotations
+
+import pytest
+
+import equivcheck as ec
+from equivcheck import Verdict
+from equivcheck.regimes import compiled
+from equivcheck.regimes.ddp import Ddp
+
+
+def test_fsdp2_compiled_is_equivalent_and_a_pitfall_under_compile_is_caught():
+    report = ec.check("tokens", ["fsdp:world_size=2,compile=aot_eager", "naive_accumulate:chunks=4,compile=aot_eager"])
+    faithful, pitfall = report.outcomes
+    assert faithful.verdict is Verdict.EQUIVALENT, faithful.describe()
+    assert pitfall.verdict is Verdict.MISMATCH and pitfall.comparison.margin > 1000
+
+
+def test_a_compile_that_compiled_nothing_is_an_error_not_an_eager_run():
+    """A pipeline's stages call the model's parts, never the module torch.compile wrapped: the run was eager."""
+    (outcome,) = ec.check("tokens", ["pipeline:stages=2,microbatches=4,compile=aot_eager"]).outcomes
+    assert outcome.verdict is Verdict.ERROR and "compiled nothing" in outcome.reason, outcome.describe()
+
+
+def test_the_option_makes_the_regime_a_compiled_one_of_its_own_class():
+    regime = ec.parse_regime("ddp:world_size=2,compile=inductor")
+    assert isinstance(regime, Ddp) and regime.world_size == 2 and regime.compile == "inductor"
+    assert str(regime) == "ddp:world_size=2,compile=inductor" and ec.parse_regime(str(regime)) == regime
+    naive = ec.parse_regime("naive_accumulate:chunks=4,compile=aot_eager")
+    assert str(type(naive).pitfall.twin_of(naive)) == "accumulate:chunks=4,compile=aot_eager"
+    with pytest.raises(ec.InvalidArgument, match="compile='tvm' is not allowed: expected one of inductor, aot_eager"):
+        ec.parse_regime("accumulate:chunks=2,compile=tvm")
+
+
+def test_inductor_without_a_compiler_is_skipped_saying_so(monkeypatch):
+    monkeypatch.setattr(compiled.shutil, "which", lambda name: None)
+    (outcome,) = ec.check("tokens", ["accumulate:chunks=2,compile=inductor"]).outcomes
+    assert outcome.verdict is Verdict.SKIPPED and "no C++ compiler is here" in outcome.reason
+    assert ec.parse_regime("accumulate:chunks=2,compile=aot_eager").unavailable() is None
