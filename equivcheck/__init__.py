@@ -20,10 +20,11 @@ from .result import RunResult
 from .runners.dispatch import run
 from .evaluation import EvalReport, MetricDiff, check_eval
 from .process.seeding import DEFAULT_SEED
-from .team import check_loop, check_step
+from .team import Checkpoint, check_loop, check_step
 
 __all__ = [
     "DEFAULT_REGIMES", "DEFAULT_SEED", "DEVICES", "PRECISIONS", "REGIMES", "Audit", "Batch", "BlindSpotWarning", "Case",
+    "Checkpoint",
     "CodeExited", "Comparison", "DdpHook", "EquivcheckError", "EquivcheckWarning", "EvalReport", "Finding",
     "InvalidArgument", "IsolationWarning", "MemoryNotSaved", "MetricDiff", "Mismatch", "NonFinite", "NotEquivalent", "Objective", "Outcome",
     "Pitfall", "Precision", "PrecisionWarning", "Regime", "Report", "ResultsNotWritten", "RunDied", "RunResult", "Sensitivity",

@@ -10,6 +10,7 @@ out of the comparison.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from torch import Tensor, nn
@@ -24,6 +25,7 @@ from .regimes import Regime
 from .regimes.base import COLLECTIVE_KIND, collectives_spec
 from .process.seeding import DEFAULT_SEED
 from .regimes.ddp import DDP_OPTIONS
+from .regimes.resume import Resume
 from .process.import_paths import import_path
 from .regimes.user_code import (MESH_DIMENSIONS, DdpLoop, DdpStep, LoopFn, MeshLoop, MeshStep, PipelineLoop,
                                 PipelineStep, StepFn, UserLoop, UserStep)
@@ -45,6 +47,7 @@ def check_step(
     parallelize: Callable | None = None,
     collectives: dict[str, int] | None = None,
     gather: Callable[[str, Tensor], Tensor] | None = None,
+    resume: Checkpoint | None = None,
     **options,
 ) -> Report:
     """Check a team's ``step(model, optimizer, batch)`` against ``reference``: a regime spec, or another
@@ -96,6 +99,11 @@ def check_step(
     ``gather`` runs on every rank in lockstep, for every parameter name of the case's model in one order, so a gather
     made of collectives (an ``all_gather`` over the TP group) meets its peers; it must make the same collectives on
     every rank. ``local`` is None on a rank that holds no part of ``name`` (an expert that lives on another rank).
+    With ``resume=Checkpoint(at=K, save=..., load=...)`` the run is resumed from the team's own checkpoint: after K
+    global batches its ranks call ``save`` and end, ranks started afresh build the model anew, call ``load`` and the
+    step trains on (see :class:`Checkpoint`); every gradient, the losses and the final weights are held to the
+    uninterrupted reference.
+
     ``options`` go to :func:`equivcheck.check` (rtol, atol, seed, backend, timeout).
     """
     reference = reference if isinstance(reference, (str, Regime)) else UserStep(reference)
@@ -104,6 +112,8 @@ def check_step(
     candidate = _candidate("step", step, world_size, mesh, parallelize, collectives, gather,
                            {"wrap": wrap, "ddp_options": ddp_options, "optimizer_wrap": optimizer_wrap,
                             "pipeline": pipeline, "syncs_per_step": syncs_per_step}, per_run=per_run)
+    if resume is not None:
+        candidate = _resumed(candidate, resume)
     warn_blind_spots(case, seed=options.get("seed", DEFAULT_SEED), isolate=options.get("isolate", False))
     return check(case, [candidate], reference=reference, **options)
 
@@ -137,6 +147,35 @@ def check_loop(
                             "pipeline": pipeline, "syncs_per_step": syncs_per_step})
     warn_blind_spots(case, seed=options.get("seed", DEFAULT_SEED), isolate=options.get("isolate", False))
     return check(case, [candidate], reference=reference, **options)
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A resume of a team's step (``check_step(..., resume=...)``): after ``at`` global batches every rank calls
+    ``save(model, optimizer, folder)`` (handed what its step is handed) and the ranks end; ranks started afresh build
+    the model anew, call ``load(model, optimizer, folder)``, and the step trains on from global batch ``at``, on
+    ``world_size`` ranks where given (a DDP step resharded), else as many as before. ``save`` and ``load`` are
+    module-level functions (the ranks import them by name); both left out, the checkpoint is equivcheck's own
+    (``torch.distributed.checkpoint``, each rank's random state), the baseline a team's is held beside."""
+
+    at: int
+    save: Callable | None = None
+    load: Callable | None = None
+    world_size: int | None = None
+
+
+def _resumed(candidate: Regime, resume: Checkpoint) -> Regime:
+    if not isinstance(resume, Checkpoint):
+        raise InvalidArgument.type("resume", resume, "an equivcheck.Checkpoint(at=K, save=..., load=...)")
+    after = None
+    if resume.world_size is not None:
+        if "world_size" not in {f.name for f in dataclasses.fields(candidate)}:
+            raise InvalidArgument.value("world_size", resume.world_size, "left out for a step on a mesh (the "
+                                        "restored step runs on the mesh it was saved on)")
+        after = dataclasses.replace(candidate, world_size=resume.world_size)
+    paths = {name: "" if fn is None else import_path(fn, name) for name, fn in (("save", resume.save),
+                                                                               ("load", resume.load))}
+    return Resume(at=resume.at, before=candidate, after=after, **paths)
 
 
 # The regimes a team's step or loop runs under: in this process, on DDP ranks, running its own pipeline, on a mesh.

@@ -100,3 +100,55 @@ def test_under_a_launcher_a_resume_is_skipped_saying_why(monkeypatch):
     monkeypatch.setattr(launcher, "active", lambda: True)
     (outcome,) = ec.check("tokens", ["resume:at=1"]).outcomes
     assert outcome.verdict is Verdict.SKIPPED and "a launcher's fixed group cannot" in outcome.reason
+
+
+# --- a team's own checkpoint code ----------------------------------------------------------------------------------
+
+import team_checkpoints as team  # noqa: E402
+
+
+@pytest.mark.parametrize("after", [None, 1], ids=["same ranks", "2 ranks restored on 1"])
+def test_a_teams_own_checkpoint_code_resumes_its_step_exactly(after):
+    """The team's save (rank 0's torch.save of the state dicts) and load (every rank), its DDP step resumed after
+    one global batch on ranks started afresh, on 2 ranks again or on 1."""
+    report = ec.check_step("mlp", team.step, world_size=2,
+                           resume=ec.Checkpoint(at=1, save=team.save, load=team.load, world_size=after))
+    (outcome,) = report.outcomes
+    assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
+    assert outcome.regime.startswith("ddp_step:world_size=2,fn=team_checkpoints:step>resume:at=1,save=")
+
+
+@pytest.mark.parametrize(("save", "load", "caught_from"), [
+    (team.save_model_only, team.load_model_only, 2),  # SGD's momentum restarts: step 1's update, step 2's gradients
+    (team.save, team.load_nothing, 1),  # the fresh model trains on: from the resumed step
+])
+def test_a_teams_checkpoint_that_loses_state_is_caught(save, load, caught_from):
+    report = ec.check_step("mlp", team.step, world_size=2, resume=ec.Checkpoint(at=1, save=save, load=load))
+    (outcome,) = report.outcomes
+    assert outcome.verdict is Verdict.MISMATCH and outcome.comparison.margin > 1000, outcome.describe()
+    assert outcome.comparison.first_divergent_step == caught_from
+
+
+def test_a_teams_resume_needs_ranks_and_both_functions():
+    with pytest.raises(ec.InvalidArgument, match=r"check_step\(\.\.\., world_size=1\) runs it on a rank"):
+        ec.check_step("mlp", team.step, resume=ec.Checkpoint(at=1, save=team.save, load=team.load))
+    with pytest.raises(ec.InvalidArgument, match="save='team_checkpoints:save' is not allowed without load="):
+        ec.check_step("mlp", team.step, world_size=2, resume=ec.Checkpoint(at=1, save=team.save))
+    with pytest.raises(ec.InvalidArgument, match="but got resume=3"):
+        ec.check_step("mlp", team.step, world_size=2, resume=3)
+
+
+def test_the_command_line_reaches_a_teams_checkpoint_code_by_its_spec(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    spec = ("ddp_step:world_size=2,fn=team_checkpoints:step>resume:at=1,save=team_checkpoints:save_model_only,"
+            "load=team_checkpoints:load_model_only")
+    rows = tmp_path / "rows.json"
+    run = subprocess.run([sys.executable, "-m", "equivcheck", "run", "--case", "mlp", "--regime", spec, "--json",
+                          str(rows)], capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent)
+    assert run.returncode == 1, run.stdout + run.stderr  # a mismatch nobody declared: the gate fails
+    (row,) = json.loads(rows.read_text())["rows"]
+    assert row["regime"] == spec and row["verdict"] == "mismatch"

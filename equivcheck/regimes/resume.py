@@ -32,6 +32,16 @@ from .local import FullBatch
 # What a faithful checkpoint holds, each part a restart would otherwise lose.
 PARTS = ("model", "optimizer", "rng", "scaler", "position")
 
+# What a resume cannot join, and why: each segment starts in processes of its own, which import its code by name.
+NOT_RESUMABLE = {
+    "step": "a team's step given in process crosses to no other process: check_step(..., world_size=1) runs it on "
+            "a rank, which imports it by name",
+    "loop": "a team's loop is handed every batch at once, so the harness cannot stop it at the save",
+    "ddp_loop": "a team's loop is handed every batch at once, so the harness cannot stop it at the save",
+    "pipeline_loop": "a team's loop is handed every batch at once, so the harness cannot stop it at the save",
+    "mesh_loop": "a team's loop is handed every batch at once, so the harness cannot stop it at the save",
+}
+
 OPTIMIZER_NOT_SAVED = "optimizer state not saved in a checkpoint"
 RNG_NOT_RESTORED = "random state not restored on resume"
 POSITION_RESET = "data position reset on resume"
@@ -48,16 +58,21 @@ class Resume(Regime):
     saves: ClassVar[tuple[str, ...]] = PARTS  # what this regime's checkpoint holds
 
     at: int = dataclasses.field(metadata={"example": 1})  # global batches trained before the save
+    save: str = ""  # a team's own save(model, optimizer, folder), by import path; "" (with load): the careful one here
+    load: str = ""  # a team's own load(model, optimizer, folder), by import path
     before: Regime = dataclasses.field(default=FullBatch(), metadata={"joined": True})
     after: Regime | None = dataclasses.field(default=None, metadata={"joined": True})  # None: ``before`` again
 
     def __post_init__(self) -> None:
         expect_int("at", self.at)
+        if bool(self.save) != bool(self.load):
+            given, missing = ("save", "load") if self.save else ("load", "save")
+            raise InvalidArgument(f"{given}={getattr(self, given)!r} is not allowed without {missing}=: expected both "
+                                  "(a team's own checkpoint code, by import path) or neither")
         for regime in (self.before, self.after):
-            if regime is not None and (regime.between or regime.name in ("step", "loop")):
-                raise InvalidArgument(f"regime spec {str(self)!r}: {str(regime)!r} cannot be resumed here: a resume "
-                                      "joins two built-in regimes (a team's own step saves and loads through its "
-                                      "own code)")
+            if regime is not None and (regime.between or regime.name in NOT_RESUMABLE):
+                raise InvalidArgument(f"regime spec {str(self)!r}: {str(regime)!r} cannot be resumed: "
+                                      f"{NOT_RESUMABLE.get(regime.name, 'a resume joins two regimes that train')}")
 
     def __str__(self) -> str:
         core = super().__str__()

@@ -11,9 +11,16 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..process.import_paths import resolve
 from .request import Restart
 
-def save(restart: Restart, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler) -> None:
+def save(restart: Restart, assembled, scaler) -> None:
+    """The checkpoint of a trained segment (``assembled``: train.Assembled): a team's own save where it gave one,
+    handed what its step is handed (the module the regime drives, the optimizer), else the careful one below."""
+    if restart.save:
+        resolve(restart.save)(assembled.module, assembled.optimizer, restart.folder)
+        return
+    model, optimizer = assembled.model, assembled.optimizer
     dcp, get_model_state_dict, get_optimizer_state_dict, _, _ = _dcp()
     state = {"model": get_model_state_dict(model)}
     if "optimizer" in restart.parts:
@@ -29,9 +36,14 @@ def save(restart: Restart, model: torch.nn.Module, optimizer: torch.optim.Optimi
     torch.save(own, _own_file(restart, _rank()))
 
 
-def restore(restart: Restart, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler) -> None:
-    """Into a model and an optimizer built anew: the shards this rank holds now, then its own file (rank 0's where the
-    checkpoint was saved on fewer ranks: every rank is seeded alike, so their random states agree)."""
+def restore(restart: Restart, assembled, scaler) -> None:
+    """Into a model and an optimizer built anew: a team's own load where it gave one, else the shards this rank holds
+    now, then its own file (rank 0's where the checkpoint was saved on fewer ranks: every rank is seeded alike, so
+    their random states agree)."""
+    if restart.load:
+        resolve(restart.load)(assembled.module, assembled.optimizer, restart.folder)
+        return
+    model, optimizer = assembled.model, assembled.optimizer
     dcp, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict = _dcp()
     state = {"model": get_model_state_dict(model)}
     if "optimizer" in restart.parts:

@@ -30,6 +30,8 @@ class Restart:
     at: int
     folder: str
     parts: tuple[str, ...]
+    save: str = ""  # a team's own save(model, optimizer, folder) and load, by import path, in place of the parts
+    load: str = ""
 
     def batches(self, batches: list) -> list:
         if self.side == "first":

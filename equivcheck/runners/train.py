@@ -87,10 +87,10 @@ def _train(request: RunRequest, device: torch.device, *, against: Expected | Non
             built = dataclasses.replace(built, batches=restart.batches(built.batches))
         assembled = assemble(request.regime, built)
         if restart is not None and restart.side == "rest":
-            checkpoints.restore(restart, assembled.model, assembled.optimizer, built.objective.scaler)
+            checkpoints.restore(restart, assembled, built.objective.scaler)
         segment = train_segment(request, assembled, against, keeps_gradients)
         if restart is not None and restart.side == "first":
-            checkpoints.save(restart, assembled.model, assembled.optimizer, built.objective.scaler)
+            checkpoints.save(restart, assembled, built.objective.scaler)
     if not segment.recorder.intact():
         return None
     return result_of(request, assembled, segment, against, started)
