@@ -11,7 +11,7 @@ export OMP_NUM_THREADS ?= 1
 # (commands, ranks, pytest sessions), which two workers overlap (bench/README.md#the-suite).
 WORKERS ?= 2
 
-.PHONY: install demo test test-dev test-gpu test-frameworks bench bench-speed bench-threads bench-isolation bench-memory bench-scale bench-mesh bench-false-alarms bench-suite mutation clean
+.PHONY: install demo test test-dev test-gpu test-frameworks bench bench-speed bench-threads bench-isolation bench-memory bench-scale bench-mesh bench-false-alarms bench-compile bench-suite mutation clean
 
 # The developer's venv: an editable install, for make demo, make test-dev and the benchmarks.
 install: $(STAMP)
@@ -121,6 +121,13 @@ bench-scale: install
 # in process and 200 on DDP (about 45 min on 2 cores).
 bench-false-alarms: install
 	nice -n 10 $(BIN)/python bench/bench_false_alarms.py
+
+# A compiled check's cost against torch alone's compiled trainings, quiet and busy; then the drawn configurations
+# compiled by inductor (300), every one of which must be equivalent.
+bench-compile: install
+	cd bench && ../$(BIN)/python bench_compile.py
+	nice -n 10 $(BIN)/python bench/bench_false_alarms.py --in-process 0 --ddp 0 --pitfalls 0 --attention 0 \
+		--attention-ddp 0 --attention-pitfalls 0 --tensor 0 --tensor-pitfalls 0 --compiled 300
 
 # Mutation testing of the core modules (mutmut, an optional dev tool: the `mutation` extra; settings in
 # pyproject.toml), then the kill rate per module and every mutant not killed. All 2,617 take many hours on 2 cores

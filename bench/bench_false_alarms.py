@@ -4,6 +4,9 @@ and pitfalls with a real effect must all be caught.
     python bench/bench_false_alarms.py [--in-process N] [--ddp N] [--attention N] [--attention-ddp N] [--pitfalls N]
                                        [--seed S] [--dtype MODE]
 
+``--compiled N`` draws N in-process configurations, MLPs and attention LMs alike, each regime compiled by
+``--compile-backend`` (inductor by default: ``equivcheck.regimes.compiled``), judged against the eager reference.
+
 ``--tensor N`` draws N MLPs and attention LMs (projections of their own, heads local per rank) made shardable over 2
 ranks under ``tp`` and ``fsdp_tp`` (2 and 2 x 2 ranks), and ``--tensor-pitfalls N`` the tensor-parallel pitfalls on
 such models.
@@ -89,6 +92,11 @@ def configurations(draw, names: list[str], min_world_size: int = 1, max_world_si
     regime = draw(regime_specs(spec.batch_size, names=names, min_world_size=min(min_world_size, spec.batch_size),
                                max_world_size=max_world_size))
     return spec, regime
+
+
+def compiled(regime: str, backend: str) -> str:
+    """``regime``'s spec with its module compiled by ``backend``."""
+    return f"{regime}{',' if ':' in regime else ':'}compile={backend}"
 
 
 TENSOR = ["tp:world_size=2", "fsdp_tp:dp=2,tp=2"]
@@ -178,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensor", type=int, default=300,
                         help="drawn MLPs and attention LMs under tp and fsdp_tp (2 and 2 x 2 ranks)")
     parser.add_argument("--tensor-pitfalls", type=int, default=100, help="TP pitfalls on drawn MLPs and attention LMs")
+    parser.add_argument("--compiled", type=int, default=300,
+                        help="in-process configurations (MLPs and attention LMs) with the regime compiled")
+    parser.add_argument("--compile-backend", default="inductor", choices=("inductor", "aot_eager"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=sorted(PRECISIONS), help="one precision mode for every check "
                         "(default: each drawn case's dtype)")
@@ -211,6 +222,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.attention:
         results["attention"] = run(draws(configurations(IN_PROCESS, attention=True), args.attention, args.seed),
                                    "attention in-process", args.dtype)
+    if args.compiled:
+        whole = [n for n in IN_PROCESS if not REGIMES[n].needs_split]  # one that trains the parts compiles nothing
+        drawn = draws(st.one_of(configurations(whole), configurations(whole, attention=True)), args.compiled,
+                      args.seed)
+        results["compiled"] = run([(spec, compiled(regime, args.compile_backend)) for spec, regime in drawn],
+                                  f"compiled ({args.compile_backend})", args.dtype)
     if args.pitfalls:
         results["pitfalls"] = missed_pitfalls(draws(configurations(PITFALLS), args.pitfalls, args.seed), "MLPs",
                                               args.dtype)

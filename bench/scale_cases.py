@@ -90,16 +90,19 @@ CASES = {
 
 
 def train_alone(case: ec.Case, *, rank: int = 0, world_size: int = 1, chunks: int = 1, device: str = "cpu",
-                autocast: torch.dtype | None = None) -> None:
+                autocast: torch.dtype | None = None, compile: str | None = None) -> None:
     """The case's training as a team writes it in torch alone (under DDP with ``world_size`` ranks: each rank
     takes its slice of every global batch; with ``chunks``, each global batch accumulated over that many
-    micro-batches), from the same seeded start, on ``device``, its forward and loss under ``autocast`` if given."""
+    micro-batches), from the same seeded start, on ``device``, its forward and loss under ``autocast`` if given, its
+    model compiled by the ``compile`` backend if given (the optimizer over the same parameters)."""
     torch.manual_seed(0)
     model = case.model().to(device)
     inputs, targets = (t.to(device) for t in case.data())
     if world_size > 1:
         model = nn.parallel.DistributedDataParallel(model)
     optimizer = case.optimizer(model.parameters())
+    if compile is not None:
+        model = torch.compile(model, backend=compile)
     share = case.batch_size // world_size
     for start in range(0, len(inputs), case.batch_size):
         rank_inputs, rank_targets = (t[start + rank * share : start + (rank + 1) * share] for t in (inputs, targets))
