@@ -39,3 +39,16 @@ def test_inductor_without_a_compiler_is_skipped_saying_so(monkeypatch):
     (outcome,) = ec.check("tokens", ["accumulate:chunks=2,compile=inductor"]).outcomes
     assert outcome.verdict is Verdict.SKIPPED and "no C++ compiler is here" in outcome.reason
     assert ec.parse_regime("accumulate:chunks=2,compile=aot_eager").unavailable() is None
+
+
+def test_a_teams_fsdp2_with_each_block_compiled_in_its_place_is_judged_by_the_cases_names():
+    """torchtitan's way: torch.compile(block) registered where the block was, then fully_shard. The same parameters
+    under '_orig_mod.' names: equivalent (before the names were read as the case's: 'weight names differ' with every
+    number matching), and a scaling bug under the same compile is caught."""
+    import compiled_blocks
+
+    faithful = ec.check_step("mlp", compiled_blocks.step, mesh={"dp": 2}, parallelize=compiled_blocks.parallelize)
+    assert faithful.outcomes[0].verdict is Verdict.EQUIVALENT, faithful.outcomes[0].describe()
+    scaled = ec.check_step("mlp", compiled_blocks.step_scaled_by_world, mesh={"dp": 2},
+                           parallelize=compiled_blocks.parallelize)
+    assert scaled.outcomes[0].verdict is Verdict.MISMATCH and scaled.outcomes[0].comparison.margin > 1000

@@ -183,15 +183,15 @@ def result_of(request: RunRequest, assembled: Assembled, segment: Segment, again
     counts_syncs = counter is not None and counter.counts_syncs  # a pipeline counts traffic, but no sync
     held = (held_bytes(model.parameters()), recorder.grad_bytes,
             optimizer_state_bytes(regime.local_optimizer(assembled.optimizer)))
-    named_buffers = [(n, b) for n, b in model.named_buffers() if b.is_floating_point() or b.is_complex()]
+    named_buffers = [(n, b) for n, b in case_named(model.named_buffers()) if b.is_floating_point() or b.is_complex()]
     if against is None:
         # The final state is no copy: the model is done with once this returns, and nothing writes to it again.
-        weights = snapshot(regime.read_back(dict(model.named_parameters())).items(), copy=False)
+        weights = snapshot(regime.read_back(dict(case_named(model.named_parameters()))).items(), copy=False)
         buffers = snapshot(named_buffers, regime.full_tensor, copy=False)
         ensure_finite(str(regime), losses, recorder.grads, weights)
     else:
         weights = buffers = {}
-        recorder.measure_final(model.named_parameters(), named_buffers)
+        recorder.measure_final(case_named(model.named_parameters()), named_buffers)
         ensure_finite(str(regime), losses, (), {})
     return RunResult(
         case=built.case.name,
@@ -226,6 +226,16 @@ def trained_model(model: nn.Module, module: nn.Module) -> nn.Module:
     if module is model or {id(p) for p in module.parameters()} == {id(p) for p in model.parameters()}:
         return model
     return module.module if isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)) else module
+
+
+COMPILED_PREFIX = "_orig_mod."  # what torch.compile's OptimizedModule adds to the names of what it wraps
+
+
+def case_named(named) -> list[tuple[str, Tensor]]:
+    """A trained model's named parameters (or buffers) under the names the case's model gives them: a block compiled
+    and registered in its own place (``torch.compile(block)``, as torchtitan compiles each block) holds the same
+    tensors under ``_orig_mod.`` names."""
+    return [(name.replace(COMPILED_PREFIX, ""), tensor) for name, tensor in named]
 
 
 def dense(tensor: Tensor) -> Tensor:
@@ -361,7 +371,7 @@ class GradRecorder:
     def __init__(self, model: nn.Module, optimizer: Optimizer, counter: CommunicationCounter | None = None,
                  regime: Regime | None = None, against: Expected | None = None,
                  norms: bool = False, keeps: bool = False, per_call: bool = False) -> None:
-        self._named = list(model.named_parameters())
+        self._named = case_named(model.named_parameters())
         self._per_call = per_call
         self._regime = regime or Regime()  # reads tensors back whole (Regime.read_back, Regime.full_tensor)
         self._optimizer = optimizer
