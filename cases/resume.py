@@ -4,8 +4,9 @@ processes started afresh must go on exactly as the uninterrupted run, on the sam
 Measured on CPU in float64: a faithful resume matches full batch exactly in process (margin 0: the same kernels in a
 fresh process), and to the accumulation's reordering on ranks, FSDP2 resharded 4 -> 2 and 2 -> 4 included. Each
 pitfall leaves one part of the checkpoint out and is caught: Adam's moments restarted (a fresh optimizer), the first
-global batch trained again (the position reset), and, under dropout, the masks of step 0 drawn again (the random
-state of a fresh process, not the saved one).
+global batch trained again (the position reset), under dropout the masks of step 0 drawn again (the random state of a
+fresh process, not the saved one), and under FSDP2 rank 0's shard of the optimizer's state restored on every rank
+(half of every sharded weight's elements end wrong; under DDP, whose state every rank holds whole, it is harmless).
 """
 
 import dataclasses
@@ -22,7 +23,8 @@ resume_tokens = ec.register_case(dataclasses.replace(
     regimes=("full_batch", "resume:at=1", "accumulate:chunks=2>resume:at=1>ddp:world_size=2",
              "resume_without_optimizer:at=1", "resume_from_the_start:at=1"),
     expect_mismatch={"resume_without_optimizer": "a fresh optimizer after the restart: Adam's moments start again",
-                     "resume_from_the_start": "the restored run trains the first global batch again"},
+                     "resume_from_the_start": "the restored run trains the first global batch again",
+                     "resume_optimizer_of_rank_zero": "every FSDP2 rank restores rank 0's shard of Adam's moments"},
     description="resume after the first global batch, in fresh processes: the checkpoint must hold the optimizer "
                 "and the position",
 ))
@@ -41,3 +43,5 @@ resume_dropout = ec.register_case(dataclasses.replace(
 add_entry(Entry("resume: optimizer state not saved in the checkpoint", "resume_tokens", "resume_without_optimizer:at=1"))
 add_entry(Entry("resume: data position reset to the first batch", "resume_tokens", "resume_from_the_start:at=1"))
 add_entry(Entry("resume: random state not restored, with dropout", "resume_dropout", "resume_without_rng:at=1"))
+add_entry(Entry("resume: a sharded optimizer restored from rank 0's shard (FSDP2)", "resume_tokens",
+                "fsdp:world_size=2>resume_optimizer_of_rank_zero:at=1"))

@@ -39,6 +39,17 @@ def test_each_part_left_out_of_the_checkpoint_is_caught_from_the_resumed_step(ca
     assert outcome.comparison.first_divergent_step == 1  # the step saved before the restart matches
 
 
+def test_a_sharded_optimizer_restored_from_rank_zeros_shard_is_caught_where_it_is_sharded():
+    """Rank 0's optimizer.state_dict() loaded on every rank: under FSDP2 the other rank's half of Adam's moments is
+    rank 0's (half of every weight's elements end wrong); under DDP every rank holds the whole state, so it is right.
+    ZeRO's own state goes through its consolidate_state_dict, and resumes exactly."""
+    fsdp, ddp, zero = ec.check("tokens", ["fsdp:world_size=2>resume_optimizer_of_rank_zero:at=1",
+                                          "ddp:world_size=2>resume_optimizer_of_rank_zero:at=1",
+                                          "zero:world_size=2>resume:at=1"]).outcomes
+    assert fsdp.verdict is Verdict.MISMATCH and fsdp.comparison.margin > 1000, fsdp.describe()
+    assert ddp.verdict is Verdict.EQUIVALENT and zero.verdict is Verdict.EQUIVALENT, (ddp.describe(), zero.describe())
+
+
 @pytest.mark.parametrize("before", ["", "fsdp:world_size=2>"])
 def test_optimizer_state_left_out_is_caught_in_the_update_it_steers(before):
     """Step 1's gradients come from the restored weights, which are right; Adam's restarted moments then move the

@@ -31,6 +31,7 @@ from .local import FullBatch
 
 # What a faithful checkpoint holds, each part a restart would otherwise lose.
 PARTS = ("model", "optimizer", "rng", "scaler", "position")
+RANK_ZERO_OPTIMIZER = "optimizer of rank 0"  # a pitfall's part: rank 0's optimizer state, loaded on every rank
 
 # What a resume cannot join, and why: each segment starts in processes of its own, which import its code by name.
 NOT_RESUMABLE = {
@@ -45,6 +46,7 @@ NOT_RESUMABLE = {
 OPTIMIZER_NOT_SAVED = "optimizer state not saved in a checkpoint"
 RNG_NOT_RESTORED = "random state not restored on resume"
 POSITION_RESET = "data position reset on resume"
+SHARD_STATE_LOST = "a sharded optimizer's state restored from one rank's shard"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,3 +160,13 @@ class ResumeFromTheStart(Resume):
                "(a sampler reset to epoch 0, a skip that never happened)")
     pitfall = Pitfall(POSITION_RESET, twin="resume")
     saves = tuple(part for part in PARTS if part != "position")
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumeOptimizerOfRankZero(Resume):
+    name = "resume_optimizer_of_rank_zero"
+    summary = ("PITFALL: rank 0 saves its optimizer.state_dict() and every rank loads it: where the optimizer's state "
+               "is sharded (FSDP2, ZeRO) every rank restores rank 0's shard, the other shards' state is lost")
+    pitfall = Pitfall(SHARD_STATE_LOST, twin="resume")
+    saves = tuple(part for part in PARTS if part != "optimizer") + (RANK_ZERO_OPTIMIZER,)
+

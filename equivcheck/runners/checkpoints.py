@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..process.import_paths import resolve
+from ..regimes.resume import RANK_ZERO_OPTIMIZER
 from .request import Restart
 
 def save(restart: Restart, assembled, scaler) -> None:
@@ -23,9 +24,14 @@ def save(restart: Restart, assembled, scaler) -> None:
     model, optimizer = assembled.model, assembled.optimizer
     dcp, get_model_state_dict, get_optimizer_state_dict, _, _ = _dcp()
     state = {"model": get_model_state_dict(model)}
-    if "optimizer" in restart.parts:
+    if "optimizer" in restart.parts and not _zero(optimizer):
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     dcp.save(state, checkpoint_id=_shards(restart))
+    if _whole_optimizer_file(restart, optimizer):
+        if "optimizer" in restart.parts:  # ZeRO's shards gathered on rank 0, as its own documentation asks
+            optimizer.consolidate_state_dict(to=0)
+        if _rank() == 0:
+            torch.save(optimizer.state_dict(), _optimizer_file(restart))
     own = {}
     if "rng" in restart.parts:
         own["rng"] = torch.default_generator.get_state()
@@ -46,12 +52,14 @@ def restore(restart: Restart, assembled, scaler) -> None:
     model, optimizer = assembled.model, assembled.optimizer
     dcp, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict = _dcp()
     state = {"model": get_model_state_dict(model)}
-    if "optimizer" in restart.parts:
+    if "optimizer" in restart.parts and not _zero(optimizer):
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     dcp.load(state, checkpoint_id=_shards(restart))
     set_model_state_dict(model, state["model"])
-    if "optimizer" in restart.parts:
+    if "optimizer" in state:
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    if _whole_optimizer_file(restart, optimizer):  # every rank takes its part of rank 0's file
+        optimizer.load_state_dict(torch.load(_optimizer_file(restart), weights_only=False))
     mine = _own_file(restart, _rank())
     own = torch.load(mine if os.path.exists(mine) else _own_file(restart, 0), weights_only=False)
     if "rng" in own:
@@ -60,6 +68,22 @@ def restore(restart: Restart, assembled, scaler) -> None:
             torch.cuda.set_rng_state_all(own["cuda_rng"])
     if "scaler" in own:
         scaler.load_state_dict(own["scaler"])
+
+
+def _zero(optimizer) -> bool:
+    """ZeroRedundancyOptimizer, whose state torch.distributed.checkpoint's helpers do not take."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+def _whole_optimizer_file(restart: Restart, optimizer) -> bool:
+    """Whether the optimizer goes through one file rank 0 writes: ZeRO's consolidated state, or the pitfall's."""
+    return RANK_ZERO_OPTIMIZER in restart.parts or ("optimizer" in restart.parts and _zero(optimizer))
+
+
+def _optimizer_file(restart: Restart) -> str:
+    return os.path.join(restart.folder, "optimizer.pt")
 
 
 def _dcp():
