@@ -52,3 +52,18 @@ def test_a_teams_fsdp2_with_each_block_compiled_in_its_place_is_judged_by_the_ca
     scaled = ec.check_step("mlp", compiled_blocks.step_scaled_by_world, mesh={"dp": 2},
                            parallelize=compiled_blocks.parallelize)
     assert scaled.outcomes[0].verdict is Verdict.MISMATCH and scaled.outcomes[0].comparison.margin > 1000
+
+
+def test_compiled_autograd_traces_the_backward_too_and_a_backward_left_eager_is_an_error(monkeypatch):
+    import contextlib
+
+    from torch._dynamo import compiled_autograd
+
+    spec = "accumulate:chunks=2,compile=aot_eager,compiled_autograd=1"
+    (outcome,) = ec.check("tokens", [spec]).outcomes
+    assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
+    monkeypatch.setattr(compiled_autograd, "_enable", lambda compiler: contextlib.nullcontext())
+    (eager,) = ec.check("tokens", [spec]).outcomes
+    assert eager.verdict is Verdict.ERROR and "captured no backward" in eager.reason, eager.describe()
+    (ranks,) = ec.check("tokens", ["ddp:world_size=2,compile=aot_eager,compiled_autograd=1"]).outcomes
+    assert ranks.verdict is Verdict.SKIPPED and "python_reducer" in ranks.reason

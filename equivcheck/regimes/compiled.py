@@ -36,6 +36,8 @@ def compiled_class(regime_class: type) -> type:
     @dataclasses.dataclass(frozen=True)
     class Compiled(regime_class):
         compile: str = dataclasses.field(default="", kw_only=True, metadata={"trailing": True, "example": "inductor"})
+        # the backward traced and compiled too (torch's compiled autograd), by the same backend
+        compiled_autograd: bool = dataclasses.field(default=False, kw_only=True, metadata={"trailing": True})
 
         def __post_init__(self) -> None:
             checked = getattr(super(), "__post_init__", None)
@@ -45,13 +47,18 @@ def compiled_class(regime_class: type) -> type:
                 raise InvalidArgument.value("compile", self.compile, f"one of {', '.join(BACKENDS)}")
 
         def unavailable(self, device: str = DEFAULT_DEVICE) -> str | None:
+            if self.compiled_autograd and self.distributed:
+                return ("compiled_autograd=1 on ranks: DDP's C++ reducer refuses compiled autograd and torch asks for "
+                        "its Python reducer (torch._dynamo.config.optimize_ddp='python_reducer'), which all-reduces "
+                        "each parameter through the comm hook equivcheck counts buckets with: not supported yet")
             return super().unavailable(device) or missing_compiler(self.compile, device)
 
         def wrap(self, model: nn.Module, objective) -> nn.Module:
             return compile_module(super().wrap(model, objective), model, self.compile)
 
         def random_streams(self, model, optimizer, inputs):
-            return _compiled_something(super().random_streams(model, optimizer, inputs), model, str(self))
+            return _compiled_something(super().random_streams(model, optimizer, inputs), model, str(self),
+                                       self.compile if self.compiled_autograd else None)
 
     Compiled.__name__ = Compiled.__qualname__ = f"Compiled{regime_class.__name__}"
     return Compiled
@@ -85,10 +92,21 @@ def compile_module(module: nn.Module, model: nn.Module, backend: str) -> nn.Modu
 
 
 @contextlib.contextmanager
-def _compiled_something(inner, model: nn.Module, regime: str) -> Iterator[None]:
-    """Training in ``inner``, then an error where the compiled run compiled no graph."""
-    with inner:
+def _compiled_something(inner, model: nn.Module, regime: str, autograd_backend: str | None) -> Iterator[None]:
+    """Training in ``inner`` (with every backward under compiled autograd where ``autograd_backend`` is given), then
+    an error where the compiled run compiled no graph, or no backward."""
+    import torch
+    from torch._dynamo import compiled_autograd
+    from torch._dynamo.utils import counters
+
+    captured = counters["compiled_autograd"]["captures"]
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(inner)
+        if autograd_backend:
+            stack.enter_context(compiled_autograd._enable(torch.compile(backend=autograd_backend)))
         yield
     if not getattr(model, COUNTER_ATTRIBUTE, None):
         raise RuntimeError(f"{regime} compiled nothing: its steps never called the module torch.compile wrapped "
                            "(a regime that drives the model's parts), so the run was eager")
+    if autograd_backend and counters["compiled_autograd"]["captures"] == captured:
+        raise RuntimeError(f"{regime} captured no backward under compiled autograd: the backward ran eager")
