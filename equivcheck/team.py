@@ -83,7 +83,8 @@ def check_step(
     pipeline takes no DDP).
 
     With ``mesh={"dp": D, "tp": T}`` (either left out: 1; ``"cp": C`` adds a context-parallel dimension between
-    them) the step runs on ``D * T`` (``D * C * T``) ranks laid out as a ``D x T`` (``D x C x T``) mesh
+    them, ``"ep": E`` an expert-parallel one after ``dp``, whose ranks hold shards of their own) the step runs on
+    ``D * T`` (``D * E * C * T``) ranks laid out as a ``D x T`` (``D x E x C x T``) mesh
     (``init_device_mesh`` with those names), after the team's ``parallelize(model, mesh)`` has applied its own plan
     and returned the model: ``parallelize_module`` with its styles, ``fully_shard`` over ``mesh["dp"]``, its own
     layers built on raw collectives, its own context-parallel split. The case's optimizer is made over what it

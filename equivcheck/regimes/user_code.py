@@ -281,30 +281,34 @@ class PipelineLoop(PipelineStep):
 
 # The named dimensions a team's mesh may have, in the order the mesh lays them out (torchtitan's): data parallel,
 # context parallel, tensor parallel. A mesh has cp only where it is asked for (cp above 1).
-MESH_DIMENSIONS = ("dp", "cp", "tp")
+MESH_DIMENSIONS = ("dp", "ep", "cp", "tp")  # the layout's order: row-major, the ranks of one TP group consecutive
+DATA_DIMENSIONS = ("dp", "ep")  # each rank of these holds a shard of its own (an expert-parallel rank routes its tokens)
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshStep(DeclaresCollectives, Distributed):
-    """A team's own step on a mesh of named dimensions (``dp`` x ``tp``, or ``dp`` x ``cp`` x ``tp``; row-major: the
-    ranks of one TP group are consecutive): the team's ``parallelizer(model, mesh)`` applies its own plan
-    (``parallelize_module``, ``fully_shard``, its own Megatron-style layers, a context-parallel split) and returns the
-    model, over whose parameters the case's optimizer is made; every rank of one data-parallel group (its cp x tp
-    ranks) is handed that group's shard of every global batch, the same on each. Weights and gradients are read back
+    """A team's own step on a mesh of named dimensions (``dp`` [x ``ep``] [x ``cp``] x ``tp``; row-major: the ranks of
+    one TP group are consecutive): the team's ``parallelizer(model, mesh)`` applies its own plan
+    (``parallelize_module``, ``fully_shard``, its own Megatron-style layers, a context-parallel split, experts spread
+    over ``ep`` with tokens exchanged by ``all_to_all``) and returns the model, over whose parameters the case's
+    optimizer is made; the global batch is cut over the data dimensions (``dp`` x ``ep``: an expert-parallel rank
+    routes tokens of its own), and every rank of one such group (its cp x tp ranks) is handed that group's shard, the
+    same on each. Weights and gradients are read back
     whole through DTensor's ``full_tensor()``, or the team's ``gatherer(name, local)`` for its own plain shards; any
     other plain tensor is taken as replicated, and one that ends different on two ranks is a ``ranks disagree``
     finding."""
 
     counts_per_call = True
     name = "mesh_step"
-    summary = ("a team's own step on a dp x [cp x] tp mesh, its own parallelize(model, mesh) applied first; each "
-               "data-parallel group its shard")
-    world_size: int = dataclasses.field(default=0, metadata={"derived": "dp * cp * tp"})
+    summary = ("a team's own step on a dp x [ep x] [cp x] tp mesh, its own parallelize(model, mesh) applied first; "
+               "each data-parallel (dp x ep) group its shard")
+    world_size: int = dataclasses.field(default=0, metadata={"derived": "dp * ep * cp * tp"})
     fn: str = dataclasses.field(kw_only=True)  # module:function of the step
     parallelizer: str = dataclasses.field(kw_only=True)  # module:function of the team's parallelize(model, mesh)
     dp: int = dataclasses.field(default=1, kw_only=True)
     tp: int = dataclasses.field(default=1, kw_only=True)
     cp: int = dataclasses.field(default=1, kw_only=True)
+    ep: int = dataclasses.field(default=1, kw_only=True)
     # module:function of the team's gather(name, local) -> the whole tensor, for weights it keeps as plain local shards
     gatherer: str = dataclasses.field(default="", kw_only=True)
     per_run: bool = dataclasses.field(default=False, kw_only=True)  # fn is a factory of the step, called per run
@@ -335,8 +339,8 @@ class MeshStep(DeclaresCollectives, Distributed):
 
     @property
     def sizes(self) -> dict[str, int]:
-        """The mesh's dimensions by name, in its layout: dp and tp, and cp between them where it is above 1."""
-        return {name: getattr(self, name) for name in MESH_DIMENSIONS if name != "cp" or self.cp > 1}
+        """The mesh's dimensions by name, in its layout: dp and tp, and ep and cp between them where above 1."""
+        return {name: getattr(self, name) for name in MESH_DIMENSIONS if name not in ("ep", "cp") or getattr(self, name) > 1}
 
     def count_communication(self, module):
         """Every collective of a step by kind and mesh dimension (``"all_reduce[tp]"``), as the TP regimes count; a
@@ -382,12 +386,12 @@ class MeshStep(DeclaresCollectives, Distributed):
 
     @property
     def shards(self) -> tuple[str, int]:
-        """A global batch is cut over the mesh's data-parallel groups (``dp``), not its ranks."""
-        return "dp", self.dp
+        """A global batch is cut over the mesh's data groups (``dp`` x ``ep``), not its ranks."""
+        return " * ".join(d for d in DATA_DIMENSIONS if d in self.sizes), self.dp * self.ep
 
     def rank_shard(self, batch: Batch) -> Batch:
-        """This rank's data-parallel shard: the same for every rank of one TP group."""
-        return shard(batch, dist.get_rank() // (self.cp * self.tp), self.dp)
+        """This rank's data shard: the same for every rank of one TP group (and of one CP group)."""
+        return shard(batch, dist.get_rank() // (self.cp * self.tp), self.dp * self.ep)
 
     # A team's step, its shards and its loss's share as on DDP ranks; the shard is this rank's data-parallel one.
     train = DdpStep.train
