@@ -16,6 +16,7 @@ from .device import DEFAULT_DEVICE, NONDETERMINISTIC_KERNELS, device_for, is_non
 from .device import missing as missing_device
 from .diff import Comparison, Problem, ProblemKind
 from .judge.compare import Expected, compare, tolerance_of
+from .measure.activation import TRANSFORMS_REFUSE_HOOKS
 from .errors import (InvalidArgument, PrecisionWarning, Unavailable, WorkerError, expect_int, expect_seed,
                      expect_timeout, warn)
 from .runners.ranks import launcher, pool
@@ -409,8 +410,12 @@ def _warn_lower_precision(case: Case, precision: Precision, reference: RunResult
 
 
 def _crash(error: Exception) -> tuple[str, str]:
-    """The one-line reason and the traceback (a rank's own, where a rank raised) of a run that raised."""
-    return f"{type(error).__name__}: {error}", getattr(error, "remote_traceback", "") or traceback.format_exc()
+    """The one-line reason and the traceback (a rank's own, where a rank raised) of a run that raised; where torch.func
+    refused the activation meter's saved-tensor hook, the way round it."""
+    line = f"{type(error).__name__}: {error}"
+    if TRANSFORMS_REFUSE_HOOKS in line:
+        line += " (equivcheck's activation meter is a saved-tensor hook: measure_memory=False leaves it out)"
+    return line, getattr(error, "remote_traceback", "") or traceback.format_exc()
 
 
 def plan_all(cases: Sequence[Case | str] | None = None, regimes: Iterable[str | Regime] | None = None,

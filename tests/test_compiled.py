@@ -67,3 +67,23 @@ def test_compiled_autograd_traces_the_backward_too_and_a_backward_left_eager_is_
     assert eager.verdict is Verdict.ERROR and "captured no backward" in eager.reason, eager.describe()
     (ranks,) = ec.check("tokens", ["ddp:world_size=2,compile=aot_eager,compiled_autograd=1"]).outcomes
     assert ranks.verdict is Verdict.SKIPPED and "python_reducer" in ranks.reason
+
+
+def test_inductor_draws_dropouts_masks_as_the_eager_reference_does(monkeypatch):
+    """One dropout layer in process under inductor: equivalent. Inductor's own generator (fallback_random off, as a
+    helper measured) drew other masks: a mismatch from step 0, a false alarm."""
+    spec = "accumulate:chunks=2,compile=inductor"
+    (outcome,) = ec.check("dropout_one_layer", [spec]).outcomes
+    assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
+    monkeypatch.setattr(compiled, "INDUCTOR_SETTINGS", {})
+    (own_masks,) = ec.check("dropout_one_layer", [spec]).outcomes
+    assert own_masks.verdict is Verdict.MISMATCH and own_masks.comparison.first_divergent_step == 0
+
+
+def test_a_step_under_torch_func_grad_is_told_how_to_leave_the_activation_meter_out():
+    import team_functional
+
+    (outcome,) = ec.check_step("mlp", team_functional.step).outcomes
+    assert outcome.verdict is Verdict.ERROR and "measure_memory=False leaves it out" in outcome.reason
+    (measured_not,) = ec.check_step("mlp", team_functional.step, measure_memory=False, compare_losses=False).outcomes
+    assert measured_not.verdict is Verdict.EQUIVALENT, measured_not.describe()

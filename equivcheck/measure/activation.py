@@ -28,6 +28,8 @@ from torch import Tensor, nn
 from ..process.torch_imports import is_dtensor
 
 SAVED_TENSORS = "saved_tensors"
+# torch.func's words where a transform (grad, vjp) meets a saved-tensor hook, which the meter below is
+TRANSFORMS_REFUSE_HOOKS = "don't yet support saved tensor hooks"
 CUDA_ALLOCATOR = "cuda_allocator"
 
 

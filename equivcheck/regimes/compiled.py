@@ -6,7 +6,9 @@ back with the option. The reference stays eager: a compiled run is judged agains
 
 A compile that compiles nothing would be an eager run called compiled (a regime whose steps call the model's parts, not
 the module that was compiled; ``nn.Module.compile()``, which torch 2.13 leaves eager, its frames in dynamo's skip
-list): each compiled run counts the graphs its backend compiled, and one with none is an error saying so. Dynamo's
+list): each compiled run counts the graphs its backend compiled, and one with none is an error saying so. Inductor
+draws dropout's masks as eager does (``fallback_random``): its own generator would draw other masks than the
+reference's. Dynamo's
 in-memory cache is reset at each compiled run's wrap so that the count is this run's; inductor's on-disk caches are
 kept, so a check's later runs compile faster.
 """
@@ -27,6 +29,10 @@ from ..errors import InvalidArgument
 
 BACKENDS = ("inductor", "aot_eager")
 COUNTER_ATTRIBUTE = "_equivcheck_compiled_graphs"  # on the case's model: the graphs its compiled run made
+# Inductor draws random numbers (dropout's masks) from a generator of its own unless told to fall back on eager's: then
+# a compiled run draws what the eager reference draws (measured: without it, one dropout layer under compile=inductor
+# mismatched full batch from step 0)
+INDUCTOR_SETTINGS = {"fallback_random": True}
 
 
 @functools.cache
@@ -100,7 +106,10 @@ def _compiled_something(inner, model: nn.Module, regime: str, autograd_backend: 
     from torch._dynamo.utils import counters
 
     captured = counters["compiled_autograd"]["captures"]
+    import torch._inductor.config
+
     with contextlib.ExitStack() as stack:
+        stack.enter_context(torch._inductor.config.patch(**INDUCTOR_SETTINGS))
         stack.enter_context(inner)
         if autograd_backend:
             stack.enter_context(compiled_autograd._enable(torch.compile(backend=autograd_backend)))
