@@ -134,6 +134,7 @@ def check_loop(
     parallelize: Callable | None = None,
     collectives: dict[str, int] | None = None,
     gather: Callable[[str, Tensor], Tensor] | None = None,
+    resume: Checkpoint | None = None,
     **options,
 ) -> Report:
     """Check a team's ``loop(model, optimizer, batches)`` against ``reference`` (a spec or another loop);
@@ -141,18 +142,23 @@ def check_loop(
     model in DDP made with ``ddp_options`` and the optimizer made by ``optimizer_wrap``, or with ``pipeline=True``
     the loop running its own pipeline schedule on every rank, given every whole global batch; with ``mesh`` and
     ``parallelize``, on a mesh, each TP group given its data-parallel shard of every global batch (as
-    :func:`check_step`)."""
+    :func:`check_step`). With ``resume=Checkpoint(at=K, save=..., load=...)`` the loop is resumed: its ranks are
+    handed the first K global batches, then ``save`` is called; ranks started afresh build the model anew, call
+    ``load``, and the loop is handed every global batch again, as the uninterrupted run's loop was, so skipping the K
+    it trained before is the loop's own restored position's work (a sampler's epoch and offset)."""
     reference = reference if isinstance(reference, (str, Regime)) else UserLoop(reference)
     candidate = _candidate("loop", loop, world_size, mesh, parallelize, collectives, gather,
                            {"wrap": wrap, "ddp_options": ddp_options, "optimizer_wrap": optimizer_wrap,
                             "pipeline": pipeline, "syncs_per_step": syncs_per_step})
+    if resume is not None:
+        candidate = _resumed(candidate, resume)
     warn_blind_spots(case, seed=options.get("seed", DEFAULT_SEED), isolate=options.get("isolate", False))
     return check(case, [candidate], reference=reference, **options)
 
 
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
-    """A resume of a team's step (``check_step(..., resume=...)``): after ``at`` global batches every rank calls
+    """A resume of a team's step or loop (``check_step(..., resume=...)``, ``check_loop``): after ``at`` global batches every rank calls
     ``save(model, optimizer, folder)`` (handed what its step is handed) and the ranks end; ranks started afresh build
     the model anew, call ``load(model, optimizer, folder)``, and the step trains on from global batch ``at``, on
     ``world_size`` ranks where given (a DDP step resharded), else as many as before. ``save`` and ``load`` are

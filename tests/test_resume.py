@@ -163,3 +163,16 @@ def test_the_command_line_reaches_a_teams_checkpoint_code_by_its_spec(tmp_path):
     assert run.returncode == 1, run.stdout + run.stderr  # a mismatch nobody declared: the gate fails
     (row,) = json.loads(rows.read_text())["rows"]
     assert row["regime"] == spec and row["verdict"] == "mismatch"
+
+
+@pytest.mark.parametrize(("load", "verdict"), [(team.load_with_position, Verdict.EQUIVALENT),
+                                               (team.load_without_position, Verdict.MISMATCH)],
+                         ids=["position restored", "position lost"])
+def test_a_teams_resumed_loop_skips_what_it_trained_by_its_own_restored_position(load, verdict):
+    """The restored loop is handed every global batch, as the uninterrupted one was: skipping the first is its own
+    position's work. Lost, the loop trains the first batch again: more optimizer steps than the reference."""
+    (outcome,) = ec.check_loop("mlp", team.loop, world_size=2,
+                               resume=ec.Checkpoint(at=1, save=team.save_with_position, load=load)).outcomes
+    assert outcome.verdict is verdict, outcome.describe()
+    if verdict is Verdict.MISMATCH:
+        assert "optimizer steps: the reference took 3, the candidate 4" in outcome.describe()

@@ -37,10 +37,8 @@ RANK_ZERO_OPTIMIZER = "optimizer of rank 0"  # a pitfall's part: rank 0's optimi
 NOT_RESUMABLE = {
     "step": "a team's step given in process crosses to no other process: check_step(..., world_size=1) runs it on "
             "a rank, which imports it by name",
-    "loop": "a team's loop is handed every batch at once, so the harness cannot stop it at the save",
-    "ddp_loop": "a team's loop is handed every batch at once, so the harness cannot stop it at the save",
-    "pipeline_loop": "a team's loop is handed every batch at once, so the harness cannot stop it at the save",
-    "mesh_loop": "a team's loop is handed every batch at once, so the harness cannot stop it at the save",
+    "loop": "a team's loop given in process crosses to no other process: check_loop(..., world_size=1) runs it on "
+            "a rank, which imports it by name",
 }
 
 OPTIMIZER_NOT_SAVED = "optimizer state not saved in a checkpoint"

@@ -93,16 +93,21 @@ class UserLoop(UserCode):
 
     def train(self, model, optimizer, batches: Sequence[Batch], objective: Objective):
         losses = self.fn(model, optimizer, LoopBatches(batches, objective.epochs))
-        return loop_losses(_label(self.fn), losses, len(batches))
+        return loop_losses(_label(self.fn), losses, batches)
 
 
-def loop_losses(label: str, losses: Iterable[object] | None, batches: int) -> list[object]:
-    """A loop's losses, one per global batch (None: not reported); another count is the loop's mistake."""
+def loop_losses(label: str, losses: Iterable[object] | None, batches: Sequence[Batch]) -> list[object]:
+    """A loop's losses, one per global batch it trains (None: not reported); another count is the loop's mistake.
+    A resumed loop (handed every batch, the first ``trained_from`` trained before its restart) reports what it trained
+    again, however many: a loop that trains the first batches again is the resume's bug, which the comparison names."""
+    trained_from = getattr(batches, "trained_from", 0)
     if losses is None:
-        return [None] * batches
+        return [None] * (len(batches) - trained_from)
     losses = list(losses)
-    if len(losses) != batches:
-        raise InvalidArgument(f"loop {label!r} returned {len(losses)} losses for {batches} global batches: "
+    if trained_from:
+        return losses
+    if len(losses) != len(batches):
+        raise InvalidArgument(f"loop {label!r} returned {len(losses)} losses for {len(batches)} global batches: "
                               "expected one loss per batch, or None")
     return losses
 
@@ -220,7 +225,7 @@ class DdpLoop(DdpStep):
         shards = LoopBatches([self.team_shard(b) for b in batches], objective.epochs,
                              whole_dataset=epoch_dataset(batches, objective.epochs))
         losses = resolve(self.fn)(model, optimizer, shards)
-        return [self.share(loss) for loss in loop_losses(self.fn, losses, len(batches))]
+        return [self.share(loss) for loss in loop_losses(self.fn, losses, batches)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,7 +281,7 @@ class PipelineLoop(PipelineStep):
 
     def train(self, model, optimizer, batches, objective):
         losses = resolve(self.fn)(model, optimizer, LoopBatches(batches, objective.epochs))
-        return stage_losses(loop_losses(self.fn, losses, len(batches)))
+        return stage_losses(loop_losses(self.fn, losses, batches))
 
 
 # The named dimensions a team's mesh may have, in the order the mesh lays them out (torchtitan's): data parallel,

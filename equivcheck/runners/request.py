@@ -32,11 +32,24 @@ class Restart:
     parts: tuple[str, ...]
     save: str = ""  # a team's own save(model, optimizer, folder) and load, by import path, in place of the parts
     load: str = ""
+    whole_source: bool = False  # a team's loop: the rest is handed every batch and skips the trained ones itself
 
     def batches(self, batches: list) -> list:
         if self.side == "first":
             return batches[: self.at]
+        if self.whole_source:  # the same batch source as the uninterrupted run: the loop's own position decides
+            return ResumedSource(batches, self.at)
         return batches[self.at :] if "position" in self.parts else batches[: len(batches) - self.at]
+
+
+class ResumedSource(list):
+    """Every global batch, handed to a team's resumed loop, which must skip the ``trained_from`` it trained before
+    the restart by its own restored state; the harness reads ``trained_from`` only to know how many losses to expect
+    where the loop reports none."""
+
+    def __init__(self, batches: list, trained_from: int) -> None:
+        super().__init__(batches)
+        self.trained_from = trained_from
 
 
 @dataclasses.dataclass(frozen=True)

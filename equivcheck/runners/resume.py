@@ -27,7 +27,8 @@ def train_resumed(request: RunRequest, timeout: float, assembled) -> RunResult:
     folder = tempfile.mkdtemp(prefix=f"{pool.CHECKPOINT_PREFIX}{os.getpid()}-")  # a dead maker's: pool.py removes it
     try:
         first, rest = (_segment(request, regime, Restart(side, resume.at, folder, resume.saves, resume.save,
-                                                         resume.load), timeout, assembled)
+                                                         resume.load, whole_source=not regime.steps_observable),
+                                timeout, assembled)
                        for side, regime in zip(("first", "rest"), resume.segments))
         return joined(first, rest, str(resume))
     finally:
