@@ -7,6 +7,10 @@ and pitfalls with a real effect must all be caught.
 ``--compiled N`` draws N in-process configurations, MLPs and attention LMs alike, each regime compiled by
 ``--compile-backend`` (inductor by default: ``equivcheck.regimes.compiled``), judged against the eager reference.
 
+``--resume N`` draws N resumes: a drawn case (MLP or attention LM, at least two global batches) saved after a drawn
+number of them under a drawn regime (one process, DDP or FSDP2 on 1 to 3 ranks) and restored under another drawn one,
+each segment on fresh ranks (``equivcheck.regimes.resume``).
+
 ``--tensor N`` draws N MLPs and attention LMs (projections of their own, heads local per rank) made shardable over 2
 ranks under ``tp`` and ``fsdp_tp`` (2 and 2 x 2 ranks), and ``--tensor-pitfalls N`` the tensor-parallel pitfalls on
 such models.
@@ -99,6 +103,22 @@ def compiled(regime: str, backend: str) -> str:
     return f"{regime}{',' if ':' in regime else ':'}compile={backend}"
 
 
+RESUMED = ["full_batch", "accumulate", "ddp", "ddp_no_sync", "fsdp"]  # what a resume joins in the drawn sweep
+
+
+@st.composite
+def resume_configurations(draw):
+    """A drawn case of two global batches or more, saved after ``at`` of them under one regime of RESUMED and
+    restored under another (the world sizes drawn apart: a resharding)."""
+    spec = draw(st.one_of(case_specs(), attention_specs()))
+    spec = dataclasses.replace(spec, steps=max(spec.steps, 2), batch_size=max(spec.batch_size, 3))
+    names = [n for n in RESUMED if not (spec.tied and REGIMES[n].needs_split)]
+    regimes = regime_specs(spec.batch_size, names=names, min_world_size=1, max_world_size=min(3, spec.batch_size))
+    before, after = draw(regimes), draw(regimes)
+    at = draw(st.integers(1, spec.steps - 1))
+    return spec, f"{before}>resume:at={at}>{after}"
+
+
 TENSOR = ["tp:world_size=2", "fsdp_tp:dp=2,tp=2"]
 TENSOR_PITFALLS = ["tp_different_batches:world_size=2", "tp_loss_scaled:world_size=2", "fsdp_tp_world_scaled:dp=2,tp=2"]
 
@@ -189,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compiled", type=int, default=300,
                         help="in-process configurations (MLPs and attention LMs) with the regime compiled")
     parser.add_argument("--compile-backend", default="inductor", choices=("inductor", "aot_eager"))
+    parser.add_argument("--resume", type=int, default=100, help="drawn resumes, resharded between drawn regimes")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=sorted(PRECISIONS), help="one precision mode for every check "
                         "(default: each drawn case's dtype)")
@@ -200,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     distributed = {label: draws(configurations(DISTRIBUTED, min_world_size=2, max_world_size=3,
                                                attention=label == "attention DDP"), count, args.seed)
                    for label, count in (("DDP", args.ddp), ("attention DDP", args.attention_ddp)) if count}
+    if args.resume:
+        distributed["resume"] = draws(resume_configurations(), args.resume, args.seed)
     distributed |= {label: draws(tensor_configurations(regimes), count, args.seed)
                     for label, regimes, count in (("tensor", TENSOR, args.tensor),
                                                   ("tensor pitfalls", TENSOR_PITFALLS, args.tensor_pitfalls)) if count}
