@@ -127,7 +127,7 @@ bench-false-alarms: install
 bench-compile: install
 	cd bench && ../$(BIN)/python bench_compile.py
 	nice -n 10 $(BIN)/python bench/bench_false_alarms.py --in-process 0 --ddp 0 --pitfalls 0 --attention 0 \
-		--attention-ddp 0 --attention-pitfalls 0 --tensor 0 --tensor-pitfalls 0 --compiled 300
+		--attention-ddp 0 --attention-pitfalls 0 --tensor 0 --tensor-pitfalls 0 --resume 0 --compiled 300
 
 # Mutation testing of the core modules (mutmut, an optional dev tool: the `mutation` extra; settings in
 # pyproject.toml), then the kill rate per module and every mutant not killed. All 2,617 take many hours on 2 cores
