@@ -6,11 +6,10 @@ back with the option. The reference stays eager: a compiled run is judged agains
 
 A compile that compiles nothing would be an eager run called compiled (a regime whose steps call the model's parts, not
 the module that was compiled; ``nn.Module.compile()``, which torch 2.13 leaves eager, its frames in dynamo's skip
-list): each compiled run counts the graphs its backend compiled, and one with none is an error saying so. Inductor
-draws dropout's masks as eager does (``fallback_random``): its own generator would draw other masks than the
-reference's. Dynamo's
-in-memory cache is reset at each compiled run's wrap so that the count is this run's; inductor's on-disk caches are
-kept, so a check's later runs compile faster.
+list): a compiled run whose module was never called, or whose backend has compiled no graph in this process, is an
+error saying so. The backend is one counting callable per name, so dynamo's cache serves a check's later runs (as it
+serves a team's): only the first compiles. Inductor draws dropout's masks as eager does (``fallback_random``): its
+own generator would draw other masks than the reference's.
 """
 
 from __future__ import annotations
@@ -64,7 +63,7 @@ def compiled_class(regime_class: type) -> type:
 
         def random_streams(self, model, optimizer, inputs):
             return _compiled_something(super().random_streams(model, optimizer, inputs), model, str(self),
-                                       self.compile if self.compiled_autograd else None)
+                                       self.compile, self.compiled_autograd)
 
     Compiled.__name__ = Compiled.__qualname__ = f"Compiled{regime_class.__name__}"
     return Compiled
@@ -80,27 +79,41 @@ def missing_compiler(backend: str, device: str) -> str | None:
     return "compile=inductor writes C++ for the CPU and no C++ compiler is here (CXX, g++, c++, clang++): aot_eager runs"
 
 
-def compile_module(module: nn.Module, model: nn.Module, backend: str) -> nn.Module:
-    """``module`` compiled with ``backend``, each graph it compiles counted on ``model``."""
-    import torch
+_GRAPHS: dict[str, list[int]] = {}  # each graph a counting backend compiled in this process (its node count), by name
+
+
+@functools.cache
+def counting_backend(backend: str):
+    """``backend``, counting every graph it compiles: one callable per name, so dynamo's cache serves a check's later
+    runs (and the next check's) instead of compiling them again."""
     import torch._dynamo
 
-    torch._dynamo.reset()  # this run's graphs are compiled (and counted) here, not found in an earlier run's cache
     real = torch._dynamo.lookup_backend(backend)
-    graphs: list[int] = []
+    graphs = _GRAPHS.setdefault(backend, [])
 
     def counted(graph_module, example_inputs):
         graphs.append(len(graph_module.graph.nodes))
         return real(graph_module, example_inputs)
 
-    object.__setattr__(model, COUNTER_ATTRIBUTE, graphs)
-    return torch.compile(module, backend=counted)
+    return counted
+
+
+def compile_module(module: nn.Module, model: nn.Module, backend: str) -> nn.Module:
+    """``module`` compiled with ``backend``; each call of it noted on ``model``."""
+    import torch
+
+    calls: list[int] = []
+    compiled = torch.compile(module, backend=counting_backend(backend))
+    compiled.register_forward_pre_hook(lambda *_: calls.append(1))
+    object.__setattr__(model, COUNTER_ATTRIBUTE, calls)
+    return compiled
 
 
 @contextlib.contextmanager
-def _compiled_something(inner, model: nn.Module, regime: str, autograd_backend: str | None) -> Iterator[None]:
-    """Training in ``inner`` (with every backward under compiled autograd where ``autograd_backend`` is given), then
-    an error where the compiled run compiled no graph, or no backward."""
+def _compiled_something(inner, model: nn.Module, regime: str, backend: str, autograd: bool) -> Iterator[None]:
+    """Training in ``inner`` (every backward under compiled autograd where ``autograd``), then an error where the
+    compiled module was never called or its backend never compiled a graph in this process (the run was eager), or
+    where no backward was captured."""
     import torch
     from torch._dynamo import compiled_autograd
     from torch._dynamo.utils import counters
@@ -111,11 +124,11 @@ def _compiled_something(inner, model: nn.Module, regime: str, autograd_backend: 
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch._inductor.config.patch(**INDUCTOR_SETTINGS))
         stack.enter_context(inner)
-        if autograd_backend:
-            stack.enter_context(compiled_autograd._enable(torch.compile(backend=autograd_backend)))
+        if autograd:
+            stack.enter_context(compiled_autograd._enable(torch.compile(backend=backend)))
         yield
-    if not getattr(model, COUNTER_ATTRIBUTE, None):
+    if not getattr(model, COUNTER_ATTRIBUTE, None) or not _GRAPHS.get(backend):
         raise RuntimeError(f"{regime} compiled nothing: its steps never called the module torch.compile wrapped "
                            "(a regime that drives the model's parts), so the run was eager")
-    if autograd_backend and counters["compiled_autograd"]["captures"] == captured:
+    if autograd and counters["compiled_autograd"]["captures"] == captured:
         raise RuntimeError(f"{regime} captured no backward under compiled autograd: the backward ran eager")
