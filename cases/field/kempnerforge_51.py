@@ -79,7 +79,9 @@ RUNS = weakref.WeakKeyDictionary()  # the run that owns each optimizer: started 
 
 def train_step(model, optimizer, batch):
     """One step of the loop on its loader's next batch (the harness's batch is not used)."""
-    run = RUNS.setdefault(optimizer, Run())
+    if optimizer not in RUNS:  # this run's first step: its state is made once
+        RUNS[optimizer] = Run()
+    run = RUNS[optimizer]
     inputs, targets = next(run.batches)
     loss = F.cross_entropy(model(inputs), targets)
     loss.backward()

@@ -92,7 +92,9 @@ RUNS = weakref.WeakKeyDictionary()  # the loop that owns each optimizer: a run's
 def train_step(model, optimizer, batch):
     """One iteration of the loop over its own loader (the harness's batch is not used); once the loop has ended,
     nothing trains."""
-    run = RUNS.setdefault(optimizer, Finetune())
+    if optimizer not in RUNS:  # this run's first step: its state is made once
+        RUNS[optimizer] = Finetune()
+    run = RUNS[optimizer]
     mine = next(run.batches, None)
     if mine is None:
         return None

@@ -107,7 +107,9 @@ TRAINERS = weakref.WeakKeyDictionary()  # the trainer that owns each optimizer: 
 def train_step(model, optimizer, batch):
     """One iteration of the fit loop over the trainer's own loader (the harness's batch is not used); once the loop
     has ended, the job has exited and nothing trains."""
-    trainer = TRAINERS.setdefault(optimizer, Trainer())
+    if optimizer not in TRAINERS:  # this run's first step: its state is made once
+        TRAINERS[optimizer] = Trainer()
+    trainer = TRAINERS[optimizer]
     mine = next(trainer.batches, None)
     if mine is None:
         return None
