@@ -265,6 +265,20 @@ class Trained(Protocol):
     losses: tuple[float | None, ...]
 
 
+SCALER_PREFIX = "GradScaler."  # the buffers a run's GradScaler state is compared under (runners/train.py)
+
+
+def _scalers_alike(actual: Mapping[str, Tensor], expected: Mapping[str, Tensor]):
+    """A GradScaler's state is compared where both runs stepped through one; where only one did (a team's step,
+    which keeps a scaler of its own, against the reference; a scaled run against a plain one), their models only."""
+    def scaler(named: Mapping[str, Tensor]) -> bool:
+        return any(name.startswith(SCALER_PREFIX) for name in named)
+
+    if scaler(actual) == scaler(expected):
+        return actual, expected
+    return tuple({n: t for n, t in named.items() if not n.startswith(SCALER_PREFIX)} for named in (actual, expected))
+
+
 class Measurement:
     """Every quantity's difference from the reference, taken as it comes: each step's gradients (while a run
     trains, where it is compared as it goes), then the final weights and buffers. No tensor is kept."""
@@ -292,6 +306,8 @@ class Measurement:
 
     def add_final(self, kind: str, actual: Mapping[str, Tensor], expected: Mapping[str, Tensor]) -> None:
         """The final ``kind`` (``'weight'`` or ``'buffer'``), whose names must be the reference's too."""
+        if kind == "buffer":
+            actual, expected = _scalers_alike(actual, expected)
         if actual.keys() != expected.keys():
             self.names.append(Problem(ProblemKind.NAMES, f"{kind} names differ: {sorted(actual.keys() ^ expected.keys())}"))
         self.add(kind, None, actual, expected)

@@ -108,3 +108,18 @@ def test_the_grad_scaler_goes_through_the_ddp_family_on_the_ranks():
              "zero:world_size=2", "fsdp:world_size=2"]
     report = ec.check("mlp", specs, dtype="float64-shadow-scaled")
     assert [o.verdict for o in report.outcomes] == [Verdict.EQUIVALENT] * len(specs)
+
+
+def plain_step(model, optimizer, batch):
+    """A team's step with no scaler of the harness's (its own, if any, the harness does not see)."""
+    inputs, targets = batch
+    optimizer.zero_grad()
+    torch.nn.functional.cross_entropy(model(inputs), targets).backward()
+    optimizer.step()
+
+
+def test_a_teams_step_is_held_to_the_model_not_to_a_scaler_it_never_stepped():
+    """The reference's GradScaler state (compared as buffers where both runs step through the harness's scaler) is
+    left out against a team's step, which keeps a scaler of its own: no 'buffer names differ'."""
+    (outcome,) = ec.check_step("mlp", plain_step, dtype=FLOAT32_SCALED, compare_losses=False).outcomes
+    assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()

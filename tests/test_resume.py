@@ -176,3 +176,18 @@ def test_a_teams_resumed_loop_skips_what_it_trained_by_its_own_restored_position
     assert outcome.verdict is verdict, outcome.describe()
     if verdict is Verdict.MISMATCH:
         assert "optimizer steps: the reference took 3, the candidate 4" in outcome.describe()
+
+
+def test_a_gradscalers_state_lost_on_resume_is_caught_where_a_scaler_steps():
+    """The scaler's state is compared as buffers are: a resume without it counts its clean steps from zero again
+    (caught in float64 through a GradScaler, the mode fp16-autocast's shadows run in, on this CPU); the faithful
+    resume restores it; a precision without a scaler skips the pitfall saying so."""
+    scaled = "float64-shadow-scaled"
+    faithful, lost = ec.check("resume_tokens", ["resume:at=1", "resume_without_scaler:at=1"], dtype=scaled).outcomes
+    assert faithful.verdict is Verdict.EQUIVALENT, faithful.describe()
+    assert lost.verdict is Verdict.EXPECTED_MISMATCH, lost.describe()
+    assert [m.name for m in lost.comparison.mismatches] == ["GradScaler.growth_tracker"]
+    assert "the GradScaler's state differs" in lost.comparison.hint
+    (unscaled,) = ec.check("resume_tokens", ["resume_without_scaler:at=1"]).outcomes
+    assert unscaled.verdict is Verdict.SKIPPED and "no scaler state to lose" in unscaled.reason
+

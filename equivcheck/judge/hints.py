@@ -16,7 +16,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from ..diff import Comparison, Mismatch, ProblemKind, as_real
+from ..diff import SCALER_PREFIX, Comparison, Mismatch, ProblemKind, as_real
 from ..result import RunResult
 
 # A common factor must explain every gradient to this relative residual to count as "one factor".
@@ -82,6 +82,10 @@ def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch
                     "gradient by one factor below 1): give the reference the same clipping") if factor < 1 else ""
         return (f"every gradient is {factor:.6g} x the reference's from step 0: likely loss scaling "
                 f"(sum vs mean, a missing or extra / K, or gradients left scaled by a GradScaler){clipping}")
+    if "buffer" in kinds and all(m.name.startswith(SCALER_PREFIX) for m in mismatches if m.kind == "buffer"):
+        names = ", ".join(sorted(m.name for m in mismatches if m.kind == "buffer"))
+        return (f"the GradScaler's state differs ({names}): likely a resume that did not save or restore it, or "
+                "scaler.update() called more or less often than once per optimizer step")
     if "buffer" in kinds:
         names = ", ".join(sorted(m.name for m in mismatches if m.kind == "buffer"))
         return (f"running statistics differ ({names}): likely BatchNorm seeing other batch statistics per "

@@ -98,6 +98,9 @@ class Regime:
     counts_per_call: ClassVar[bool] = False
     split_contract: ClassVar[str] = "a function model -> (trunk, head) with head(trunk(x)) == model(x)"
     between: ClassVar[bool] = False  # written between the regimes it joins, with '>' (a resume: :meth:`joined`)
+    # Steps through the objective's GradScaler, whose state (scale, growth tracker) is then part of what the run
+    # produced; a team's own code keeps a scaler of its own, which the harness does not see.
+    harness_scaler: ClassVar[bool] = True
 
     @property
     def joins(self) -> tuple[Regime, Regime | None] | None:

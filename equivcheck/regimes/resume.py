@@ -44,6 +44,7 @@ NOT_RESUMABLE = {
 OPTIMIZER_NOT_SAVED = "optimizer state not saved in a checkpoint"
 RNG_NOT_RESTORED = "random state not restored on resume"
 POSITION_RESET = "data position reset on resume"
+SCALER_NOT_SAVED = "GradScaler state not saved in a checkpoint"
 SHARD_STATE_LOST = "a sharded optimizer's state restored from one rank's shard"
 
 
@@ -167,4 +168,19 @@ class ResumeOptimizerOfRankZero(Resume):
                "is sharded (FSDP2, ZeRO) every rank restores rank 0's shard, the other shards' state is lost")
     pitfall = Pitfall(SHARD_STATE_LOST, twin="resume")
     saves = tuple(part for part in PARTS if part != "optimizer") + (RANK_ZERO_OPTIMIZER,)
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumeWithoutScaler(Resume):
+    name = "resume_without_scaler"
+    summary = ("PITFALL: the GradScaler's state is not saved: the restored run counts its clean steps towards the "
+               "next growth from zero (and scales from the initial scale where it had backed off)")
+    pitfall = Pitfall(SCALER_NOT_SAVED, twin="resume")
+    saves = tuple(part for part in PARTS if part != "scaler")
+
+    def unavailable_in(self, precision: Precision, device: str = DEFAULT_DEVICE) -> str | None:
+        if not precision.grad_scaler:
+            return (f"precision {precision.name!r} steps without a GradScaler (fp16-autocast steps with one): there "
+                    "is no scaler state to lose")
+        return super().unavailable_in(precision, device)
 

@@ -49,6 +49,7 @@ def _label(fn: Callable) -> str:
 class UserCode(Regime):
     """A regime whose work is done by the team's function ``fn``; named after it (``step:my_step``)."""
 
+    harness_scaler = False  # a team's own code steps its own scaler, if any
     fn: Callable
 
     def __post_init__(self) -> None:
@@ -150,6 +151,7 @@ def expect_import_paths(regime: Regime, *arguments: str) -> None:
 @dataclasses.dataclass(frozen=True)
 class DdpStep(DdpOptions, Distributed):
     counts_per_call = True
+    harness_scaler = False
     name = "ddp_step"
     summary = "a team's own step function on every DDP rank, each given its shard of the global batch"
     fn: str = dataclasses.field(kw_only=True)  # module:function of the step
@@ -241,6 +243,7 @@ class PipelineStep(Distributed):
     The loss: only the last stage has one; the ranks' returned losses are added (None counting as nothing)."""
 
     counts_per_call = True
+    harness_scaler = False
     name = "pipeline_step"
     summary = "a team's own step running its own pipeline schedule on every rank, each given the whole global batch"
     # A stage runs part of the model on its own rank's generator, as the pipeline regime does: no global masks.
@@ -304,6 +307,7 @@ class MeshStep(DeclaresCollectives, Distributed):
     finding."""
 
     counts_per_call = True
+    harness_scaler = False
     name = "mesh_step"
     summary = ("a team's own step on a dp x [ep x] [cp x] tp mesh, its own parallelize(model, mesh) applied first; "
                "each data-parallel (dp x ep) group its shard")

@@ -22,7 +22,7 @@ from . import checkpoints
 from .request import RunRequest
 from .closure import evaluate_closure
 from ..judge.compare import Expected
-from ..diff import Measurement
+from ..diff import SCALER_PREFIX, Measurement
 from ..errors import InvalidArgument, NonFinite, Unavailable, exits_as_errors
 from ..measure.activation import activation_meter
 from ..measure.collectives import add_traffic
@@ -184,6 +184,8 @@ def result_of(request: RunRequest, assembled: Assembled, segment: Segment, again
     held = (held_bytes(model.parameters()), recorder.grad_bytes,
             optimizer_state_bytes(regime.local_optimizer(assembled.optimizer)))
     named_buffers = [(n, b) for n, b in case_named(model.named_buffers()) if b.is_floating_point() or b.is_complex()]
+    if built.objective.scaler.is_enabled() and regime.harness_scaler:
+        named_buffers += scaler_state(built.objective.scaler)
     if against is None:
         # The final state is no copy: the model is done with once this returns, and nothing writes to it again.
         weights = snapshot(regime.read_back(dict(case_named(model.named_parameters()))).items(), copy=False)
@@ -226,6 +228,14 @@ def trained_model(model: nn.Module, module: nn.Module) -> nn.Module:
     if module is model or {id(p) for p in module.parameters()} == {id(p) for p in model.parameters()}:
         return model
     return module.module if isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)) else module
+
+
+def scaler_state(scaler) -> list[tuple[str, Tensor]]:
+    """A GradScaler's state as the buffers it acts as: its scale and how many clean steps it has counted towards its
+    next growth; a run that lost them (a resume without them) scales its later steps otherwise."""
+    state = scaler.state_dict()
+    return [(f"{SCALER_PREFIX}scale", torch.tensor(float(state["scale"]), dtype=torch.float64)),
+            (f"{SCALER_PREFIX}growth_tracker", torch.tensor(float(state["_growth_tracker"]), dtype=torch.float64))]
 
 
 COMPILED_PREFIX = "_orig_mod."  # what torch.compile's OptimizedModule adds to the names of what it wraps
