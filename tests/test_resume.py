@@ -89,7 +89,8 @@ def test_specs_join_regimes_around_a_resume_and_print_back():
 @pytest.mark.parametrize(("spec", "says"), [
     ("ddp:world_size=2>accumulate:chunks=2", "'>' joins at most one regime on each side of a resume"),
     ("a>b>resume:at=1", "'>' joins at most one regime on each side of a resume"),
-    ("resume:at=1>resume:at=1", "'>' joins at most one regime on each side of a resume"),
+    ("resume:at=1>resume:at=1", "at=1 is not allowed: expected more than the save before it"),
+    ("ddp:world_size=2>fsdp:world_size=2>resume:at=1", "'>' joins at most one regime on each side of a resume"),
     ("resume", "resume needs at"),
     ("resume:at=0", "at=0 is not allowed"),
 ])
@@ -190,4 +191,17 @@ def test_a_gradscalers_state_lost_on_resume_is_caught_where_a_scaler_steps():
     assert "the GradScaler's state differs" in lost.comparison.hint
     (unscaled,) = ec.check("resume_tokens", ["resume_without_scaler:at=1"]).outcomes
     assert unscaled.verdict is Verdict.SKIPPED and "no scaler state to lose" in unscaled.reason
+
+
+def test_a_run_restarted_twice_goes_on_from_each_checkpoint_in_fresh_processes():
+    """Three segments, two checkpoints: DDP on 2 ranks, then FSDP2 on 2, then DDP again; a save that leaves the
+    optimizer out at the second restart is caught after it, the first one's steps matching."""
+    chain = "ddp:world_size=2>resume:at=1>fsdp:world_size=2>resume:at=2>ddp:world_size=2"
+    resumed = ec.parse_regime(chain)
+    assert str(resumed) == chain and [link.at for link in resumed.links] == [1, 2]
+    assert [str(r) for r in resumed.segments] == ["ddp:world_size=2", "fsdp:world_size=2", "ddp:world_size=2"]
+    faithful, lost = ec.check("mlp", [chain, "resume:at=1>resume_without_optimizer:at=2"]).outcomes
+    assert faithful.verdict is Verdict.EQUIVALENT, faithful.describe()
+    assert faithful.result.optimizer_steps == 3
+    assert lost.verdict is Verdict.MISMATCH and {m.kind for m in lost.comparison.mismatches} == {"weight"}
 

@@ -384,17 +384,21 @@ def parse_regime(spec: str | Regime) -> Regime:
 
 def _joined(spec: str) -> Regime:
     """``BEFORE>resume:at=K[>AFTER]``, or ``resume:at=K>AFTER``: the joining regime between the regimes it joins (a
-    regime before it trains first; one after it takes over, else the one before does)."""
+    regime before it trains first; one after it takes over, else the one before does); a run restarted more than once
+    goes on, ``A>resume:at=1>B>resume:at=2>C``."""
     parts = [part.strip() for part in spec.split(">")]
-    joining = [i for i, part in enumerate(parts) if getattr(REGIMES.get(part.partition(":")[0]), "between", False)]
-    if len(joining) != 1 or joining[0] > 1 or len(parts) - joining[0] > 2:
-        raise InvalidArgument(f"regime spec {spec!r} is not allowed: '>' joins at most one regime on each side of a "
-                              "resume, as 'BEFORE>resume:at=K>AFTER' (BEFORE trains first, AFTER takes over; either "
-                              "may be left out: full_batch, and BEFORE)")
-    at = joining[0]
-    before = parse_regime(parts[0]) if at == 1 else None
-    after = parse_regime(parts[at + 1]) if at + 1 < len(parts) else None
-    return parse_regime(parts[at]).joined(before, after)
+    joins = [bool(getattr(REGIMES.get(part.partition(":")[0]), "between", False)) for part in parts]
+    # A resume somewhere, and never two regimes with no resume between them.
+    if all(parts) and any(joins) and not any(not a and not b for a, b in zip(joins, joins[1:])):
+        regime, at = (None, 0) if joins[0] else (parse_regime(parts[0]), 1)
+        while at < len(parts):
+            after = parse_regime(parts[at + 1]) if at + 1 < len(parts) and not joins[at + 1] else None
+            regime = parse_regime(parts[at]).joined(regime, after)
+            at += 1 if after is None else 2
+        return regime
+    raise InvalidArgument(f"regime spec {spec!r} is not allowed: '>' joins at most one regime on each side of a "
+                          "resume, as 'BEFORE>resume:at=K>AFTER' (BEFORE trains first, AFTER takes over; either "
+                          "may be left out: full_batch, and BEFORE; a second resume may follow)")
 
 
 _PLACEHOLDERS = {"int": "N", "float": "X", "str": "NAME", "bool": "0|1"}

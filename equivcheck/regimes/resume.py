@@ -70,7 +70,10 @@ class Resume(Regime):
             given, missing = ("save", "load") if self.save else ("load", "save")
             raise InvalidArgument(f"{given}={getattr(self, given)!r} is not allowed without {missing}=: expected both "
                                   "(a team's own checkpoint code, by import path) or neither")
-        for regime in (self.before, self.after):
+        if isinstance(self.before, Resume) and self.at <= self.before.at:  # a resume after another: a later save
+            raise InvalidArgument.value("at", self.at, f"more than the save before it (at={self.before.at}): a resume "
+                                        "after another saves later")
+        for regime in (None if isinstance(self.before, Resume) else self.before, self.after):
             if regime is not None and (regime.between or regime.name in NOT_RESUMABLE):
                 raise InvalidArgument(f"regime spec {str(self)!r}: {str(regime)!r} cannot be resumed: "
                                       f"{NOT_RESUMABLE.get(regime.name, 'a resume joins two regimes that train')}")
@@ -85,17 +88,24 @@ class Resume(Regime):
         return self.before, self.after
 
     def joined(self, before: Regime | None, after: Regime | None) -> Resume:
+        """Between ``before`` (a regime, or a resume before this one: a run restarted twice) and ``after``."""
         before = before or FullBatch()
-        return dataclasses.replace(self, before=before, after=None if after == before else after)
+        previous = before.segments[-1] if isinstance(before, Resume) else before
+        return dataclasses.replace(self, before=before, after=None if after == previous else after)
 
     @property
-    def restored(self) -> Regime:
-        """The regime the fresh processes restore the checkpoint on."""
-        return self.after or self.before
+    def links(self) -> tuple[Resume, ...]:
+        """Every save of the run, in turn: this one, after those of a resume before it."""
+        return (*self.before.links, self) if isinstance(self.before, Resume) else (self,)
 
     @property
-    def segments(self) -> tuple[Regime, Regime]:
-        return self.before, self.restored
+    def segments(self) -> tuple[Regime, ...]:
+        """The regime each segment trains under, in turn: one more than the saves."""
+        first = self.links[0].before
+        regimes = [first]
+        for link in self.links:
+            regimes.append(link.after or regimes[-1])
+        return tuple(regimes)
 
     @property
     def world_size(self) -> int:  # the most ranks one segment holds at a time
@@ -105,7 +115,7 @@ class Resume(Regime):
         for regime in self.segments:
             regime.validate(case)
         batches = case.steps * case.epochs
-        if not 1 <= self.at < batches:
+        if not 1 <= self.links[0].at or not self.at < batches:
             raise InvalidArgument(f"regime {str(self)!r} on case {case.name!r}: at={self.at} is not allowed: expected "
                                   f"1 to {batches - 1}, a save between two of the case's {batches} global batches")
 

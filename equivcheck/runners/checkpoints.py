@@ -13,9 +13,9 @@ import torch.distributed as dist
 
 from ..process.import_paths import resolve
 from ..regimes.resume import RANK_ZERO_OPTIMIZER
-from .request import Restart
+from .request import Checkpointed
 
-def save(restart: Restart, assembled, scaler) -> None:
+def save(restart: Checkpointed, assembled, scaler) -> None:
     """The checkpoint of a trained segment (``assembled``: train.Assembled): a team's own save where it gave one,
     handed what its step is handed (the module the regime drives, the optimizer), else the careful one below."""
     if restart.save:
@@ -42,7 +42,7 @@ def save(restart: Restart, assembled, scaler) -> None:
     torch.save(own, _own_file(restart, _rank()))
 
 
-def restore(restart: Restart, assembled, scaler) -> None:
+def restore(restart: Checkpointed, assembled, scaler) -> None:
     """Into a model and an optimizer built anew: a team's own load where it gave one, else the shards this rank holds
     now, then its own file (rank 0's where the checkpoint was saved on fewer ranks: every rank is seeded alike, so
     their random states agree)."""
@@ -77,12 +77,12 @@ def _zero(optimizer) -> bool:
     return isinstance(optimizer, ZeroRedundancyOptimizer)
 
 
-def _whole_optimizer_file(restart: Restart, optimizer) -> bool:
+def _whole_optimizer_file(restart: Checkpointed, optimizer) -> bool:
     """Whether the optimizer goes through one file rank 0 writes: ZeRO's consolidated state, or the pitfall's."""
     return RANK_ZERO_OPTIMIZER in restart.parts or ("optimizer" in restart.parts and _zero(optimizer))
 
 
-def _optimizer_file(restart: Restart) -> str:
+def _optimizer_file(restart: Checkpointed) -> str:
     return os.path.join(restart.folder, "optimizer.pt")
 
 
@@ -95,11 +95,11 @@ def _dcp():
     return dcp, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
 
 
-def _shards(restart: Restart) -> str:
+def _shards(restart: Checkpointed) -> str:
     return os.path.join(restart.folder, "shards")
 
 
-def _own_file(restart: Restart, rank: int) -> str:
+def _own_file(restart: Checkpointed, rank: int) -> str:
     return os.path.join(restart.folder, f"rank{rank}.pt")
 
 

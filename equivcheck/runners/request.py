@@ -21,25 +21,35 @@ SAMPLE_ORDERS = ("given", "reversed", "rolled")  # a global batch's samples as g
 
 
 @dataclasses.dataclass(frozen=True)
-class Restart:
-    """Which side of a restart a run is (a resume's segment: equivcheck.regimes.resume): the ``first`` trains the first
-    ``at`` global batches and saves ``parts`` to ``folder``; the ``rest`` builds the model anew, restores them from
-    ``folder`` and trains on, from batch ``at`` (from the first again, where the position is not among the parts)."""
+class Checkpointed:
+    """One save of a resumed run: the ``parts`` its checkpoint holds, in ``folder``; or a team's own ``save`` and
+    ``load`` (by import path) in their place."""
 
-    side: str
-    at: int
     folder: str
     parts: tuple[str, ...]
-    save: str = ""  # a team's own save(model, optimizer, folder) and load, by import path, in place of the parts
+    save: str = ""
     load: str = ""
-    whole_source: bool = False  # a team's loop: the rest is handed every batch and skips the trained ones itself
+
+
+@dataclasses.dataclass(frozen=True)
+class Restart:
+    """A resume's segment (equivcheck.regimes.resume): global batches ``start`` to ``stop`` (None: the last), restored
+    from ``load_from`` where a save came before it (on a model built anew) and saved to ``save_to`` where one comes
+    after it. A segment restored without the position trains the first batches again."""
+
+    start: int
+    stop: int | None
+    load_from: Checkpointed | None = None
+    save_to: Checkpointed | None = None
+    whole_source: bool = False  # a team's loop: handed every batch to its stop, it skips the trained ones itself
 
     def batches(self, batches: list) -> list:
-        if self.side == "first":
-            return batches[: self.at]
+        stop = len(batches) if self.stop is None else self.stop
+        if self.load_from is None:
+            return batches[:stop]
         if self.whole_source:  # the same batch source as the uninterrupted run: the loop's own position decides
-            return ResumedSource(batches, self.at)
-        return batches[self.at :] if "position" in self.parts else batches[: len(batches) - self.at]
+            return ResumedSource(batches[:stop], self.start)
+        return batches[self.start : stop] if "position" in self.load_from.parts else batches[: stop - self.start]
 
 
 class ResumedSource(list):

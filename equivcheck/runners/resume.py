@@ -1,10 +1,12 @@
-"""A resumed run (:class:`equivcheck.regimes.resume.Resume`): its two segments, each on ranks started for it alone
-that end with it (a one-rank group for a regime of one process), the checkpoint in a folder between them; one
-RunResult of the two, as an uninterrupted run would have produced it."""
+"""A resumed run (:class:`equivcheck.regimes.resume.Resume`): its segments (two, or more for a run restarted more
+than once), each on ranks started for it alone that end with it (a one-rank group for a regime of one process), each
+checkpoint in a folder between two of them; one RunResult of them all, as an uninterrupted run would have produced
+it."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
 import tempfile
@@ -15,7 +17,7 @@ from ..registry import importable_source
 from ..result import RunResult
 from .ranks import launcher, pool
 from .ranks.jobs import TrainJob
-from .request import Restart, RunRequest
+from .request import Checkpointed, Restart, RunRequest
 
 def train_resumed(request: RunRequest, timeout: float, assembled) -> RunResult:
     """Both segments of the resume ``request`` asks for, in turn, and the run they make together; ``assembled`` turns
@@ -24,15 +26,19 @@ def train_resumed(request: RunRequest, timeout: float, assembled) -> RunResult:
         raise Unavailable("a resume starts fresh processes for each segment, which a launcher's fixed group cannot: "
                           "run it without torchrun")
     resume = request.regime
-    folder = tempfile.mkdtemp(prefix=f"{pool.CHECKPOINT_PREFIX}{os.getpid()}-")  # a dead maker's: pool.py removes it
-    try:
-        first, rest = (_segment(request, regime, Restart(side, resume.at, folder, resume.saves, resume.save,
-                                                         resume.load, whole_source=not regime.steps_observable),
-                                timeout, assembled)
-                       for side, regime in zip(("first", "rest"), resume.segments))
-        return joined(first, rest, str(resume))
+    links = resume.links
+    folders = [tempfile.mkdtemp(prefix=f"{pool.CHECKPOINT_PREFIX}{os.getpid()}-") for _ in links]  # a dead maker's:
+    try:  # pool.py removes them
+        saved = [Checkpointed(folder, link.saves, link.save, link.load) for folder, link in zip(folders, links)]
+        bounds = [0, *(link.at for link in links), None]
+        results = [_segment(request, regime, Restart(bounds[i], bounds[i + 1], saved[i - 1] if i else None,
+                                                     saved[i] if i < len(saved) else None,
+                                                     whole_source=not regime.steps_observable), timeout, assembled)
+                   for i, regime in enumerate(resume.segments)]
+        return functools.reduce(lambda first, rest: joined(first, rest, str(resume)), results)
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _segment(request: RunRequest, regime: Regime, restart: Restart, timeout: float, assembled) -> RunResult:

@@ -86,11 +86,11 @@ def _train(request: RunRequest, device: torch.device, *, against: Expected | Non
         if restart is not None:  # a resume's segment: its share of the batches, the checkpoint restored or saved
             built = dataclasses.replace(built, batches=restart.batches(built.batches))
         assembled = assemble(request.regime, built)
-        if restart is not None and restart.side == "rest":
-            checkpoints.restore(restart, assembled, built.objective.scaler)
+        if restart is not None and restart.load_from is not None:
+            checkpoints.restore(restart.load_from, assembled, built.objective.scaler)
         segment = train_segment(request, assembled, against, keeps_gradients)
-        if restart is not None and restart.side == "first":
-            checkpoints.save(restart, assembled, built.objective.scaler)
+        if restart is not None and restart.save_to is not None:
+            checkpoints.save(restart.save_to, assembled, built.objective.scaler)
     if not segment.recorder.intact():
         return None
     return result_of(request, assembled, segment, against, started)
