@@ -161,11 +161,12 @@ class Checkpoint:
     """A resume of a team's step or loop (``check_step(..., resume=...)``, ``check_loop``): after ``at`` global batches every rank calls
     ``save(model, optimizer, folder)`` (handed what its step is handed) and the ranks end; ranks started afresh build
     the model anew, call ``load(model, optimizer, folder)``, and the step trains on from global batch ``at``, on
-    ``world_size`` ranks where given (a DDP step resharded), else as many as before. ``save`` and ``load`` are
+    ``world_size`` ranks where given (a DDP step resharded), else as many as before; ``at=(K1, K2)`` restarts the run
+    once after each, every restored segment loading what the one before it saved. ``save`` and ``load`` are
     module-level functions (the ranks import them by name); both left out, the checkpoint is equivcheck's own
     (``torch.distributed.checkpoint``, each rank's random state), the baseline a team's is held beside."""
 
-    at: int
+    at: int | tuple[int, ...]
     save: Callable | None = None
     load: Callable | None = None
     world_size: int | None = None
@@ -182,7 +183,13 @@ def _resumed(candidate: Regime, resume: Checkpoint) -> Regime:
         after = dataclasses.replace(candidate, world_size=resume.world_size)
     paths = {name: "" if fn is None else import_path(fn, name) for name, fn in (("save", resume.save),
                                                                                ("load", resume.load))}
-    return Resume(at=resume.at, before=candidate, after=after, **paths)
+    ats = (resume.at,) if isinstance(resume.at, int) else tuple(resume.at)
+    if not ats:
+        raise InvalidArgument.value("at", resume.at, "a global batch, or several in increasing order")
+    made = candidate
+    for index, at in enumerate(ats):  # each later save restores on the regime the first restore chose
+        made = Resume(at=at, before=made, after=after if index == 0 else None, **paths)
+    return made
 
 
 # The regimes a team's step or loop runs under: in this process, on DDP ranks, running its own pipeline, on a mesh.

@@ -205,3 +205,15 @@ def test_a_run_restarted_twice_goes_on_from_each_checkpoint_in_fresh_processes()
     assert faithful.result.optimizer_steps == 3
     assert lost.verdict is Verdict.MISMATCH and {m.kind for m in lost.comparison.mismatches} == {"weight"}
 
+
+
+def test_a_teams_checkpoint_at_several_batches_restarts_the_run_after_each():
+    regime = ec.parse_regime("ddp_step:world_size=2,fn=team_checkpoints:step")
+    from equivcheck.team import _resumed
+
+    chained = _resumed(regime, ec.Checkpoint(at=(1, 2), save=team.save, load=team.load))
+    assert [link.at for link in chained.links] == [1, 2] and len(chained.segments) == 3
+    (outcome,) = ec.check("mlp", [chained]).outcomes
+    assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
+    with pytest.raises(ec.InvalidArgument, match=r"at=\(\) is not allowed"):
+        ec.check_step("mlp", team.step, world_size=2, resume=ec.Checkpoint(at=(), save=team.save, load=team.load))
