@@ -55,9 +55,10 @@ def _importing(module_globals: dict) -> bool:
 
 
 def registered_on_import(case: Case) -> bool:
-    """Whether a fresh process that imports the source of ``case`` registers it too: registered by its module's top
-    level (or a function that top level calls), not by a call made later, such as a test's."""
-    return importable_source(case) is not None and case.name not in _registered_by_a_call
+    """Whether a fresh process that imports the source of the registered ``case`` (:func:`importable_source`)
+    registers it too: registered by its module's top level (or a function that top level calls), not by a call made
+    later, such as a test's."""
+    return case.name not in _registered_by_a_call
 
 
 def case_source(name: str) -> str:

@@ -14,6 +14,7 @@ own generator would draw other masks than the reference's.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -27,7 +28,7 @@ from ..device import DEFAULT_DEVICE
 from ..errors import InvalidArgument
 
 BACKENDS = ("inductor", "aot_eager")
-COUNTER_ATTRIBUTE = "_equivcheck_compiled_graphs"  # on the case's model: the graphs its compiled run made
+CALLS_ATTRIBUTE = "_equivcheck_compiled_calls"  # on the case's model: the calls of its compiled module in this run
 # Inductor draws random numbers (dropout's masks) from a generator of its own unless told to fall back on eager's: then
 # a compiled run draws what the eager reference draws (measured: without it, one dropout layer under compile=inductor
 # mismatched full batch from step 0)
@@ -79,7 +80,7 @@ def missing_compiler(backend: str, device: str) -> str | None:
     return "compile=inductor writes C++ for the CPU and no C++ compiler is here (CXX, g++, c++, clang++): aot_eager runs"
 
 
-_GRAPHS: dict[str, list[int]] = {}  # each graph a counting backend compiled in this process (its node count), by name
+_GRAPHS: collections.Counter[str] = collections.Counter()  # graphs each counting backend compiled in this process
 
 
 @functools.cache
@@ -89,10 +90,9 @@ def counting_backend(backend: str):
     import torch._dynamo
 
     real = torch._dynamo.lookup_backend(backend)
-    graphs = _GRAPHS.setdefault(backend, [])
 
     def counted(graph_module, example_inputs):
-        graphs.append(len(graph_module.graph.nodes))
+        _GRAPHS[backend] += 1
         return real(graph_module, example_inputs)
 
     return counted
@@ -105,7 +105,7 @@ def compile_module(module: nn.Module, model: nn.Module, backend: str) -> nn.Modu
     calls: list[int] = []
     compiled = torch.compile(module, backend=counting_backend(backend))
     compiled.register_forward_pre_hook(lambda *_: calls.append(1))
-    object.__setattr__(model, COUNTER_ATTRIBUTE, calls)
+    object.__setattr__(model, CALLS_ATTRIBUTE, calls)
     return compiled
 
 
@@ -115,19 +115,18 @@ def _compiled_something(inner, model: nn.Module, regime: str, backend: str, auto
     compiled module was never called or its backend never compiled a graph in this process (the run was eager), or
     where no backward was captured."""
     import torch
+    import torch._inductor.config
     from torch._dynamo import compiled_autograd
     from torch._dynamo.utils import counters
 
     captured = counters["compiled_autograd"]["captures"]
-    import torch._inductor.config
-
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch._inductor.config.patch(**INDUCTOR_SETTINGS))
         stack.enter_context(inner)
         if autograd:
             stack.enter_context(compiled_autograd._enable(torch.compile(backend=backend)))
         yield
-    if not getattr(model, COUNTER_ATTRIBUTE, None) or not _GRAPHS.get(backend):
+    if not getattr(model, CALLS_ATTRIBUTE, None) or not _GRAPHS[backend]:
         raise RuntimeError(f"{regime} compiled nothing: its steps never called the module torch.compile wrapped "
                            "(a regime that drives the model's parts), so the run was eager")
     if autograd and counters["compiled_autograd"]["captures"] == captured:

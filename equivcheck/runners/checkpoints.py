@@ -15,18 +15,17 @@ from ..process.import_paths import resolve
 from ..regimes.resume import RANK_ZERO_OPTIMIZER
 from .request import Checkpointed
 
+
 def save(restart: Checkpointed, assembled, scaler) -> None:
     """The checkpoint of a trained segment (``assembled``: train.Assembled): a team's own save where it gave one,
     handed what its step is handed (the module the regime drives, the optimizer), else the careful one below."""
     if restart.save:
         resolve(restart.save)(assembled.module, assembled.optimizer, restart.folder)
         return
+    import torch.distributed.checkpoint as dcp  # imported by the first resume, not by ``import equivcheck``
+
     model, optimizer = assembled.model, assembled.optimizer
-    dcp, get_model_state_dict, get_optimizer_state_dict, _, _ = _dcp()
-    state = {"model": get_model_state_dict(model)}
-    if "optimizer" in restart.parts and not _zero(optimizer):
-        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
-    dcp.save(state, checkpoint_id=_shards(restart))
+    dcp.save(_sharded_state(restart, model, optimizer), checkpoint_id=_shards(restart))
     if _whole_optimizer_file(restart, optimizer):
         if "optimizer" in restart.parts:  # ZeRO's shards gathered on rank 0, as its own documentation asks
             optimizer.consolidate_state_dict(to=0)
@@ -49,11 +48,11 @@ def restore(restart: Checkpointed, assembled, scaler) -> None:
     if restart.load:
         resolve(restart.load)(assembled.module, assembled.optimizer, restart.folder)
         return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
     model, optimizer = assembled.model, assembled.optimizer
-    dcp, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict = _dcp()
-    state = {"model": get_model_state_dict(model)}
-    if "optimizer" in restart.parts and not _zero(optimizer):
-        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    state = _sharded_state(restart, model, optimizer)  # the template DCP loads this rank's shards into
     dcp.load(state, checkpoint_id=_shards(restart))
     set_model_state_dict(model, state["model"])
     if "optimizer" in state:
@@ -86,13 +85,15 @@ def _optimizer_file(restart: Checkpointed) -> str:
     return os.path.join(restart.folder, "optimizer.pt")
 
 
-def _dcp():
-    """torch.distributed.checkpoint, imported by the first resume, not by ``import equivcheck``."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
+def _sharded_state(restart: Checkpointed, model, optimizer) -> dict:
+    """What torch.distributed.checkpoint holds of the careful checkpoint, as this rank has it: the model's state and,
+    where the checkpoint saves it through DCP (not ZeRO's, which goes through one file), the optimizer's."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    return dcp, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict
+    state = {"model": get_model_state_dict(model)}
+    if "optimizer" in restart.parts and not _zero(optimizer):
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    return state
 
 
 def _shards(restart: Checkpointed) -> str:

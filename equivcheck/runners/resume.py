@@ -20,7 +20,7 @@ from .ranks.jobs import TrainJob
 from .request import Checkpointed, Restart, RunRequest
 
 def train_resumed(request: RunRequest, timeout: float, assembled) -> RunResult:
-    """Both segments of the resume ``request`` asks for, in turn, and the run they make together; ``assembled`` turns
+    """Every segment of the resume ``request`` asks for, in turn, and the run they make together; ``assembled`` turns
     the ranks' replies into one result (dispatch.py)."""
     if launcher.active():
         raise Unavailable("a resume starts fresh processes for each segment, which a launcher's fixed group cannot: "
@@ -49,7 +49,7 @@ def _segment(request: RunRequest, regime: Regime, restart: Restart, timeout: flo
 
 
 def joined(first: RunResult, rest: RunResult, regime: str) -> RunResult:
-    """The run the two segments make: the steps of the first then the rest's, the final state the rest's."""
+    """The run two consecutive segments make: the steps of the first then the rest's, the final state the rest's."""
     def both(field: str):
         a, b = getattr(first, field), getattr(rest, field)
         return None if a is None or b is None else (*a, *b)

@@ -296,7 +296,7 @@ def pool_for(backend: str, world_size: int) -> WorkerPool:
     if pool is None or not pool.alive:
         if pool is not None:
             pool.close()
-        ensure_room(world_size, [pid for other in _pools.values() for pid in other.pids])
+        ensure_room(world_size, _warm_pids())
         pool = _pools[key] = WorkerPool(backend, world_size)
     return pool
 
@@ -324,11 +324,16 @@ def run_job(backend: str, world_size: int, job: Job, timeout: float = DEFAULT_TI
     return submit_job(backend, world_size, job, timeout)()
 
 
+def _warm_pids() -> list[int]:
+    """Every rank of this process's warm pools: what a new group's room is judged beside."""
+    return [pid for other in _pools.values() for pid in other.pids]
+
+
 def run_in_fresh_ranks(backend: str, world_size: int, job: Job, timeout: float = DEFAULT_TIMEOUT) -> list[dict]:
     """``job`` on ranks started for it alone, which end with it: a process a restart begins with (a resume's
     segment: nothing of an earlier job's random streams, caches or lazily made state survives in it)."""
     _refuse_inside_a_rank()
-    ensure_room(world_size, [pid for other in _pools.values() for pid in other.pids])
+    ensure_room(world_size, _warm_pids())
     ranks = WorkerPool(backend, world_size)
     try:
         return ranks.run(job, timeout)
