@@ -91,6 +91,8 @@ class Case:
     epochs: int = 1  # passes over the data, each in the same order: steps * epochs optimizer steps in all
     cpu_generator_only: str = ""  # why the verdicts hold on the CPU generator only (CUDA draws by launch shape)
     tp_plan: Mapping[str, str] | None = None  # module name or pattern -> 'colwise', 'rowwise' or 'sequence'
+    # the learning-rate schedule over the optimizer a regime steps: scheduler(optimizer) -> an LRScheduler
+    scheduler: Callable[[torch.optim.Optimizer], object] | None = None
 
     def __post_init__(self) -> None:
         if (not isinstance(self.name, str) or not self.name.strip() or any(c in self.name for c in " ,:=")
@@ -108,6 +110,8 @@ class Case:
             expect_callable("split", self.split)
         if self.forward is not None:
             expect_callable("forward", self.forward)
+        if self.scheduler is not None:
+            expect_callable("scheduler", self.scheduler)
         expect_int("batch_size", self.batch_size)
         expect_int("steps", self.steps)
         if self.dtype not in NAMES_OF_DTYPES:
@@ -143,6 +147,19 @@ class Case:
                 f"(type={type(optimizer).__name__}): expected an optimizer with step() and zero_grad(), such as a "
                 "torch.optim.Optimizer over the parameters it is given (does the factory return it?)")
         return optimizer
+
+    def build_scheduler(self, optimizer: torch.optim.Optimizer):
+        """The case's scheduler over ``optimizer``, or None where it has none; the run steps it after every step the
+        optimizer takes in training (runners/train.py)."""
+        if self.scheduler is None:
+            return None
+        scheduler = self.scheduler(optimizer)
+        if not all(callable(getattr(scheduler, method, None)) for method in ("step", "state_dict", "load_state_dict")):
+            raise InvalidArgument(
+                f"scheduler={self.scheduler!r} of case {self.name!r} returned {scheduler!r} "
+                f"(type={type(scheduler).__name__}): expected a learning-rate scheduler with step(), state_dict() and "
+                "load_state_dict(), such as a torch.optim.lr_scheduler.LinearLR over the optimizer it is given")
+        return scheduler
 
     @property
     def samples(self) -> int:

@@ -91,6 +91,8 @@ def test_unknown_regime_in_expect_mismatch():
         ({"model": lambda: "not a module"}, "Expected a factory returning a torch.nn.Module but got model='not a module'"),
         ({"loss": lambda out, target: nn.functional.cross_entropy(out, target)},
          "loss of case 'variant' returned shape () for 12 samples holding 12 items: expected a 1-D tensor of one loss per item"),
+        ({"scheduler": lambda optimizer: 0.5}, "returned 0.5 (type=float): expected a learning-rate scheduler with "
+                                               "step(), state_dict() and load_state_dict()"),
     ],
 )
 def test_bad_case_contents(changes, message):
@@ -108,6 +110,7 @@ def test_bad_case_contents(changes, message):
         ({"name": "has space"}, "name='has space' is not allowed"),
         ({"model": None}, "Expected a callable but got model=None"),
         ({"split": 3}, "Expected a callable but got split=3"),
+        ({"scheduler": "linear"}, "Expected a callable but got scheduler='linear'"),
         ({"rtol": 1e-3}, "rtol=0.001 is not allowed: expected rtol and atol given together"),
         ({"dtype": torch.float16}, "dtype=torch.float16 is not allowed"),
     ],

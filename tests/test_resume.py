@@ -50,6 +50,25 @@ def test_a_sharded_optimizer_restored_from_rank_zeros_shard_is_caught_where_it_i
     assert ddp.verdict is Verdict.EQUIVALENT and zero.verdict is Verdict.EQUIVALENT, (ddp.describe(), zero.describe())
 
 
+def test_a_schedule_restarted_on_resume_is_caught_one_step_after_the_save_and_a_saved_one_is_exact():
+    """Within a warmup: the restored optimizer holds the saved rate, so the step after the save is right; the fresh
+    scheduler then sets the next one wrong. torch.distributed.checkpoint's own step at rate 0 (it creates the fresh
+    optimizer's state) is no step of the schedule's: stepped by it, the lost scheduler would look restored."""
+    faithful, lost, zero = ec.check("resume_schedule", ["resume:at=1", "resume_without_scheduler:at=1",
+                                                        "zero:world_size=2>resume:at=1>ddp:world_size=2"]).outcomes
+    assert faithful.verdict is Verdict.EQUIVALENT and faithful.comparison.margin == 0.0, faithful.describe()
+    assert zero.verdict is Verdict.EQUIVALENT, zero.describe()  # ZeRO's one consolidated file, into a whole optimizer
+    assert lost.verdict is Verdict.EXPECTED_MISMATCH and lost.comparison.margin > 1000, lost.describe()
+    assert lost.comparison.first_divergent_step == 3  # step 2's weights are the first the wrong rate moved
+
+
+def test_a_schedule_is_refused_where_it_cannot_be_lost_or_restored():
+    with pytest.raises(ec.InvalidArgument, match="the case has no scheduler= to lose"):
+        ec.check("tokens", ["resume_without_scheduler:at=1"])
+    with pytest.raises(ec.InvalidArgument, match="helpers do not take a ZeroRedundancyOptimizer: expected ZeRO before"):
+        ec.check("tokens", ["ddp:world_size=2>resume:at=1>zero:world_size=2"])
+
+
 @pytest.mark.parametrize("before", ["", "fsdp:world_size=2>"])
 def test_optimizer_state_left_out_is_caught_in_the_update_it_steers(before):
     """Step 1's gradients come from the restored weights, which are right; Adam's restarted moments then move the

@@ -47,7 +47,7 @@ BUILT_IN: tuple[type[Regime], ...] = (
     user_code.MeshStep,
     user_code.MeshLoop,
     resume.Resume, resume.ResumeWithoutOptimizer, resume.ResumeWithoutRng, resume.ResumeFromTheStart,
-    resume.ResumeOptimizerOfRankZero, resume.ResumeWithoutScaler,
+    resume.ResumeOptimizerOfRankZero, resume.ResumeWithoutScaler, resume.ResumeWithoutScheduler,
 )
 for _regime in BUILT_IN:
     register_regime(_regime)

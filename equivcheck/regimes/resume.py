@@ -8,7 +8,7 @@ What a restart loses is lost: each segment is a fresh set of processes (:mod:`eq
 random streams, an optimizer's lazily created state, a GradScaler's scale and the data position survive only through
 the checkpoint. The checkpoint is what a careful team writes (:mod:`equivcheck.runners.checkpoints`): the model and the
 optimizer through ``torch.distributed.checkpoint`` (which reshards them onto the ranks that load), each rank's random
-state, the GradScaler's state, and the position, read as the next global batch. Each pitfall leaves one part out.
+state, the GradScaler's state, the case's learning-rate scheduler, and the position, read as the next global batch. Each pitfall leaves one part out.
 
 A save always falls between two optimizer steps: ``at`` counts global batches, and every regime here finishes its
 accumulation cycle within one, so a save inside a cycle is refused by construction (a team's own checkpoint code, which
@@ -28,9 +28,10 @@ from ..errors import InvalidArgument, expect_int
 from ..precision import Precision, Tolerance
 from .base import Pitfall, Regime
 from .local import FullBatch
+from .zero import Zero
 
 # What a faithful checkpoint holds, each part a restart would otherwise lose.
-PARTS = ("model", "optimizer", "rng", "scaler", "position")
+PARTS = ("model", "optimizer", "scheduler", "rng", "scaler", "position")
 RANK_ZERO_OPTIMIZER = "optimizer of rank 0"  # a pitfall's part: rank 0's optimizer state, loaded on every rank
 
 # What a resume cannot join, and why: each segment starts in processes of its own, which import its code by name.
@@ -45,6 +46,7 @@ OPTIMIZER_NOT_SAVED = "optimizer state not saved in a checkpoint"
 RNG_NOT_RESTORED = "random state not restored on resume"
 POSITION_RESET = "data position reset on resume"
 SCALER_NOT_SAVED = "GradScaler state not saved in a checkpoint"
+SCHEDULER_NOT_SAVED = "learning-rate scheduler not saved in a checkpoint"
 SHARD_STATE_LOST = "a sharded optimizer's state restored from one rank's shard"
 
 
@@ -114,6 +116,11 @@ class Resume(Regime):
     def validate(self, case: Case) -> None:
         for regime in self.segments:
             regime.validate(case)
+        for before, after in zip(self.segments, self.segments[1:]):
+            if isinstance(after, Zero) and not isinstance(before, Zero) and "optimizer" in self.saves:
+                raise InvalidArgument(f"regime {str(self)!r}: {str(after)!r} cannot restore the optimizer state "
+                                      f"{str(before)!r} saves through torch.distributed.checkpoint, whose helpers do "
+                                      "not take a ZeroRedundancyOptimizer: expected ZeRO before the resume too")
         batches = case.steps * case.epochs
         if not 1 <= self.links[0].at or not self.at < batches:
             raise InvalidArgument(f"regime {str(self)!r} on case {case.name!r}: at={self.at} is not allowed: expected "
@@ -151,6 +158,21 @@ class ResumeWithoutOptimizer(Resume):
                "optimizer, whose moments (and step count) start again")
     pitfall = Pitfall(OPTIMIZER_NOT_SAVED, twin="resume")
     saves = tuple(part for part in PARTS if part != "optimizer")
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumeWithoutScheduler(Resume):
+    name = "resume_without_scheduler"
+    summary = ("PITFALL: the learning-rate scheduler is not saved: the restored run's schedule starts again from its "
+               "first step's rate (a warmup run twice)")
+    pitfall = Pitfall(SCHEDULER_NOT_SAVED, twin="resume")
+    saves = tuple(part for part in PARTS if part != "scheduler")
+
+    def validate(self, case: Case) -> None:
+        super().validate(case)
+        if case.scheduler is None:
+            raise InvalidArgument(f"regime {str(self)!r} on case {case.name!r}: the case has no scheduler= to lose "
+                                  "(a case with a learning-rate schedule shows this pitfall)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,6 +2,8 @@
 optimizer through ``torch.distributed.checkpoint`` (each rank writes its shards; the ranks that load read the shards
 they hold now, so a checkpoint saved on 4 ranks loads on 2), and each rank's own file of what DCP does not hold: the
 random state and the GradScaler's. A part the resume's regime leaves out (a pitfall) is neither saved nor restored.
+The case's learning-rate scheduler is the case's, not the code checked: it goes in those files with a team's own
+checkpoint code too.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ def save(restart: Checkpointed, assembled, scaler) -> None:
     handed what its step is handed (the module the regime drives, the optimizer), else the careful one below."""
     if restart.save:
         resolve(restart.save)(assembled.module, assembled.optimizer, restart.folder)
+        torch.save(_scheduler_state(restart, assembled), _own_file(restart, _rank()))
         return
     import torch.distributed.checkpoint as dcp  # imported by the first resume, not by ``import equivcheck``
 
@@ -31,7 +34,7 @@ def save(restart: Checkpointed, assembled, scaler) -> None:
             optimizer.consolidate_state_dict(to=0)
         if _rank() == 0:
             torch.save(optimizer.state_dict(), _optimizer_file(restart))
-    own = {}
+    own = _scheduler_state(restart, assembled)
     if "rng" in restart.parts:
         own["rng"] = torch.default_generator.get_state()
         if torch.cuda.is_initialized():
@@ -47,26 +50,41 @@ def restore(restart: Checkpointed, assembled, scaler) -> None:
     their random states agree)."""
     if restart.load:
         resolve(restart.load)(assembled.module, assembled.optimizer, restart.folder)
-        return
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-    model, optimizer = assembled.model, assembled.optimizer
-    state = _sharded_state(restart, model, optimizer)  # the template DCP loads this rank's shards into
-    dcp.load(state, checkpoint_id=_shards(restart))
-    set_model_state_dict(model, state["model"])
-    if "optimizer" in state:
-        set_optimizer_state_dict(model, optimizer, state["optimizer"])
-    if _whole_optimizer_file(restart, optimizer):  # every rank takes its part of rank 0's file
-        optimizer.load_state_dict(torch.load(_optimizer_file(restart), weights_only=False))
+    else:
+        _restore_sharded(restart, assembled)
     mine = _own_file(restart, _rank())
     own = torch.load(mine if os.path.exists(mine) else _own_file(restart, 0), weights_only=False)
+    if "scheduler" in own:
+        assembled.scheduler.load_state_dict(own["scheduler"])
     if "rng" in own:
         torch.default_generator.set_state(own["rng"])
         if "cuda_rng" in own and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(own["cuda_rng"])
     if "scaler" in own:
         scaler.load_state_dict(own["scaler"])
+
+
+def _restore_sharded(restart: Checkpointed, assembled) -> None:
+    """The model's and the optimizer's shards this rank holds now, from the careful checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    model, optimizer = assembled.model, assembled.optimizer
+    whole = os.path.exists(_optimizer_file(restart))  # as it was saved: ZeRO's (or the pitfall's) one file
+    state = _sharded_state(restart, model, optimizer, whole)  # the template DCP loads this rank's shards into
+    dcp.load(state, checkpoint_id=_shards(restart))
+    set_model_state_dict(model, state["model"])
+    if "optimizer" in state:
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    if whole:  # every rank takes its part of rank 0's file (all of it, where its optimizer is whole)
+        optimizer.load_state_dict(torch.load(_optimizer_file(restart), weights_only=False))
+
+
+def _scheduler_state(restart: Checkpointed, assembled) -> dict:
+    """The case's scheduler's state, where it has one and the checkpoint holds it."""
+    if assembled.scheduler is None or "scheduler" not in restart.parts:
+        return {}
+    return {"scheduler": assembled.scheduler.state_dict()}
 
 
 def _zero(optimizer) -> bool:
@@ -85,13 +103,13 @@ def _optimizer_file(restart: Checkpointed) -> str:
     return os.path.join(restart.folder, "optimizer.pt")
 
 
-def _sharded_state(restart: Checkpointed, model, optimizer) -> dict:
+def _sharded_state(restart: Checkpointed, model, optimizer, whole: bool = False) -> dict:
     """What torch.distributed.checkpoint holds of the careful checkpoint, as this rank has it: the model's state and,
-    where the checkpoint saves it through DCP (not ZeRO's, which goes through one file), the optimizer's."""
+    where the checkpoint saves it through DCP (not ZeRO's, nor one ``whole`` file), the optimizer's."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     state = {"model": get_model_state_dict(model)}
-    if "optimizer" in restart.parts and not _zero(optimizer):
+    if "optimizer" in restart.parts and not whole and not _zero(optimizer):
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     return state
 

@@ -10,7 +10,7 @@ import dataclasses
 import functools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -125,7 +125,7 @@ def build(request: RunRequest, device: torch.device) -> Built:
 class Assembled:
     """A built run under its regime: the module the regime drives, the model it optimises, records and reads back
     (what the wrap returned, where that holds parameters of its own), the optimizer made over that model, and the
-    counter of what the wrappers communicate."""
+    counter of what the wrappers communicate, and the case's scheduler over that optimizer (None: it has none)."""
 
     built: Built
     regime: Regime
@@ -133,15 +133,17 @@ class Assembled:
     model: nn.Module
     optimizer: Optimizer
     counter: CommunicationCounter | None
+    scheduler: object | None = None
 
 
 def assemble(regime: Regime, built: Built) -> Assembled:
     """Wrap first (a sharding wrapper replaces the parameters the optimizer holds), then the optimizer over what the
-    wrap returns, then the communication counter on the wrappers."""
+    wrap returns (the case's scheduler over it), then the communication counter on the wrappers."""
     module = regime.wrap(built.model, built.objective)
     model = trained_model(built.model, module)
     optimizer = regime.build_optimizer(built.case, model)
-    return Assembled(built, regime, module, model, optimizer, regime.count_communication(module))
+    return Assembled(built, regime, module, model, optimizer, regime.count_communication(module),
+                     built.case.build_scheduler(optimizer))
 
 
 @dataclasses.dataclass
@@ -164,7 +166,8 @@ def train_segment(request: RunRequest, assembled: Assembled, against: Expected |
     with GradRecorder(model, optimizer, assembled.counter, regime, against, norms=regime.clips_at() is not None,
                       keeps=keeps_gradients, per_call=regime.counts_per_call and regime.steps_observable) \
             as recorder, \
-            activation_meter(model, data, enabled=request.measure_memory) as memory:
+            activation_meter(model, data, enabled=request.measure_memory) as memory, \
+            scheduled(optimizer, assembled.scheduler):
         watched = StepWatch(batches, recorder)
         with regime.random_streams(model, optimizer, [batch.inputs for batch in batches]):
             losses = tuple(None if loss is None else float(loss)
@@ -172,6 +175,21 @@ def train_segment(request: RunRequest, assembled: Assembled, against: Expected |
                                                     watched if regime.steps_observable else batches,
                                                     built.objective))
     return Segment(losses, recorder, memory, watched)
+
+
+@contextlib.contextmanager
+def scheduled(optimizer: Optimizer, scheduler) -> Iterator[None]:
+    """While training: ``scheduler`` (where there is one) stepped after every step ``optimizer`` takes, whoever calls
+    it. A schedule follows optimizer steps, so a step a GradScaler skips leaves it be; outside training it stands
+    still (torch.distributed.checkpoint creates an optimizer's state with a step at rate 0 of its own)."""
+    if scheduler is None:
+        yield
+        return
+    handle = optimizer.register_step_post_hook(lambda *_: scheduler.step())
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def result_of(request: RunRequest, assembled: Assembled, segment: Segment, against: Expected | None,

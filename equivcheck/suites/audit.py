@@ -29,7 +29,7 @@ from ..regimes.pitfalls import clipping_optimizer
 from ..process.seeding import DEFAULT_SEED, seeded
 from ..runners.train import load_batches
 from ..regimes.resume import (OPTIMIZER_NOT_SAVED, POSITION_RESET, RNG_NOT_RESTORED, SCALER_NOT_SAVED,
-                              SHARD_STATE_LOST)
+                              SCHEDULER_NOT_SAVED, SHARD_STATE_LOST)
 
 MAX_CHUNKS = 8  # micro-batch counts tried: 2 .. 8 (and every divisor of the batch size, for equal micro-batches)
 WORLD_SIZE = 2  # the DDP classes are audited on 2 ranks of the warm pool
@@ -65,7 +65,7 @@ NOT_PROBED = (
     "clipping by the norm of local shards under tensor parallelism",
     "sequence-parallel norm gradients not all-reduced over tensor parallelism",
     "dropout seeded per rank inside a tensor-parallel group",
-    OPTIMIZER_NOT_SAVED, RNG_NOT_RESTORED, POSITION_RESET, SHARD_STATE_LOST, SCALER_NOT_SAVED,
+    OPTIMIZER_NOT_SAVED, RNG_NOT_RESTORED, POSITION_RESET, SHARD_STATE_LOST, SCALER_NOT_SAVED, SCHEDULER_NOT_SAVED,
 )
 BUG_CLASSES = PROBED + NOT_PROBED
 
