@@ -3,7 +3,7 @@
 from ._version import __version__
 
 from .suites.audit import Audit, Finding, Sensitivity, audit
-from .case import Batch, Case, Objective, default_optimizer
+from .case import Batch, Case, Objective, Term, default_optimizer
 from .judge.verdict import Outcome, Report, Status, Verdict
 from .check import check, check_all, regimes_for
 from .diff import Comparison, Mismatch
@@ -28,7 +28,7 @@ __all__ = [
     "CodeExited", "Comparison", "DdpHook", "EquivcheckError", "EquivcheckWarning", "EvalReport", "Finding",
     "InvalidArgument", "IsolationWarning", "MemoryNotSaved", "MetricDiff", "Mismatch", "NonFinite", "NotEquivalent", "Objective", "Outcome",
     "Pitfall", "Precision", "PrecisionWarning", "Regime", "Report", "ResultsNotWritten", "RunDied", "RunResult", "Sensitivity",
-    "Status", "SummedLoss", "Tolerance", "Unavailable", "Verdict", "WorkerError", "all_cases", "audit", "builtin_cases",
+    "Status", "SummedLoss", "Term", "Tolerance", "Unavailable", "Verdict", "WorkerError", "all_cases", "audit", "builtin_cases",
     "check", "check_all", "check_eval", "check_loop", "check_step", "compare", "default_optimizer", "diagnose",
     "get_case", "load_cases_from", "parse_regime", "regimes_for", "register_case", "register_regime", "resolve_precision", "run",
 ]

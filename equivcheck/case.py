@@ -44,6 +44,29 @@ class ItemsPerSample:
         return self.per_sample * len(targets)
 
 
+@dataclasses.dataclass(frozen=True)
+class Term:
+    """One more term of a case's objective, normalised over a unit of its own (the main loss is normalised over the
+    items): ``loss(output, targets)`` returns one value per unit of the batch (a sequence-wise load-balancing loss:
+    one per sample; a router z-loss: one per token), ``units(targets)`` counts the units (default: one per sample),
+    and the objective adds ``weight`` times the term's mean over the global batch's units. Every regime adds each
+    micro-batch's sum over the global count, so a term that is a mean of per-unit values is honoured by them all; a
+    term that is not (a batch-wise aux loss, whose expert counts a micro-batch cannot see) is declared non-equivalent
+    under the regimes that cut the batch, in the case's ``expect_mismatch``."""
+
+    name: str
+    loss: LossFn
+    units: Callable[[Tensor], int] = count_samples
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise InvalidArgument.value("name", self.name, "a term's name: an identifier such as 'load_balance'")
+        expect_callable("loss", self.loss)
+        expect_callable("units", self.units)
+        expect_number("weight", self.weight, minimum=-math.inf, maximum=math.inf, strict=True)
+
+
 LOSS_REDUCTIONS = ("none", "mean")
 LAST_BATCH = ("exact", "keep")  # exact: data holds steps * batch_size samples; keep: the last batch may be smaller
 
@@ -93,6 +116,7 @@ class Case:
     tp_plan: Mapping[str, str] | None = None  # module name or pattern -> 'colwise', 'rowwise' or 'sequence'
     # the learning-rate schedule over the optimizer a regime steps: scheduler(optimizer) -> an LRScheduler
     scheduler: Callable[[torch.optim.Optimizer], object] | None = None
+    terms: tuple[Term, ...] = ()  # more terms of the objective, each normalised over its own unit (Term)
 
     def __post_init__(self) -> None:
         if (not isinstance(self.name, str) or not self.name.strip() or any(c in self.name for c in " ,:=")
@@ -112,6 +136,11 @@ class Case:
             expect_callable("forward", self.forward)
         if self.scheduler is not None:
             expect_callable("scheduler", self.scheduler)
+        object.__setattr__(self, "terms", tuple(self.terms) if isinstance(self.terms, (list, tuple)) else self.terms)
+        if not isinstance(self.terms, tuple) or not all(isinstance(term, Term) for term in self.terms):
+            raise InvalidArgument.value("terms", self.terms, "a tuple of ec.Term (more terms of the objective)")
+        if len({term.name for term in self.terms}) != len(self.terms):
+            raise InvalidArgument.value("terms", self.terms, "terms of distinct names")
         expect_int("batch_size", self.batch_size)
         expect_int("steps", self.steps)
         if self.dtype not in NAMES_OF_DTYPES:
@@ -201,6 +230,7 @@ class Objective:
         self.precision = resolve_precision(precision, default=case.dtype)
         self.scaler = self.precision.grad_scaler_for(device)
         self._loss = self.precision.autocasting(case.loss, device)
+        self._terms = [(term, self.precision.autocasting(term.loss, device)) for term in case.terms]
         self.loss_dtypes: set[torch.dtype] = set()  # what the loss was computed in: a float64 case may not be
 
     @property
@@ -310,6 +340,22 @@ class Objective:
             loss, count = self._mean_loss(output, targets)
             return loss * count
         return self.item_losses(output, targets).sum()
+
+    def share(self, output: object, targets: Tensor, over: Batch, *, terms_scale: float = 1.0) -> Tensor:
+        """This (micro-)batch's part of the objective of the global batch ``over``: the loss's sum over ``over``'s
+        items, plus each of the case's terms' sum over ``over``'s count of its units, weighted (and times
+        ``terms_scale``: a pitfall's). The parts of every cut of ``over`` add up to its objective, whatever the cut."""
+        part = self.sum(output, targets) / over.items
+        for term, loss in self._terms:
+            values, units = loss(output, targets), int(term.units(targets))
+            if not isinstance(values, Tensor) or values.dim() != 1 or len(values) != units:
+                shape = tuple(values.shape) if isinstance(values, Tensor) else type(values).__name__
+                raise InvalidArgument(
+                    f"term {term.name!r} of case {self._case.name!r} returned shape {shape} for {len(targets)} samples "
+                    f"holding {units} of its units: expected a 1-D tensor of one value per unit (units= counts them; "
+                    "default: one per sample)")
+            part = part + terms_scale * term.weight * values.sum() / int(term.units(over.targets))
+        return part
 
     def mean(self, output: Tensor, targets: Tensor) -> Tensor:
         if self._case.loss_reduction == "mean":

@@ -4,13 +4,13 @@ faithful twin), ``ddp`` (DistributedDataParallel and DataParallel), ``ddp_hooks`
 hook, judged at its own error bound), ``ddp_join`` (uneven inputs under DDP, with and without join),
 ``ddp_partial`` (seed 000's accumulation over part of the model inside DDP and DataParallel), ``fsdp`` (FSDP2
 fully_shard), ``zero`` (ZeroRedundancyOptimizer), ``pipeline`` (torch.distributed.pipelining stages),
-``tensor`` (tensor parallelism: parallelize_module on a mesh), ``checkpoint`` (activation checkpointing inside
+``tensor`` (tensor parallelism: parallelize_module on a mesh), ``experts`` (aux terms normalised wrong across ranks), ``checkpoint`` (activation checkpointing inside
 accumulation), ``sync_batchnorm`` (SyncBatchNorm under DDP, GPUs
 only), ``user_code`` (a team's own step or loop). A regime of your own is one module that calls
 :func:`register_regime` on its class.
 """
 
-from . import (checkpoint, context, ddp, ddp_hooks, ddp_join, ddp_partial, fsdp, local, pipeline, pitfalls, sequence,
+from . import (checkpoint, context, ddp, ddp_hooks, experts, ddp_join, ddp_partial, fsdp, local, pipeline, pitfalls, sequence,
                resume, sync_batchnorm, tensor, user_code, zero)
 from .base import (DEFAULT_REGIMES, REGIMES, Chunked, CommunicationCounter, Pitfall, Regime, chunk_pairs, finish_step,
                    parse_regime, regime_source, register_regime, spec_usage)
@@ -48,6 +48,7 @@ BUILT_IN: tuple[type[Regime], ...] = (
     user_code.MeshLoop,
     resume.Resume, resume.ResumeWithoutOptimizer, resume.ResumeWithoutRng, resume.ResumeFromTheStart,
     resume.ResumeOptimizerOfRankZero, resume.ResumeWithoutScaler, resume.ResumeWithoutScheduler,
+    experts.DdpAuxOverWorld, experts.DdpAuxTimesWorld,
 )
 for _regime in BUILT_IN:
     register_regime(_regime)

@@ -97,8 +97,9 @@ class Distributed(Regime):
         return shard(batch, dist.get_rank(), dist.get_world_size())
 
     def rank_part(self, objective: Objective, batch: Batch) -> Callable[[Tensor, Tensor], Tensor]:
-        """A rank's (micro-)batch loss: its sum times the world size over the global batch's items."""
-        return lambda output, targets: objective.sum(output, targets) * self.world_size / batch.items
+        """A rank's (micro-)batch loss: its share of the global batch's objective times the world size (DDP averages
+        the ranks' gradients)."""
+        return lambda output, targets: objective.share(output, targets, batch) * self.world_size
 
 
 @dataclasses.dataclass(frozen=True)

@@ -144,5 +144,5 @@ class DdpJoinRankMean(DdpJoin):
     pitfall = Pitfall("per-rank mean loss under DDP (token or shard imbalance)", twin="ddp_join")
 
     def rank_part(self, objective, batch, mine=None):
-        own = (mine or batch).items
-        return lambda output, targets: objective.sum(output, targets) / own
+        own = mine or batch
+        return lambda output, targets: objective.share(output, targets, own)

@@ -28,11 +28,14 @@ from .ddp import Accumulating, Ddp, Distributed
 
 
 def shard_blocks(model: nn.Module, mesh, reshard_after_forward: bool) -> nn.Module:
-    """``fully_shard`` on every direct child that holds parameters (a block), then on the root. A block that shares
-    a parameter with another (a head tied to the token embedding) is left to the root: FSDP2 keeps a parameter in
-    one group, and refuses one shared across two."""
-    owners = collections.Counter(id(p) for block in model.children() for p in block.parameters())
-    for block in model.children():
+    """``fully_shard`` on every direct child that holds parameters (a block; each member of a ModuleList, which has no
+    forward of its own: a mixture's experts), then on the root. A block that shares a parameter with another (a head
+    tied to the token embedding) is left to the root: FSDP2 keeps a parameter in one group, and refuses one shared
+    across two."""
+    blocks = [member for child in model.children()
+              for member in (child.children() if isinstance(child, (nn.ModuleList, nn.ModuleDict)) else (child,))]
+    owners = collections.Counter(id(p) for block in blocks for p in block.parameters())
+    for block in blocks:
         held = list(block.parameters())
         if held and all(owners[id(p)] == 1 for p in held):
             fsdp2().fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)

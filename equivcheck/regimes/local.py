@@ -30,7 +30,7 @@ class FullBatch(Regime):
         return self.max_norm if self.max_norm < math.inf else None
 
     def train_step(self, model, optimizer, batch, objective):
-        loss = objective.sum(objective.forward(model, batch.inputs, batch.targets), batch.targets) / batch.items
+        loss = objective.share(objective.forward(model, batch.inputs, batch.targets), batch.targets, batch)
         objective.backward(loss)
         finish_step(optimizer, objective, self.max_norm)
         return loss.detach()

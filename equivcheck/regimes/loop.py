@@ -74,8 +74,8 @@ def inputs_only(module: Callable[[Tensor], object]) -> Callable[[Tensor, Tensor]
 
 
 def global_mean_part(objective: Objective, batch: Batch) -> PartLoss:
-    """A chunk's share of the global mean: its loss sum over the item count of the whole batch."""
-    return lambda output, targets: objective.sum(output, targets) / batch.items
+    """A chunk's share of the global batch's objective (the mean of each of its terms over the whole batch)."""
+    return lambda output, targets: objective.share(output, targets, batch)
 
 
 def meddling_part(meddle: Callable[[], object], objective: Objective, batch: Batch) -> PartLoss:

@@ -78,8 +78,8 @@ class Pipelined(nn.Module):
         self.model = model
         self.stages = stages  # PipelineStage objects (not modules): this rank's
         self.owners = owners  # (rank owning it, stage module) for every stage, in order
-        self.schedule = None  # set by Pipeline.wrap: its loss reads items
-        self.items = 0  # the item count of the global batch the schedule is running
+        self.schedule = None  # set by Pipeline.wrap: its loss reads the batch
+        self.batch: Batch | None = None  # the global batch the schedule is running
 
     @property
     def first(self) -> bool:
@@ -231,15 +231,16 @@ class Pipeline(Regime):
         return StepTraffic(None)
 
     def loss_fn(self, objective: Objective):
-        """A micro-batch's loss from its output, its targets and the global batch's items: its sum over them."""
-        return lambda output, targets, items: objective.sum(output, targets) / items
+        """A micro-batch's loss from its output, its targets and the global batch: its share of that batch's
+        objective."""
+        return lambda output, targets, batch: objective.share(output, targets, batch)
 
     def schedule_loss(self, objective: Objective, model: Pipelined):
         """The loss as the schedule calls it, on a micro-batch's output and targets alone: :meth:`loss_fn` with the
-        items of the global batch ``model`` runs. torch 2.11's ``schedule.step()`` has no ``loss_kwargs`` (it hands
-        extra keywords to the first stage's forward), so the count is read from ``model``, not passed."""
+        global batch ``model`` runs. torch 2.11's ``schedule.step()`` has no ``loss_kwargs`` (it hands extra
+        keywords to the first stage's forward), so the batch is read from ``model``, not passed."""
         loss_fn = self.loss_fn(objective)
-        return lambda output, targets: loss_fn(output, targets, model.items)
+        return lambda output, targets: loss_fn(output, targets, model.batch)
 
     def wrap(self, model: nn.Module, objective: Objective) -> nn.Module:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
@@ -270,7 +271,7 @@ class Pipeline(Regime):
                 f"microbatches={self.microbatches} equal micro-batches (torch.distributed.pipelining needs equal "
                 "ones): expected microbatches to divide every global batch, the last one included")
         losses: list[Tensor] = []
-        model.items = batch.items
+        model.batch = batch
         model.schedule.step(*((batch.inputs,) if model.first else ()),
                             target=batch.targets if model.last else None, losses=losses, return_outputs=False)
         model.share_stages()
@@ -291,7 +292,7 @@ class PipelineMeanLoss(Pipeline):
     scale_grads = True
 
     def loss_fn(self, objective: Objective):
-        return lambda output, targets, items: objective.mean(output, targets)
+        return lambda output, targets, batch: objective.mean(output, targets)
 
     def reported(self, losses: list[Tensor]) -> Tensor:
         return torch.stack([loss.detach() for loss in losses]).mean()

@@ -236,8 +236,9 @@ class TensorParallel(DeclaresCollectives, Distributed):
         return batch
 
     def rank_part(self, objective, batch):
-        """The loss a rank back-propagates: its batch's sum times :attr:`loss_scale` over the global batch's items."""
-        return lambda output, targets: objective.sum(output, targets) * self.loss_scale / batch.items
+        """The loss a rank back-propagates: its batch's share of the global batch's objective times
+        :attr:`loss_scale`."""
+        return lambda output, targets: objective.share(output, targets, batch) * self.loss_scale
 
     @property
     def loss_scale(self) -> float:

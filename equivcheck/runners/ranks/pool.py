@@ -221,10 +221,14 @@ class WorkerPool:
 
 
 def _exception_line(traceback_text: str) -> str:
-    """The first line of the exception a traceback ends with (frames are the indented lines)."""
+    """The first line of the exception a traceback ends with: the first line after the last frame (a ``  File``
+    line and its indented source and carets), whose message may hold indented lines of its own (a module's repr)."""
     lines = traceback_text.rstrip().splitlines()
-    last_frame = max((i for i, line in enumerate(lines) if line.startswith("  ")), default=-1)
-    return lines[last_frame + 1] if last_frame + 1 < len(lines) else lines[-1]
+    last_frame = max((i for i, line in enumerate(lines) if line.startswith('  File "')), default=-1)
+    after = last_frame + 1
+    while last_frame >= 0 and after < len(lines) and lines[after].startswith("    "):
+        after += 1
+    return lines[after] if after < len(lines) else lines[-1]
 
 
 def _dead_peer(processes: list[ForkedRank], raised: int, grace: float) -> int | None:

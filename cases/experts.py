@@ -1,0 +1,101 @@
+"""Routed experts with an objective of several terms (ec.Term), each normalised over its own unit: the language-model
+loss over real tokens, a sequence-wise load-balancing loss over sequences, a router z-loss over real tokens.
+
+A padded token model routes each real token to its top-k of E small experts (a shared expert beside them), the gate
+weights the router's probabilities of the chosen experts (normalised over them where ``normalise``). Its output is
+``(logits, load_balance, z)``: one balance value per sequence, ``E * sum_e f_e * P_e`` over the sequence's real tokens
+(f_e: the fraction of its routed slots that chose e; P_e: e's mean router probability), and one z value per real
+token, ``logsumexp(router logits)^2``. Each is a mean of per-unit values, so every regime that adds each micro-batch's
+sums over the global batch's counts gives the full batch's gradient: accumulation, one sample at a time, DDP and FSDP2
+are equivalent. Written as one scalar loss weighted by tokens, the balance term would not be: that is the false alarm
+a single per-item loss gave (a sequence's balance value counted once per token).
+
+Measured on CPU, float64: the faithful family is equivalent under ``accumulate``, ``sample_by_sample``, ``ddp`` and
+``fsdp``; each pitfall below is caught (tests/test_experts.py, the catalogue).
+"""
+
+import dataclasses
+
+import torch
+from torch import nn
+
+import equivcheck as ec
+from equivcheck.suites.catalogue import Entry, add_entry
+
+from .tokens import IGNORE, PAD, VOCAB, data, real_tokens, token_losses
+
+DIM, EXPERTS, HIDDEN = 8, 4, 12
+BALANCE_WEIGHT, Z_WEIGHT = 0.1, 0.01
+
+
+class RoutedTokens(nn.Module):
+    """Top-k routing over ``EXPERTS`` experts and a shared one; every expert runs on every token and the gate zeroes
+    the ones not chosen (the same numbers as a dispatch, at a toy's size)."""
+
+    def __init__(self, k: int = 2, normalise: bool = True, shared: bool = True) -> None:
+        super().__init__()
+        self.k, self.normalise = k, normalise
+        self.embed = nn.Embedding(VOCAB, DIM, padding_idx=PAD)
+        self.router = nn.Linear(DIM, EXPERTS, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(DIM, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, DIM))
+                                     for _ in range(EXPERTS))
+        self.shared = nn.Sequential(nn.Linear(DIM, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, DIM)) if shared else None
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens: torch.Tensor):
+        hidden = self.embed(tokens)
+        scores = self.router(hidden)  # (samples, tokens, experts)
+        probs = scores.softmax(-1)
+        chosen = probs.topk(self.k, dim=-1)
+        gates = chosen.values / chosen.values.sum(-1, keepdim=True) if self.normalise else chosen.values
+        weights = torch.zeros_like(probs).scatter(-1, chosen.indices, gates)
+        mixed = sum(weights[..., e : e + 1] * expert(hidden) for e, expert in enumerate(self.experts))
+        if self.shared is not None:
+            mixed = mixed + self.shared(hidden)
+        real = (tokens != PAD).to(probs.dtype)
+        slots = torch.zeros_like(probs).scatter(-1, chosen.indices, 1.0) * real[..., None]
+        per_sequence = real.sum(1).clamp(min=1)[:, None]
+        fraction = slots.sum(1) / (per_sequence * self.k)  # f_e per sequence, counts: no gradient
+        mean_prob = (probs * real[..., None]).sum(1) / per_sequence  # P_e per sequence
+        balance = EXPERTS * (fraction * mean_prob).sum(-1)
+        z = scores.logsumexp(-1)[tokens != PAD] ** 2
+        return self.head(hidden + mixed), balance, z
+
+
+def lm_losses(output, targets):
+    return token_losses(output[0], targets)
+
+
+def real_token_count(targets) -> int:
+    return int((targets != IGNORE).sum())
+
+
+BALANCE = ec.Term("load_balance", loss=lambda output, targets: output[1], weight=BALANCE_WEIGHT)
+Z_LOSS = ec.Term("router_z", loss=lambda output, targets: output[2], units=real_token_count, weight=Z_WEIGHT)
+
+routed_tokens = ec.register_case(ec.Case(
+    name="routed_tokens",
+    model=RoutedTokens,
+    data=data,
+    loss=lm_losses,
+    items=real_tokens,
+    terms=(BALANCE, Z_LOSS),
+    batch_size=12,
+    steps=2,
+    regimes=("full_batch", "accumulate:chunks=3", "sample_by_sample", "ddp:world_size=2",
+             "ddp_no_sync:world_size=2,chunks=2", "fsdp:world_size=2", "ddp_aux_over_world:world_size=2",
+             "ddp_aux_times_world:world_size=2"),
+    expect_mismatch={
+        "ddp_aux_over_world": "the aux terms averaged by DDP without the world size: aux / dp_size",
+        "ddp_aux_times_world": "the aux terms scaled by the world size twice",
+    },
+    description="top-2 of 4 experts and a shared one; LM loss over real tokens, a sequence-wise load balance over "
+                "sequences, a router z-loss over real tokens",
+))
+
+
+# The catalogue's entries that use these cases.
+add_entry(Entry("experts: aux loss averaged over data-parallel ranks (aux / dp size)", "routed_tokens",
+                "ddp_aux_over_world:world_size=2"))
+add_entry(Entry("experts: aux loss scaled by the world size twice", "routed_tokens",
+                "ddp_aux_times_world:world_size=2"))

@@ -1,0 +1,62 @@
+"""Routed experts with an objective of several terms, each normalised over its own unit (cases/experts.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import equivcheck as ec
+from equivcheck import Verdict
+from equivcheck.runners.ranks.pool import _exception_line
+
+FAITHFUL = ["accumulate:chunks=3", "accumulate:chunks=5", "sample_by_sample", "ddp:world_size=2",
+            "ddp_no_sync:world_size=2,chunks=2", "fsdp:world_size=2"]
+
+
+def test_each_term_normalised_over_its_own_unit_is_honoured_by_every_regime_and_aux_scaling_bugs_are_caught():
+    """A sequence-wise balance loss over sequences and a z-loss over real tokens beside the LM loss over real tokens:
+    every cut of the batch adds up to the full batch's objective. Under DDP the aux terms averaged without the world
+    size (aux / dp) and scaled by it twice are caught."""
+    report = ec.check("routed_tokens", [*FAITHFUL, "ddp_aux_over_world:world_size=2",
+                                        "ddp_aux_times_world:world_size=2"])
+    for spec in FAITHFUL:
+        outcome = report.outcome("routed_tokens", spec)
+        assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
+    for spec in ("ddp_aux_over_world:world_size=2", "ddp_aux_times_world:world_size=2"):
+        outcome = report.outcome("routed_tokens", spec)
+        assert outcome.verdict is Verdict.EXPECTED_MISMATCH and outcome.comparison.margin > 1000, outcome.describe()
+
+
+def test_a_sequence_wise_term_counted_per_token_is_not_the_same_objective():
+    """The false alarm one per-item loss gave: the balance term weighted by tokens is another objective, so the
+    units a term declares are what make micro-batches add up (the check is not blind to them)."""
+    routed = ec.get_case("routed_tokens")
+    balance, z_loss = routed.terms
+    by_tokens = dataclasses.replace(balance, loss=lambda output, targets: output[1].repeat_interleave(
+        (targets != -100).sum(1)), units=z_loss.units)
+    case = dataclasses.replace(routed, name="balance_by_tokens", terms=(by_tokens, z_loss), regimes=None,
+                               expect_mismatch={})
+    reference = ec.run("routed_tokens", "full_batch")
+    weighted = ec.run(case, "full_batch")
+    assert ec.compare(reference, weighted).margin > 100
+
+
+def test_a_term_of_the_wrong_shape_or_an_aux_pitfall_without_terms_is_refused_naming_it():
+    case = ec.get_case("routed_tokens")
+    scalar = dataclasses.replace(case, name="scalar_aux", regimes=None, expect_mismatch={},
+                                 terms=(ec.Term("load_balance", loss=lambda output, targets: output[1].mean()),))
+    with pytest.raises(ec.InvalidArgument, match=r"term 'load_balance' of case 'scalar_aux' returned shape \(\) for "
+                                                 r"12 samples holding 12 of its units: expected a 1-D tensor"):
+        ec.run(scalar, "full_batch")
+    with pytest.raises(ec.InvalidArgument, match=r"terms=.* is not allowed: expected a tuple of ec.Term"):
+        dataclasses.replace(case, terms=("load_balance",))
+    with pytest.raises(ec.InvalidArgument, match="no terms= beside its loss"):
+        ec.check("tokens", ["ddp_aux_over_world:world_size=2"])
+
+
+def test_a_workers_exception_is_named_by_its_first_line_when_its_message_holds_indented_lines():
+    traceback = ('Traceback (most recent call last):\n  File "x.py", line 1, in f\n    fully_shard(block)\n'
+                 '    ^^^^^^^^^^^^^^^^^^\nValueError: fully_shard does not support containers: ModuleList(\n'
+                 '  (0-3): 4 x Linear()\n)\n')
+    assert _exception_line(traceback) == "ValueError: fully_shard does not support containers: ModuleList("
