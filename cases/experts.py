@@ -10,8 +10,10 @@ sums over the global batch's counts gives the full batch's gradient: accumulatio
 are equivalent. Written as one scalar loss weighted by tokens, the balance term would not be: that is the false alarm
 a single per-item loss gave (a sequence's balance value counted once per token).
 
-Measured on CPU, float64: the faithful family is equivalent under ``accumulate``, ``sample_by_sample``, ``ddp`` and
-``fsdp``; each pitfall below is caught (tests/test_experts.py, the catalogue).
+The model declares its experts (``experts`` and ``mix``), so expert parallelism (``ep:world_size=W``) spreads them
+over ranks and exchanges tokens by ``all_to_all_single``. Measured on CPU, float64: the faithful family is equivalent
+under ``accumulate``, ``sample_by_sample``, ``ddp``, ``fsdp`` and ``ep`` (2 and 4 ranks); each pitfall below is caught
+(tests/test_experts.py, the catalogue).
 """
 
 import dataclasses
@@ -49,7 +51,7 @@ class RoutedTokens(nn.Module):
         chosen = probs.topk(self.k, dim=-1)
         gates = chosen.values / chosen.values.sum(-1, keepdim=True) if self.normalise else chosen.values
         weights = torch.zeros_like(probs).scatter(-1, chosen.indices, gates)
-        mixed = sum(weights[..., e : e + 1] * expert(hidden) for e, expert in enumerate(self.experts))
+        mixed = self.mix(hidden, weights)
         if self.shared is not None:
             mixed = mixed + self.shared(hidden)
         real = (tokens != PAD).to(probs.dtype)
@@ -60,6 +62,10 @@ class RoutedTokens(nn.Module):
         balance = EXPERTS * (fraction * mean_prob).sum(-1)
         z = scores.logsumexp(-1)[tokens != PAD] ** 2
         return self.head(hidden + mixed), balance, z
+
+    def mix(self, hidden: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The experts' outputs weighted by the gates (0 where not chosen): what expert parallelism dispatches."""
+        return sum(weights[..., e : e + 1] * expert(hidden) for e, expert in enumerate(self.experts))
 
 
 def lm_losses(output, targets):
@@ -83,9 +89,10 @@ routed_tokens = ec.register_case(ec.Case(
     batch_size=12,
     steps=2,
     regimes=("full_batch", "accumulate:chunks=3", "sample_by_sample", "ddp:world_size=2",
-             "ddp_no_sync:world_size=2,chunks=2", "fsdp:world_size=2", "ddp_aux_over_world:world_size=2",
-             "ddp_aux_times_world:world_size=2"),
+             "ddp_no_sync:world_size=2,chunks=2", "fsdp:world_size=2", "ep:world_size=2",
+             "ddp_aux_over_world:world_size=2", "ddp_aux_times_world:world_size=2", "ep_experts_averaged:world_size=2"),
     expect_mismatch={
+        "ep_experts_averaged": "each expert's gradient averaged over the 2 expert-parallel ranks: half of it",
         "ddp_aux_over_world": "the aux terms averaged by DDP without the world size: aux / dp_size",
         "ddp_aux_times_world": "the aux terms scaled by the world size twice",
     },
@@ -99,3 +106,5 @@ add_entry(Entry("experts: aux loss averaged over data-parallel ranks (aux / dp s
                 "ddp_aux_over_world:world_size=2"))
 add_entry(Entry("experts: aux loss scaled by the world size twice", "routed_tokens",
                 "ddp_aux_times_world:world_size=2"))
+add_entry(Entry("experts: expert gradients averaged over the expert-parallel group", "routed_tokens",
+                "ep_experts_averaged:world_size=2"))

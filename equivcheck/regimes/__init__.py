@@ -4,7 +4,7 @@ faithful twin), ``ddp`` (DistributedDataParallel and DataParallel), ``ddp_hooks`
 hook, judged at its own error bound), ``ddp_join`` (uneven inputs under DDP, with and without join),
 ``ddp_partial`` (seed 000's accumulation over part of the model inside DDP and DataParallel), ``fsdp`` (FSDP2
 fully_shard), ``zero`` (ZeroRedundancyOptimizer), ``pipeline`` (torch.distributed.pipelining stages),
-``tensor`` (tensor parallelism: parallelize_module on a mesh), ``experts`` (aux terms normalised wrong across ranks), ``checkpoint`` (activation checkpointing inside
+``tensor`` (tensor parallelism: parallelize_module on a mesh), ``experts`` (expert parallelism, and aux terms normalised wrong across ranks), ``checkpoint`` (activation checkpointing inside
 accumulation), ``sync_batchnorm`` (SyncBatchNorm under DDP, GPUs
 only), ``user_code`` (a team's own step or loop). A regime of your own is one module that calls
 :func:`register_regime` on its class.
@@ -48,7 +48,7 @@ BUILT_IN: tuple[type[Regime], ...] = (
     user_code.MeshLoop,
     resume.Resume, resume.ResumeWithoutOptimizer, resume.ResumeWithoutRng, resume.ResumeFromTheStart,
     resume.ResumeOptimizerOfRankZero, resume.ResumeWithoutScaler, resume.ResumeWithoutScheduler,
-    experts.DdpAuxOverWorld, experts.DdpAuxTimesWorld,
+    experts.ExpertParallel, experts.ExpertParallelAveraged, experts.DdpAuxOverWorld, experts.DdpAuxTimesWorld,
 )
 for _regime in BUILT_IN:
     register_regime(_regime)
