@@ -12,7 +12,7 @@ a single per-item loss gave (a sequence's balance value counted once per token).
 
 The model declares its experts (``experts`` and ``mix``), so expert parallelism (``ep:world_size=W``) spreads them
 over ranks and exchanges tokens by ``all_to_all_single``. Measured on CPU, float64: the faithful family is equivalent
-under ``accumulate``, ``sample_by_sample``, ``ddp``, ``fsdp`` and ``ep`` (2 and 4 ranks); each pitfall below is caught
+under ``accumulate``, ``sample_by_sample``, ``ddp``, ``fsdp``, ``ep`` (2 and 4 ranks) and ``fsdp_ep`` (dp 2 x ep 2); each pitfall below is caught
 (tests/test_experts.py, the catalogue).
 """
 
@@ -90,9 +90,11 @@ routed_tokens = ec.register_case(ec.Case(
     steps=2,
     regimes=("full_batch", "accumulate:chunks=3", "sample_by_sample", "ddp:world_size=2",
              "ddp_no_sync:world_size=2,chunks=2", "fsdp:world_size=2", "ep:world_size=2",
-             "ddp_aux_over_world:world_size=2", "ddp_aux_times_world:world_size=2", "ep_experts_averaged:world_size=2"),
+             "ddp_aux_over_world:world_size=2", "ddp_aux_times_world:world_size=2", "ep_experts_averaged:world_size=2",
+             "fsdp_ep:dp=2,ep=2", "fsdp_ep_experts_over_dp:dp=2,ep=2"),
     expect_mismatch={
         "ep_experts_averaged": "each expert's gradient averaged over the 2 expert-parallel ranks: half of it",
+        "fsdp_ep_experts_over_dp": "each expert's gradient averaged over its 2 replicas only: twice it",
         "ddp_aux_over_world": "the aux terms averaged by DDP without the world size: aux / dp_size",
         "ddp_aux_times_world": "the aux terms scaled by the world size twice",
     },
@@ -108,3 +110,5 @@ add_entry(Entry("experts: aux loss scaled by the world size twice", "routed_toke
                 "ddp_aux_times_world:world_size=2"))
 add_entry(Entry("experts: expert gradients averaged over the expert-parallel group", "routed_tokens",
                 "ep_experts_averaged:world_size=2"))
+add_entry(Entry("experts: dp x ep, expert gradients averaged over their replicas only (ep times too large)",
+                "routed_tokens", "fsdp_ep_experts_over_dp:dp=2,ep=2"))

@@ -11,21 +11,23 @@ from equivcheck import Verdict
 from equivcheck.runners.ranks.pool import _exception_line
 
 FAITHFUL = ["accumulate:chunks=3", "accumulate:chunks=5", "sample_by_sample", "ddp:world_size=2",
-            "ddp_no_sync:world_size=2,chunks=2", "fsdp:world_size=2", "ep:world_size=2", "ep:world_size=4"]
+            "ddp_no_sync:world_size=2,chunks=2", "fsdp:world_size=2", "ep:world_size=2", "ep:world_size=4",
+            "fsdp_ep:dp=2,ep=2", "fsdp_ep:dp=1,ep=2"]
+PITFALLS = ["ddp_aux_over_world:world_size=2", "ddp_aux_times_world:world_size=2", "ep_experts_averaged:world_size=2",
+            "fsdp_ep_experts_over_dp:dp=2,ep=2"]
 
 
 def test_each_term_normalised_over_its_own_unit_is_honoured_by_every_regime_and_aux_scaling_bugs_are_caught():
     """A sequence-wise balance loss over sequences and a z-loss over real tokens beside the LM loss over real tokens:
     every cut of the batch adds up to the full batch's objective, the experts spread over 2 and 4 expert-parallel ranks
-    too. Under DDP the aux terms averaged without the world size (aux / dp) and scaled by it twice are caught, and under
-    expert parallelism the experts' gradients averaged over the ep ranks."""
-    report = ec.check("routed_tokens", [*FAITHFUL, "ddp_aux_over_world:world_size=2",
-                                        "ddp_aux_times_world:world_size=2", "ep_experts_averaged:world_size=2"])
+    too, and on a dp x ep mesh (FSDP2 over the dense parameters). Under DDP the aux terms averaged without the world
+    size (aux / dp) and scaled by it twice are caught; under expert parallelism the experts' gradients averaged over the
+    ep ranks, and on the mesh averaged over their replicas only."""
+    report = ec.check("routed_tokens", [*FAITHFUL, *PITFALLS])
     for spec in FAITHFUL:
         outcome = report.outcome("routed_tokens", spec)
         assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
-    for spec in ("ddp_aux_over_world:world_size=2", "ddp_aux_times_world:world_size=2",
-                 "ep_experts_averaged:world_size=2"):
+    for spec in PITFALLS:
         outcome = report.outcome("routed_tokens", spec)
         assert outcome.verdict is Verdict.EXPECTED_MISMATCH and outcome.comparison.margin > 1000, outcome.describe()
 
@@ -72,10 +74,13 @@ def test_expert_parallelism_exchanges_tokens_by_all_to_all_counted_per_step_and_
     assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
     for step in outcome.result.collectives:
         assert {kind: calls for kind, (calls, _) in step.items()} == {"all_to_all[ep]": 5, "all_reduce[ep]": 1}
+    (mesh,) = ec.check("routed_tokens", ["fsdp_ep:dp=2,ep=2"]).outcomes  # FSDP2's over every rank, experts over dp
+    assert {kind: calls for kind, (calls, _) in mesh.result.collectives[0].items()} == {
+        "all_gather[world]": 1, "reduce_scatter[world]": 1, "all_to_all[ep]": 5, "all_reduce[dp]": 1}
 
 
 def test_expert_parallelism_needs_a_model_that_declares_its_experts_and_a_count_the_ranks_divide():
     with pytest.raises(ec.InvalidArgument, match="the model declares no experts: expected a module holding experts"):
         ec.check("mlp", ["ep:world_size=2"])
-    with pytest.raises(ec.InvalidArgument, match="holds 4 experts: expected a multiple of world_size=3"):
+    with pytest.raises(ec.InvalidArgument, match="holds 4 experts: expected a multiple of ep=3"):
         ec.check("routed_tokens", ["ep:world_size=3"])

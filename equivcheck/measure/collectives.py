@@ -509,8 +509,10 @@ def attach_mesh_counter(module: nn.Module, names: tuple[str, ...] = (), layout: 
 
 def mesh_groups(layout: dict[str, int]) -> dict[tuple[int, ...], str]:
     """The ranks of every group of a row-major mesh of ``layout`` (dimension sizes by name), to its dimension's name;
-    a dimension of one rank has no group worth a name."""
+    a dimension of one rank has no group worth a name. A group of every rank that no one dimension spans is the
+    ``world`` (FSDP2 over a dp x ep mesh's ranks)."""
     shape = tuple(layout.values())
     grid = torch.arange(math.prod(shape)).reshape(shape)
-    return {tuple(group): name for axis, (name, size) in enumerate(layout.items()) if size > 1
-            for group in grid.movedim(axis, -1).reshape(-1, size).tolist()}
+    every = {tuple(range(grid.numel())): "world"} if grid.numel() > 1 else {}
+    return every | {tuple(group): name for axis, (name, size) in enumerate(layout.items()) if size > 1
+                    for group in grid.movedim(axis, -1).reshape(-1, size).tolist()}

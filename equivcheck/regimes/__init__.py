@@ -48,7 +48,7 @@ BUILT_IN: tuple[type[Regime], ...] = (
     user_code.MeshLoop,
     resume.Resume, resume.ResumeWithoutOptimizer, resume.ResumeWithoutRng, resume.ResumeFromTheStart,
     resume.ResumeOptimizerOfRankZero, resume.ResumeWithoutScaler, resume.ResumeWithoutScheduler,
-    experts.ExpertParallel, experts.ExpertParallelAveraged, experts.DdpAuxOverWorld, experts.DdpAuxTimesWorld,
+    experts.ExpertParallel, experts.ExpertParallelAveraged, experts.FsdpExpertParallel, experts.FsdpExpertParallelOverReplicas, experts.DdpAuxOverWorld, experts.DdpAuxTimesWorld,
 )
 for _regime in BUILT_IN:
     register_regime(_regime)

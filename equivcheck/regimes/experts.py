@@ -24,10 +24,13 @@ import functools
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from ..case import Case
-from ..errors import InvalidArgument
+from ..device import DEFAULT_DEVICE
+from ..errors import InvalidArgument, expect_int
 from ..measure.collectives import attach_mesh_counter, uncounted
+from ..process.torch_imports import fsdp2, fsdp2_missing
 from .base import Pitfall, finish_step
 from .ddp import Ddp, Distributed
 
@@ -41,6 +44,20 @@ def expert_holders(model: nn.Module) -> dict[str, nn.Module]:
             if isinstance(getattr(module, "experts", None), nn.ModuleList) and callable(getattr(module, "mix", None))}
 
 
+@dataclasses.dataclass
+class ExpertPlacement:
+    """Where a run's experts live: the ep index of the rank holding each (by its parameters' name prefix,
+    ``moe.experts.3.``: E/ep consecutive ones each), the ep group its tokens are exchanged in, and the group of its
+    replicas (the ranks of one ep index over dp; None without dp)."""
+
+    owners: dict[str, int]
+    ep: object
+    replicas: object | None = None
+
+    def owner(self, name: str) -> int | None:
+        return next((index for prefix, index in self.owners.items() if name.startswith(prefix)), None)
+
+
 @dataclasses.dataclass(frozen=True)
 class ExpertParallel(Distributed):
     name = "ep"
@@ -48,66 +65,139 @@ class ExpertParallel(Distributed):
                "sent to their experts' ranks and back by all_to_all_single; the dense gradients summed over the ranks")
     syncs_per_step = None  # no wrapper syncs: every collective is counted by kind (all_to_all[ep], all_reduce[ep])
 
+    @property
+    def layout(self) -> dict[str, int]:
+        """The mesh's dimensions by name, row-major: the ranks of one ep group consecutive."""
+        return {"ep": self.world_size}
+
+    @property
+    def dense_average(self) -> int:
+        """What a rank's share of the objective is multiplied by: 1, its dense gradients summed over the ranks here
+        (FSDP2, which averages them, needs the world size)."""
+        return 1
+
     def wrap(self, model: nn.Module, objective) -> nn.Module:
         holders = expert_holders(model)
         if not holders:
             raise InvalidArgument(f"regime {str(self)!r} on case {objective.case.name!r}: the model declares no "
                                   f"experts: expected {EXPERTS_CONTRACT}")
+        ep = self.layout["ep"]
         for name, holder in holders.items():
-            if len(holder.experts) % self.world_size:
+            if len(holder.experts) % ep:
                 raise InvalidArgument(f"regime {str(self)!r}: {name or 'the model'} holds {len(holder.experts)} "
-                                      f"experts: expected a multiple of world_size={self.world_size}, E/W on each rank")
-            holder.mix = functools.partial(dispatched_mix, holder)
-        object.__setattr__(self, "_owners", expert_owners(holders, self.world_size))  # this rank's run, as MeshStep's names
+                                      f"experts: expected a multiple of ep={ep}, E/ep on each rank")
+        placement = self.placement_of(model, holders)
+        for holder in holders.values():
+            holder.mix = functools.partial(dispatched_mix, holder, placement.ep)
+        object.__setattr__(self, "_experts", placement)  # this rank's run, as MeshStep keeps its names
+        return self.wrap_dense(model, {p for holder in holders.values() for p in holder.experts.parameters()})
+
+    def placement_of(self, model: nn.Module, holders: dict[str, nn.Module]) -> ExpertPlacement:
+        return ExpertPlacement(expert_owners(holders, self.world_size), dist.group.WORLD)
+
+    def wrap_dense(self, model: nn.Module, experts: set[nn.Parameter]) -> nn.Module:
+        """The model with its dense parameters as this regime holds them: plain replicas here."""
         return model
 
     def count_communication(self, module):
-        return attach_mesh_counter(module, layout={"ep": self.world_size})
+        return attach_mesh_counter(module, layout=self.layout)
 
     def train_step(self, model, optimizer, batch, objective):
         mine = self.rank_shard(batch)
-        loss = objective.share(objective.forward(model, mine.inputs, mine.targets), mine.targets, batch)
-        objective.backward(loss)
-        sum_dense_gradients(model, self._owners, self.expert_gradient_scale())
+        share = objective.share(objective.forward(model, mine.inputs, mine.targets), mine.targets, batch)
+        objective.backward(share * self.dense_average)
+        self.reduce_gradients(model)
         finish_step(optimizer, objective)
-        return loss.detach()
+        return share.detach()
+
+    def reduce_gradients(self, model: nn.Module) -> None:
+        """The dense gradients summed over the ranks (one all-reduce), the experts' as :func:`reduce_experts` leaves
+        them."""
+        reduce_experts(model, self._experts, self.expert_gradient_scale())
+        summed([p.grad for name, p in model.named_parameters()
+                if self._experts.owner(name) is None and p.grad is not None], dist.group.WORLD)
 
     def expert_gradient_scale(self) -> float:
-        """What this rank's experts' gradients are multiplied by before the step: 1 (they hold every rank's tokens)."""
-        return 1.0
+        """What this rank's experts' gradients are multiplied by before the step: 1 / the dense average (they hold
+        every rank's tokens already)."""
+        return 1.0 / self.dense_average
 
     def full_tensor(self, tensor: Tensor, name: str = "") -> Tensor:
-        """An expert's weight or gradient from its rank (the others hold a copy nobody trains); the rest as held."""
-        owner = next((rank for prefix, rank in getattr(self, "_owners", {}).items() if name.startswith(prefix)), None)
+        """An expert's weight or gradient from its rank in the ep group (the others hold a copy nobody trains); the
+        rest as the dense parameters are held (whole, or gathered from FSDP2's shards)."""
+        placement = getattr(self, "_experts", None)
+        owner = placement.owner(name) if placement is not None else None
         if owner is None:
-            return tensor
+            return super().full_tensor(tensor, name)
         whole = tensor.detach().clone()
         with uncounted():  # the harness's read-back: no collective of the step
-            dist.broadcast(whole, src=owner)
+            dist.broadcast(whole, src=dist.get_global_rank(placement.ep, owner), group=placement.ep)
         return whole
 
 
-def expert_owners(holders: dict[str, nn.Module], world_size: int) -> dict[str, int]:
-    """The rank holding each expert, by its parameters' name prefix (``moe.experts.3.``): E/W consecutive ones each."""
-    return {f"{name}.experts.{e}." if name else f"experts.{e}.": e // (len(holder.experts) // world_size)
+@dataclasses.dataclass(frozen=True)
+class FsdpExpertParallel(ExpertParallel):
+    name = "fsdp_ep"
+    summary = ("a dp x ep mesh: the experts spread over ep (E/ep each) and replicated over dp, their gradients summed "
+               "over the replicas; FSDP2 over the dense parameters on every rank; each rank its shard of the batch")
+    world_size: int = dataclasses.field(default=0, metadata={"derived": "dp * ep"})
+    dp: int = dataclasses.field(default=1, kw_only=True)
+    ep: int = dataclasses.field(default=1, kw_only=True)
+
+    def __post_init__(self) -> None:
+        expect_int("dp", self.dp)
+        expect_int("ep", self.ep)
+        if self.world_size not in (0, self.dp * self.ep):
+            raise InvalidArgument.value("world_size", self.world_size, f"dp * ep = {self.dp * self.ep}, or left out")
+        object.__setattr__(self, "world_size", self.dp * self.ep)
+        super().__post_init__()
+
+    @property
+    def layout(self) -> dict[str, int]:
+        return {"dp": self.dp, "ep": self.ep}
+
+    @property
+    def dense_average(self) -> int:
+        return self.world_size
+
+    def unavailable(self, device: str = DEFAULT_DEVICE) -> str | None:
+        return fsdp2_missing() or super().unavailable(device)
+
+    def placement_of(self, model, holders):
+        mesh = init_device_mesh(next(model.parameters()).device.type, (self.dp, self.ep), mesh_dim_names=("dp", "ep"))
+        return ExpertPlacement(expert_owners(holders, self.ep), mesh["ep"].get_group(),
+                               mesh["dp"].get_group() if self.dp > 1 else None)
+
+    def wrap_dense(self, model, experts):
+        """FSDP2 over every rank on the dense parameters, the experts left out (each lives on its ep rank)."""
+        mesh = init_device_mesh(next(model.parameters()).device.type, (self.world_size,))
+        return fsdp2().fully_shard(model, mesh=mesh, ignored_params=experts)
+
+    def reduce_gradients(self, model):
+        """FSDP2 has averaged the dense gradients; the experts' are summed over their replicas here."""
+        reduce_experts(model, self._experts, self.expert_gradient_scale())
+
+
+def expert_owners(holders: dict[str, nn.Module], ep: int) -> dict[str, int]:
+    """The ep index holding each expert, by its parameters' name prefix: E/ep consecutive experts each."""
+    return {f"{name}.experts.{e}." if name else f"experts.{e}.": e // (len(holder.experts) // ep)
             for name, holder in holders.items() for e in range(len(holder.experts))}
 
 
-def dispatched_mix(holder: nn.Module, hidden: Tensor, weights: Tensor) -> Tensor:
-    """``holder.mix`` over ranks: each token, with its weights, to every rank holding an expert it chose, through
-    those experts there, and back, summed (all_to_all_single both ways, differentiable)."""
+def dispatched_mix(holder: nn.Module, group, hidden: Tensor, weights: Tensor) -> Tensor:
+    """``holder.mix`` over the ranks of ``group``: each token, with its weights, to every rank holding an expert it
+    chose, through those experts there, and back, summed (all_to_all_single both ways, differentiable)."""
     from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     per = len(holder.experts) // world
     flat, gates = hidden.reshape(-1, hidden.shape[-1]), weights.reshape(-1, weights.shape[-1])
     picked = [(gates[:, r * per:(r + 1) * per] != 0).any(-1).nonzero().squeeze(-1) for r in range(world)]
     outgoing = torch.cat([torch.cat([flat[i], gates[i, r * per:(r + 1) * per]], -1) for r, i in enumerate(picked)])
     sending = torch.tensor([len(i) for i in picked], device=flat.device)
     receiving = torch.empty_like(sending)
-    dist.all_to_all_single(receiving, sending)
+    dist.all_to_all_single(receiving, sending, group=group)
     sending, receiving = sending.tolist(), receiving.tolist()
-    group = dist.group.WORLD
     arrived = wait_tensor(all_to_all_single_autograd(outgoing, receiving, sending, group))
     tokens, local_gates = arrived[:, :flat.shape[1]], arrived[:, flat.shape[1]:]
     done = sum(local_gates[:, j : j + 1] * holder.experts[rank * per + j](tokens) for j in range(per))
@@ -115,31 +205,38 @@ def dispatched_mix(holder: nn.Module, hidden: Tensor, weights: Tensor) -> Tensor
     return flat.new_zeros(flat.shape).index_add(0, torch.cat(picked), back).reshape(hidden.shape)
 
 
-def sum_dense_gradients(model: nn.Module, owners: dict[str, int], expert_scale: float = 1.0) -> None:
-    """The dense parameters' gradients summed over the ranks, in one all-reduce; this rank's experts' multiplied by
-    ``expert_scale`` (a pitfall's); an expert another rank holds gets a zero gradient here (its copy is never read:
-    :meth:`ExpertParallel.full_tensor` reads the owner's)."""
-    rank = dist.get_rank()
-    dense = []
+def reduce_experts(model: nn.Module, placement: ExpertPlacement, scale: float) -> None:
+    """This rank's experts' gradients summed over their replicas (where there are), times ``scale``; an expert another
+    rank holds gets a zero gradient (its copy is never read: :meth:`ExpertParallel.full_tensor` reads the owner's)."""
+    ep_rank = dist.get_rank(placement.ep)
+    mine = []
     for name, parameter in model.named_parameters():
-        owner = next((r for prefix, r in owners.items() if name.startswith(prefix)), None)
-        if owner is None:
-            dense.append(parameter)
-        elif owner != rank and parameter.grad is None:
+        owner = placement.owner(name)
+        if owner is not None and owner != ep_rank and parameter.grad is None:
             parameter.grad = torch.zeros_like(parameter)
-        elif owner == rank and parameter.grad is not None and expert_scale != 1.0:
-            parameter.grad.mul_(expert_scale)
-    grads = [p.grad for p in dense if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    for grad, summed in zip(grads, flat.split([g.numel() for g in grads])):
-        grad.copy_(summed.view_as(grad))
+        elif owner == ep_rank and parameter.grad is not None:
+            mine.append(parameter.grad)
+    if placement.replicas is not None:
+        summed(mine, placement.replicas)
+    if scale != 1.0:
+        for grad in mine:
+            grad.mul_(scale)
 
+
+def summed(grads: list[Tensor], group) -> None:
+    """``grads`` summed over ``group`` in place, in one all-reduce of them flattened."""
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    for grad, total in zip(grads, flat.split([g.numel() for g in grads])):
+        grad.copy_(total.view_as(grad))
 
 
 AUX_OVER_DP = "aux loss averaged over data-parallel ranks (aux / dp size)"
 AUX_TIMES_WORLD = "aux loss scaled by the world size twice"
 EXPERTS_AVERAGED = "expert gradients averaged over the expert-parallel group"
+EXPERTS_OVER_DP = "expert gradients divided by their replicas only (ep times too large)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,4 +275,15 @@ class ExpertParallelAveraged(ExpertParallel):
     pitfall = Pitfall(EXPERTS_AVERAGED, twin="ep")
 
     def expert_gradient_scale(self) -> float:
-        return 1.0 / self.world_size
+        return 1.0 / self.world_size / self.dense_average
+
+
+@dataclasses.dataclass(frozen=True)
+class FsdpExpertParallelOverReplicas(FsdpExpertParallel):
+    name = "fsdp_ep_experts_over_dp"
+    summary = ("PITFALL: dp x ep with each expert's gradient averaged over its dp replicas, while the loss was scaled "
+               "by dp * ep for FSDP2's average: every expert's gradient ep times too large (pytorch#160285)")
+    pitfall = Pitfall(EXPERTS_OVER_DP, twin="fsdp_ep")
+
+    def expert_gradient_scale(self) -> float:
+        return 1.0 / self.dp
