@@ -64,6 +64,7 @@ class ExpertParallel(Distributed):
     summary = ("expert parallelism: W ranks, each E/W of the case's experts and its shard of the global batch, tokens "
                "sent to their experts' ranks and back by all_to_all_single; the dense gradients summed over the ranks")
     syncs_per_step = None  # no wrapper syncs: every collective is counted by kind (all_to_all[ep], all_reduce[ep])
+    fits_some_cases = True  # a model that declares its experts
 
     @property
     def layout(self) -> dict[str, int]:
