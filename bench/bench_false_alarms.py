@@ -11,6 +11,10 @@ and pitfalls with a real effect must all be caught.
 number of them under a drawn regime (one process, DDP or FSDP2 on 1 to 3 ranks) and restored under another drawn one,
 each segment on fresh ranks (``equivcheck.regimes.resume``).
 
+``--experts N`` draws N routed-experts cases (2 to 8 experts, top-1 or 2, gates normalised or not, a shared expert
+or none, a sequence-wise balance and a router z-loss at drawn weights or left out; float64 or float32) under
+accumulation, one sample at a time, DDP (with no_sync), FSDP2, expert parallelism and a dp x ep mesh.
+
 ``--tensor N`` draws N MLPs and attention LMs (projections of their own, heads local per rank) made shardable over 2
 ranks under ``tp`` and ``fsdp_tp`` (2 and 2 x 2 ranks), and ``--tensor-pitfalls N`` the tensor-parallel pitfalls on
 such models.
@@ -61,10 +65,41 @@ DISTRIBUTED = sorted(n for n, cls in REGIMES.items() if cls.distributed and not 
                      and not cls.fits_some_cases and n != "data_parallel" and _drawable(cls))
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertsSpec:
+    """A drawn routed-experts case (the built-in family's model and terms, ``equivcheck_cases.experts``), in plain
+    values: ``build()`` makes the same case on every rank."""
+
+    experts: int
+    k: int
+    normalise: bool
+    shared: bool
+    balance: float
+    z: float
+    batch_size: int
+    dtype: str
+
+    @property
+    def name(self) -> str:
+        return (f"drawn_experts_e{self.experts}_k{self.k}{'_norm' if self.normalise else ''}"
+                f"{'_shared' if self.shared else ''}_b{self.balance:g}_z{self.z:g}_bs{self.batch_size}_{self.dtype}")
+
+    def build(self) -> ec.Case:
+        from equivcheck_cases.experts import routed_case
+
+        return routed_case(self.name, experts=self.experts, k=self.k, normalise=self.normalise, shared=self.shared,
+                           balance=self.balance, z=self.z, batch_size=self.batch_size,
+                           dtype=PRECISIONS[self.dtype].dtype, description=f"drawn: {self}")
+
+
+SPECS = {"CaseSpec": CaseSpec, "ExpertsSpec": ExpertsSpec}  # what a listing's entries are, by their "kind"
+
+
 def register_drawn(path: str) -> list[ec.Case]:
     """Register every case spec listed in the JSON file ``path`` (at the top level: ranks import this file)."""
     with open(path) as listing:
-        specs = [CaseSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec.items()})
+        specs = [SPECS[spec.pop("kind", "CaseSpec")](**{k: tuple(v) if isinstance(v, list) else v
+                                                       for k, v in spec.items()})
                  for spec in json.load(listing)]
     return [ec.register_case(spec.build()) for spec in specs]
 
@@ -117,6 +152,37 @@ def resume_configurations(draw):
     before, after = draw(regimes), draw(regimes)
     at = draw(st.integers(1, spec.steps - 1))
     return spec, f"{before}>resume:at={at}>{after}"
+
+
+EXPERTS = ["accumulate", "sample_by_sample", "ddp", "ddp_no_sync", "fsdp", "ep", "fsdp_ep"]
+
+
+@st.composite
+def experts_configurations(draw):
+    """A drawn routed-experts case (E experts, top-k, gates normalised or not, a shared expert or none, the balance
+    and z terms at drawn weights or left out, float64 or float32) and a faithful regime of EXPERTS: accumulation,
+    one sample at a time, DDP (with no_sync), FSDP2, expert parallelism over a W dividing E, or a dp x ep mesh."""
+    experts = draw(st.sampled_from([2, 4, 6, 8]))
+    spec = ExpertsSpec(experts=experts, k=draw(st.integers(1, min(2, experts))), normalise=draw(st.booleans()),
+                       shared=draw(st.booleans()), balance=draw(st.sampled_from([0.0, 0.01, 0.1, 1.0])),
+                       z=draw(st.sampled_from([0.0, 0.001, 0.01])), batch_size=draw(st.sampled_from([8, 12, 24])),
+                       dtype=draw(st.sampled_from(["float64", "float32"])))
+    name = draw(st.sampled_from(EXPERTS))
+    if name in ("accumulate", "ddp_no_sync"):
+        chunks = draw(st.integers(2, 6))
+    if name == "accumulate":
+        return spec, f"accumulate:chunks={chunks}"
+    if name == "sample_by_sample":
+        return spec, name
+    ep = draw(st.sampled_from([w for w in (2, 4) if experts % w == 0] or [1]))
+    if name == "ep":
+        return spec, f"ep:world_size={ep}"
+    if name == "fsdp_ep":
+        return spec, f"fsdp_ep:dp={draw(st.integers(1, 4 // ep))},ep={ep}"
+    world = draw(st.integers(2, 3))
+    if name == "ddp_no_sync":  # every rank's shard cut into micro-batches of a sample at least
+        return spec, f"ddp_no_sync:world_size={world},chunks={min(chunks, spec.batch_size // world)}"
+    return spec, f"{name}:world_size={world}"
 
 
 TENSOR = ["tp:world_size=2", "fsdp_tp:dp=2,tp=2"]
@@ -210,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="in-process configurations (MLPs and attention LMs) with the regime compiled")
     parser.add_argument("--compile-backend", default="inductor", choices=("inductor", "aot_eager"))
     parser.add_argument("--resume", type=int, default=100, help="drawn resumes, resharded between drawn regimes")
+    parser.add_argument("--experts", type=int, default=200,
+                        help="drawn routed-experts cases under accumulation, DDP, FSDP2, ep and dp x ep")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=sorted(PRECISIONS), help="one precision mode for every check "
                         "(default: each drawn case's dtype)")
@@ -223,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
                    for label, count in (("DDP", args.ddp), ("attention DDP", args.attention_ddp)) if count}
     if args.resume:
         distributed["resume"] = draws(resume_configurations(), args.resume, args.seed)
+    if args.experts:
+        distributed["experts"] = draws(experts_configurations(), args.experts, args.seed)
     distributed |= {label: draws(tensor_configurations(regimes), count, args.seed)
                     for label, regimes, count in (("tensor", TENSOR, args.tensor),
                                                   ("tensor pitfalls", TENSOR_PITFALLS, args.tensor_pitfalls)) if count}
@@ -230,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         listing = tempfile.NamedTemporaryFile("w", suffix=".json", prefix="equivcheck-drawn-", delete=False)
         with listing:
             specs = dict.fromkeys(spec for configs in distributed.values() for spec, _ in configs)
-            json.dump([dataclasses.asdict(spec) for spec in specs], listing)
+            json.dump([{"kind": type(spec).__name__, **dataclasses.asdict(spec)} for spec in specs], listing)
         os.environ[DRAWN_CASES] = listing.name  # before the pool starts: its ranks inherit it
         try:
             register_drawn(listing.name)

@@ -17,6 +17,7 @@ under ``accumulate``, ``sample_by_sample``, ``ddp``, ``fsdp``, ``ep`` (2 and 4 r
 """
 
 import dataclasses
+import functools
 
 import torch
 from torch import nn
@@ -34,13 +35,13 @@ class RoutedTokens(nn.Module):
     """Top-k routing over ``EXPERTS`` experts and a shared one; every expert runs on every token and the gate zeroes
     the ones not chosen (the same numbers as a dispatch, at a toy's size)."""
 
-    def __init__(self, k: int = 2, normalise: bool = True, shared: bool = True) -> None:
+    def __init__(self, k: int = 2, normalise: bool = True, shared: bool = True, experts: int = EXPERTS) -> None:
         super().__init__()
         self.k, self.normalise = k, normalise
         self.embed = nn.Embedding(VOCAB, DIM, padding_idx=PAD)
-        self.router = nn.Linear(DIM, EXPERTS, bias=False)
+        self.router = nn.Linear(DIM, experts, bias=False)
         self.experts = nn.ModuleList(nn.Sequential(nn.Linear(DIM, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, DIM))
-                                     for _ in range(EXPERTS))
+                                     for _ in range(experts))
         self.shared = nn.Sequential(nn.Linear(DIM, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, DIM)) if shared else None
         self.head = nn.Linear(DIM, VOCAB)
 
@@ -59,7 +60,7 @@ class RoutedTokens(nn.Module):
         per_sequence = real.sum(1).clamp(min=1)[:, None]
         fraction = slots.sum(1) / (per_sequence * self.k)  # f_e per sequence, counts: no gradient
         mean_prob = (probs * real[..., None]).sum(1) / per_sequence  # P_e per sequence
-        balance = EXPERTS * (fraction * mean_prob).sum(-1)
+        balance = len(self.experts) * (fraction * mean_prob).sum(-1)
         z = scores.logsumexp(-1)[tokens != PAD] ** 2
         return self.head(hidden + mixed), balance, z
 
@@ -79,15 +80,23 @@ def real_token_count(targets) -> int:
 BALANCE = ec.Term("load_balance", loss=lambda output, targets: output[1], weight=BALANCE_WEIGHT)
 Z_LOSS = ec.Term("router_z", loss=lambda output, targets: output[2], units=real_token_count, weight=Z_WEIGHT)
 
-routed_tokens = ec.register_case(ec.Case(
-    name="routed_tokens",
-    model=RoutedTokens,
-    data=data,
-    loss=lm_losses,
-    items=real_tokens,
-    terms=(BALANCE, Z_LOSS),
-    batch_size=12,
-    steps=2,
+
+
+def routed_case(name: str, *, experts: int = EXPERTS, k: int = 2, normalise: bool = True, shared: bool = True,
+                balance: float = BALANCE_WEIGHT, z: float = Z_WEIGHT, batch_size: int = 12,
+                dtype: torch.dtype = torch.float64, **more) -> ec.Case:
+    """A routed-experts case over the 24 padded sequences: ``experts`` experts, top-``k``, the gates ``normalise``d
+    or not, a ``shared`` expert or none, the balance and z terms at their weights (0: left out). Drawn configurations
+    (bench/bench_false_alarms.py --experts) are made here, as the built-in case is."""
+    terms = tuple(dataclasses.replace(term, weight=weight) for term, weight in ((BALANCE, balance), (Z_LOSS, z))
+                  if weight)
+    return ec.Case(name=name, model=functools.partial(RoutedTokens, k, normalise, shared, experts), data=data,
+                   loss=lm_losses, items=real_tokens, terms=terms, batch_size=batch_size, steps=24 // batch_size,
+                   dtype=dtype, **more)
+
+
+routed_tokens = ec.register_case(routed_case(
+    "routed_tokens",
     regimes=("full_batch", "accumulate:chunks=3", "sample_by_sample", "ddp:world_size=2",
              "ddp_no_sync:world_size=2,chunks=2", "fsdp:world_size=2", "ep:world_size=2",
              "ddp_aux_over_world:world_size=2", "ddp_aux_times_world:world_size=2", "ep_experts_averaged:world_size=2",

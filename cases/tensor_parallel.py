@@ -65,9 +65,37 @@ tp_mlp_clipped = ec.register_case(dataclasses.replace(
     description=f"tp_mlp clipping at {CLIP} before each step; the pitfall clips by each rank's local shards first",
 ))
 
+
+
+def blocks():
+    """Two blocks of (Linear, GELU, Linear): a pipeline stage each, each block's pair split colwise then rowwise."""
+    return nn.Sequential(*(nn.Sequential(nn.Linear(width, 16), nn.GELU(), nn.Linear(16, out))
+                           for width, out in ((6, 8), (8, 3))))
+
+
+tp_blocks = ec.register_case(ec.Case(
+    name="tp_blocks",
+    model=blocks,
+    data=lambda: (torch.randn(48, 6), torch.randint(0, 3, (48,))),
+    loss=loss,
+    batch_size=16,
+    steps=3,
+    regimes=("full_batch", "fsdp_tp:dp=2,tp=2", "pp_fsdp_tp:pp=2,dp=2,tp=2", "pp_fsdp_tp_scaled_twice:pp=2,dp=2,tp=2",
+             "pp_fsdp_tp_ranks_differ:pp=2,dp=2,tp=2"),
+    expect_mismatch={
+        "pp_fsdp_tp_scaled_twice": "the faithful share divided by the 2 micro-batches again: half of every gradient",
+        "pp_fsdp_tp_ranks_differ": "the two TP ranks of each group compute on differently shuffled micro-batches",
+    },
+    description="two blocks of Linear, GELU, Linear: a pipeline stage each on a pp x dp x tp mesh (8 ranks)",
+))
+
 add_entry(Entry("tensor parallelism: TP ranks fed different batches", "tp_mlp", "tp_different_batches:world_size=2"))
 add_entry(Entry("tensor parallelism: the loss scaled by the TP size", "tp_mlp", "tp_loss_scaled:world_size=2"))
 add_entry(Entry("tensor parallelism on a dp x tp mesh: the loss scaled by every rank", "tp_mlp",
                 "fsdp_tp_world_scaled:dp=2,tp=2"))
+add_entry(Entry("pipeline x FSDP2 x TP: the loss scaled by the micro-batch count twice", "tp_blocks",
+                "pp_fsdp_tp_scaled_twice:pp=2,dp=2,tp=2"))
+add_entry(Entry("pipeline x FSDP2 x TP: a TP group fed different micro-batches", "tp_blocks",
+                "pp_fsdp_tp_ranks_differ:pp=2,dp=2,tp=2"))
 add_entry(Entry("tensor parallelism: clipping by the norm of local shards", "tp_mlp_clipped",
                 f"tp_clip_local:world_size=2,max_norm={CLIP}"))

@@ -83,8 +83,9 @@ def test_a_declaration_naming_a_dimension_the_mesh_lacks_is_refused_before_anyth
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"mesh": {"tp": 2}}, r"parallelize=None is not allowed with mesh=: expected both"),
-    ({"mesh": {"pp": 2}, "parallelize": mesh_team.tensor_parallel},
-     r"mesh=\{'pp': 2\} is not allowed: expected a dict of dimension sizes by name, among 'dp', 'ep', 'cp', 'tp'"),
+    ({"mesh": {"sp": 2}, "parallelize": mesh_team.tensor_parallel},
+     r"mesh=\{'sp': 2\} is not allowed: expected a dict of dimension sizes by name, among 'pp', 'dp', 'ep', 'cp', "
+     r"'tp'"),
     ({"mesh": {"tp": 2}, "parallelize": mesh_team.tensor_parallel, "pipeline": True},
      r"pipeline=True is not allowed with mesh=: expected pipeline left out"),
     ({"mesh": {"tp": 2}, "parallelize": mesh_team.tensor_parallel, "world_size": 4},

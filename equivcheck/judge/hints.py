@@ -43,7 +43,12 @@ def _shapes_hint(shapes: list) -> str:
 
 def _over_tp(run: RunResult) -> bool:
     """Whether the run communicated over a tensor-parallel mesh dimension (``"all_reduce[tp]"``)."""
-    return any(kind.endswith("[tp]") for step in run.collectives or () for kind in step)
+    return _over(run, "tp")
+
+
+def _over(run: RunResult, dimension: str) -> bool:
+    """Whether the run communicated over the mesh dimension ``dimension`` (``"send[pp]"``)."""
+    return any(kind.endswith(f"[{dimension}]") for step in run.collectives or () for kind in step)
 
 
 def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch, ...], atol: float) -> str:
@@ -73,8 +78,10 @@ def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch
                 "return that mean or None, or check with compare_losses=False")
     factor = common_factor(reference, candidate) if first_grads else None
     if factor is not None and _over_tp(candidate) and _whole_ratio(factor):
+        pipeline = (", or on this pipeline by its micro-batch count twice (a mean loss divided by K while the "
+                    "schedule's scale_grads divides again)") if _over(candidate, "pp") else ""
         return (f"every gradient is {factor:.6g} x the reference's from step 0 on a tensor-parallel mesh: likely the "
-                f"loss divided by the TP size (each TP rank counted as a data-parallel one)" if factor < 1 else
+                f"loss divided by the TP size (each TP rank counted as a data-parallel one){pipeline}" if factor < 1 else
                 f"every gradient is {factor:.6g} x the reference's from step 0 on a tensor-parallel mesh: likely the "
                 "loss summed over the TP ranks, each of which computes the whole loss")
     if factor is not None:

@@ -96,8 +96,11 @@ class _Saved:
 
 
 def _local(tensor: Tensor) -> Tensor:
-    """The part of ``tensor`` this process holds: a sharded parameter's (FSDP2's DTensor) own shard."""
-    return tensor.to_local() if is_dtensor(tensor) else tensor
+    """The part of ``tensor`` this process holds: a sharded parameter's (FSDP2's DTensor) own shard, the tensor under
+    a collective still in flight (a DTensor's local part may be one, measured under FSDP2 x TP on nested blocks: a
+    wrapper with no storage of its own)."""
+    local = tensor.to_local() if is_dtensor(tensor) else tensor
+    return local.elem if type(local).__name__ == "AsyncCollectiveTensor" else local
 
 
 def _unpack(saved: _Saved) -> Tensor:

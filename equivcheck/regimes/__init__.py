@@ -4,13 +4,14 @@ faithful twin), ``ddp`` (DistributedDataParallel and DataParallel), ``ddp_hooks`
 hook, judged at its own error bound), ``ddp_join`` (uneven inputs under DDP, with and without join),
 ``ddp_partial`` (seed 000's accumulation over part of the model inside DDP and DataParallel), ``fsdp`` (FSDP2
 fully_shard), ``zero`` (ZeroRedundancyOptimizer), ``pipeline`` (torch.distributed.pipelining stages),
-``tensor`` (tensor parallelism: parallelize_module on a mesh), ``experts`` (expert parallelism, and aux terms normalised wrong across ranks), ``checkpoint`` (activation checkpointing inside
+``tensor`` (tensor parallelism: parallelize_module on a mesh), ``experts`` (expert parallelism, and aux terms normalised wrong across ranks), ``pipeline_mesh`` (pipeline x FSDP2 x
+tensor parallelism on a three-dimensional mesh), ``checkpoint`` (activation checkpointing inside
 accumulation), ``sync_batchnorm`` (SyncBatchNorm under DDP, GPUs
 only), ``user_code`` (a team's own step or loop). A regime of your own is one module that calls
 :func:`register_regime` on its class.
 """
 
-from . import (checkpoint, context, ddp, ddp_hooks, experts, ddp_join, ddp_partial, fsdp, local, pipeline, pitfalls, sequence,
+from . import (checkpoint, context, ddp, ddp_hooks, experts, pipeline_mesh, ddp_join, ddp_partial, fsdp, local, pipeline, pitfalls, sequence,
                resume, sync_batchnorm, tensor, user_code, zero)
 from .base import (DEFAULT_REGIMES, REGIMES, Chunked, CommunicationCounter, Pitfall, Regime, chunk_pairs, finish_step,
                    parse_regime, regime_source, register_regime, spec_usage)
@@ -48,6 +49,8 @@ BUILT_IN: tuple[type[Regime], ...] = (
     user_code.MeshLoop,
     resume.Resume, resume.ResumeWithoutOptimizer, resume.ResumeWithoutRng, resume.ResumeFromTheStart,
     resume.ResumeOptimizerOfRankZero, resume.ResumeWithoutScaler, resume.ResumeWithoutScheduler,
+    pipeline_mesh.PipelineFsdpTensorParallel, pipeline_mesh.PipelineFsdpTensorParallelScaledTwice,
+    pipeline_mesh.PipelineFsdpTensorParallelRanksDiffer,
     experts.ExpertParallel, experts.ExpertParallelAveraged, experts.FsdpExpertParallel, experts.FsdpExpertParallelOverReplicas, experts.DdpAuxOverWorld, experts.DdpAuxTimesWorld,
 )
 for _regime in BUILT_IN:

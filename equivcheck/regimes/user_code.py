@@ -287,37 +287,40 @@ class PipelineLoop(PipelineStep):
         return stage_losses(loop_losses(self.fn, losses, batches))
 
 
-# The named dimensions a team's mesh may have, in the order the mesh lays them out (torchtitan's): data parallel,
-# context parallel, tensor parallel. A mesh has cp only where it is asked for (cp above 1).
-MESH_DIMENSIONS = ("dp", "ep", "cp", "tp")  # the layout's order: row-major, the ranks of one TP group consecutive
+# The named dimensions a team's mesh may have, in the order the mesh lays them out (torchtitan's): pipeline, data
+# parallel, expert, context and tensor parallel. A mesh has pp, ep and cp only where they are asked for (above 1).
+MESH_DIMENSIONS = ("pp", "dp", "ep", "cp", "tp")  # the layout's order: row-major, the ranks of one TP group consecutive
+OPTIONAL_DIMENSIONS = ("pp", "ep", "cp")
 DATA_DIMENSIONS = ("dp", "ep")  # each rank of these holds a shard of its own (an expert-parallel rank routes its tokens)
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshStep(DeclaresCollectives, Distributed):
-    """A team's own step on a mesh of named dimensions (``dp`` [x ``ep``] [x ``cp``] x ``tp``; row-major: the ranks of
-    one TP group are consecutive): the team's ``parallelizer(model, mesh)`` applies its own plan
+    """A team's own step on a mesh of named dimensions ([``pp`` x] ``dp`` [x ``ep``] [x ``cp``] x ``tp``; row-major: the
+    ranks of one TP group are consecutive): the team's ``parallelizer(model, mesh)`` applies its own plan
     (``parallelize_module``, ``fully_shard``, its own Megatron-style layers, a context-parallel split, experts spread
-    over ``ep`` with tokens exchanged by ``all_to_all``) and returns the model, over whose parameters the case's
-    optimizer is made; the global batch is cut over the data dimensions (``dp`` x ``ep``: an expert-parallel rank
-    routes tokens of its own), and every rank of one such group (its cp x tp ranks) is handed that group's shard, the
-    same on each. Weights and gradients are read back
-    whole through DTensor's ``full_tensor()``, or the team's ``gatherer(name, local)`` for its own plain shards; any
-    other plain tensor is taken as replicated, and one that ends different on two ranks is a ``ranks disagree``
-    finding."""
+    over ``ep`` with tokens exchanged by ``all_to_all``, its pipeline stages over ``pp``) and returns the model, over
+    whose parameters the case's optimizer is made; the global batch is cut over the data dimensions (``dp`` x ``ep``:
+    an expert-parallel rank routes tokens of its own), and every rank of one such group (its pp x cp x tp ranks) is
+    handed that group's shard, the same on each. Weights and gradients are read back
+    whole through DTensor's ``full_tensor()``, or the team's ``gatherer(name, local)`` for its own plain shards (on a
+    pipeline, every tensor: a stage's DTensors are whole on its own ranks only); any other plain tensor is taken as
+    replicated, and one that ends different on two ranks is a ``ranks disagree`` finding. On a pipeline only the last
+    stage's ranks have a loss: the step's is their mean."""
 
     counts_per_call = True
     harness_scaler = False
     name = "mesh_step"
-    summary = ("a team's own step on a dp x [ep x] [cp x] tp mesh, its own parallelize(model, mesh) applied first; "
-               "each data-parallel (dp x ep) group its shard")
-    world_size: int = dataclasses.field(default=0, metadata={"derived": "dp * ep * cp * tp"})
+    summary = ("a team's own step on a [pp x] dp x [ep x] [cp x] tp mesh, its own parallelize(model, mesh) applied "
+               "first; each data-parallel (dp x ep) group its shard")
+    world_size: int = dataclasses.field(default=0, metadata={"derived": "pp * dp * ep * cp * tp"})
     fn: str = dataclasses.field(kw_only=True)  # module:function of the step
     parallelizer: str = dataclasses.field(kw_only=True)  # module:function of the team's parallelize(model, mesh)
     dp: int = dataclasses.field(default=1, kw_only=True)
     tp: int = dataclasses.field(default=1, kw_only=True)
     cp: int = dataclasses.field(default=1, kw_only=True)
     ep: int = dataclasses.field(default=1, kw_only=True)
+    pp: int = dataclasses.field(default=1, kw_only=True)
     # module:function of the team's gather(name, local) -> the whole tensor, for weights it keeps as plain local shards
     gatherer: str = dataclasses.field(default="", kw_only=True)
     per_run: bool = dataclasses.field(default=False, kw_only=True)  # fn is a factory of the step, called per run
@@ -349,7 +352,8 @@ class MeshStep(DeclaresCollectives, Distributed):
     @property
     def sizes(self) -> dict[str, int]:
         """The mesh's dimensions by name, in its layout: dp and tp, and ep and cp between them where above 1."""
-        return {name: getattr(self, name) for name in MESH_DIMENSIONS if name not in ("ep", "cp") or getattr(self, name) > 1}
+        return {name: getattr(self, name) for name in MESH_DIMENSIONS
+                if name not in OPTIONAL_DIMENSIONS or getattr(self, name) > 1}
 
     def count_communication(self, module):
         """Every collective of a step by kind and mesh dimension (``"all_reduce[tp]"``), as the TP regimes count; a
@@ -369,7 +373,7 @@ class MeshStep(DeclaresCollectives, Distributed):
     def full_tensor(self, tensor: Tensor | None, name: str = "") -> Tensor:
         """A DTensor through ``full_tensor()``; a plain tensor (or None: this rank holds none of it) through the team's
         gather where it hands one over (its own layers' local shards), else as it is (a replica)."""
-        if tensor is not None and (is_dtensor(tensor) or not self.gatherer):
+        if not self.gatherer or (tensor is not None and is_dtensor(tensor) and self.pp == 1):
             return super().full_tensor(tensor, name)
         with uncounted():  # the harness's read-back, in the team's words: no collective of its step
             whole = resolve(self.gatherer)(name, tensor)
@@ -399,11 +403,19 @@ class MeshStep(DeclaresCollectives, Distributed):
         return " * ".join(d for d in DATA_DIMENSIONS if d in self.sizes), self.dp * self.ep
 
     def rank_shard(self, batch: Batch) -> Batch:
-        """This rank's data shard: the same for every rank of one TP group (and of one CP group)."""
-        return shard(batch, dist.get_rank() // (self.cp * self.tp), self.dp * self.ep)
+        """This rank's data shard: the same for every rank of one TP group (and of one CP group, and every stage)."""
+        group = dist.get_rank() % (self.dp * self.ep * self.cp * self.tp) // (self.cp * self.tp)
+        return shard(batch, group, self.dp * self.ep)
+
+    def train(self, model, optimizer, batches, objective):
+        """As on DDP ranks; on a pipeline, each step's loss the mean of what the ranks that have one returned."""
+        if self.pp == 1:
+            return DdpStep.train(self, model, optimizer, batches, objective)
+        step = fresh_step(resolve(self.fn), self.per_run)
+        return stage_losses([step(model, optimizer, (mine.inputs, mine.targets))
+                             for mine in (self.team_shard(batch) for batch in batches)], mean=True)
 
     # A team's step, its shards and its loss's share as on DDP ranks; the shard is this rank's data-parallel one.
-    train = DdpStep.train
     team_shard = DdpStep.team_shard
     share = DdpStep.share
 
@@ -418,14 +430,16 @@ class MeshLoop(MeshStep):
     train = DdpLoop.train
 
 
-def stage_losses(returned: Sequence[object]) -> list[float | None]:
+def stage_losses(returned: Sequence[object], mean: bool = False) -> list[float | None]:
     """Each step's loss as dispatch adds the ranks' shares up: what the ranks returned, added (only the last
-    stage has a loss; the others return 0 or None), reported by rank 0, the others' share 0; None where no
-    rank returned one. One gather of the ranks' losses after the run, the harness's: left out of the counts."""
+    stage has a loss; the others return 0 or None), or with ``mean`` the mean of those that returned one (the last
+    stage's ranks on a mesh, each its data-parallel group's mean), reported by rank 0, the others' share 0; None
+    where no rank returned one. One gather of the ranks' losses after the run, the harness's: left out of the
+    counts."""
     mine = [None if loss is None else float(loss) for loss in returned]
     every: list[list[float | None]] = [[] for _ in range(dist.get_world_size())]
     with uncounted():
         dist.all_gather_object(every, mine)
-    added = [None if all(loss is None for loss in step) else sum(loss for loss in step if loss is not None)
-             for step in zip(*every)]
+    given = [[loss for loss in step if loss is not None] for step in zip(*every)]
+    added = [None if not losses else sum(losses) / (len(losses) if mean else 1) for losses in given]
     return added if dist.get_rank() == 0 else [None if loss is None else 0.0 for loss in added]

@@ -34,7 +34,7 @@ from ..render.text import render_columns
 PACKAGE = "equivcheck_cases.field"
 # The families of the field, in the order the table shows them (the issue's list).
 FAMILIES = ("accumulation", "ddp", "fsdp", "zero", "pipeline", "checkpointing", "evaluation", "tensor", "resume",
-            "compile")
+            "compile", "moe")
 KINDS = ("issue", "pull")
 
 
