@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from functools import cached_property
 
 import torch
@@ -346,6 +346,23 @@ class Objective:
         items, plus each of the case's terms' sum over ``over``'s count of its units, weighted (and times
         ``terms_scale``: a pitfall's). The parts of every cut of ``over`` add up to its objective, whatever the cut."""
         part = self.sum(output, targets) / over.items
+        for term, values in self._term_values(output, targets):
+            part = part + terms_scale * term.weight * values.sum() / int(term.units(over.targets))
+        return part
+
+    def mean(self, output: Tensor, targets: Tensor) -> Tensor:
+        """The objective of this (micro-)batch on its own: the loss's mean over its items and each term's over its
+        units (what a pitfall that normalises each part by itself takes)."""
+        if self._case.loss_reduction == "mean":
+            mean = self._mean_loss(output, targets)[0]
+        else:
+            mean = self.item_losses(output, targets).mean()
+        for term, values in self._term_values(output, targets):
+            mean = mean + term.weight * values.mean()
+        return mean
+
+    def _term_values(self, output: object, targets: Tensor) -> Iterator[tuple[Term, Tensor]]:
+        """Each of the case's terms with its values on this batch, checked to be one per unit."""
         for term, loss in self._terms:
             values, units = loss(output, targets), int(term.units(targets))
             if not isinstance(values, Tensor) or values.dim() != 1 or len(values) != units:
@@ -354,13 +371,7 @@ class Objective:
                     f"term {term.name!r} of case {self._case.name!r} returned shape {shape} for {len(targets)} samples "
                     f"holding {units} of its units: expected a 1-D tensor of one value per unit (units= counts them; "
                     "default: one per sample)")
-            part = part + terms_scale * term.weight * values.sum() / int(term.units(over.targets))
-        return part
-
-    def mean(self, output: Tensor, targets: Tensor) -> Tensor:
-        if self._case.loss_reduction == "mean":
-            return self._mean_loss(output, targets)[0]
-        return self.item_losses(output, targets).mean()
+            yield term, values
 
     def split(self, model: nn.Module) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
         """The case's ``(trunk, head)`` of ``model``; regimes that need it validate its presence first."""

@@ -84,3 +84,25 @@ def test_expert_parallelism_needs_a_model_that_declares_its_experts_and_a_count_
         ec.check("mlp", ["ep:world_size=2"])
     with pytest.raises(ec.InvalidArgument, match="holds 4 experts: expected a multiple of ep=3"):
         ec.check("routed_tokens", ["ep:world_size=3"])
+
+
+def test_a_batch_wise_balance_is_declared_non_equivalent_under_a_cut_and_the_verdict_says_why():
+    """Its expert counts are the whole batch's: a micro-batch or a rank sees only its own, so no cut can give the full
+    batch's gradient. The case declares it, and the verdict carries the case's reason: never a silent mismatch."""
+    full, accumulated, ranks = ec.check("routed_batch_balance").outcomes[:3]
+    assert full.verdict is Verdict.EQUIVALENT
+    for outcome in (accumulated, ranks):
+        assert outcome.verdict is Verdict.EXPECTED_MISMATCH and "non-equivalent by construction" in outcome.reason
+
+
+def test_an_aux_loss_free_bias_moved_at_each_optimizer_step_is_equivalent_and_moved_per_micro_batch_is_caught():
+    """The bias chooses the experts; moved after each optimizer step from the tokens routed since (summed over the
+    ranks) it is the full batch's under accumulation, one sample at a time, DDP and FSDP2; moved in a backward hook it
+    moves per micro-batch, and the next micro-batch routes by a bias the full batch never had."""
+    for outcome in ec.check("routed_bias").outcomes:
+        assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
+    (per_micro_batch,) = ec.check("routed_bias_per_micro_batch", ["accumulate:chunks=4"]).outcomes
+    assert per_micro_batch.verdict is Verdict.EXPECTED_MISMATCH and per_micro_batch.comparison.margin > 100, \
+        per_micro_batch.describe()
+    moved = ec.run("routed_bias", "full_batch").buffers["expert_bias"]
+    assert moved.abs().sum() > 0  # the bias did move: the faithful rows compare a real balancing

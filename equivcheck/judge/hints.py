@@ -96,7 +96,8 @@ def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch
     if "buffer" in kinds:
         names = ", ".join(sorted(m.name for m in mismatches if m.kind == "buffer"))
         return (f"running statistics differ ({names}): likely BatchNorm seeing other batch statistics per "
-                "micro-batch or rank; use a layer without batch statistics, or SyncBatchNorm under DDP")
+                "micro-batch or rank; use a layer without batch statistics, or SyncBatchNorm under DDP (a buffer "
+                "of the model's own, a router's load or bias, updated from a micro-batch's or a rank's counts alone)")
     if loss_first == 0 and _over_tp(candidate):
         return ("the step-0 loss already differs though every run starts from the same weights, on a tensor-parallel "
                 "mesh: the forward differs; likely a bias or another replicated term added on every TP rank before "
