@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     catalogue.add_argument("--dtype", action="append", choices=PUBLIC_PRECISIONS,
                            help=f"precision mode (repeatable; default: {', '.join(pitfall_catalogue.DEFAULT_DTYPES)})")
     catalogue.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
+    catalogue.add_argument("--case", action="append", metavar="NAME",
+                           help="only the entries on this case, as pitfall or twin (repeatable; default: every entry)")
     auditing.add_argument("--case", action="append", metavar="NAME", help="a case to audit (repeatable; default: all)")
     auditing.add_argument("--json", metavar="PATH", help="also write the findings as JSON rows to PATH")
     for sub in (running, catalogue, auditing, fielding):
@@ -312,14 +314,15 @@ def _metadata(args: argparse.Namespace, plans: list) -> dict[str, str]:
 def _catalogue(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     _check_outputs(("--json", args.json))
-    rows = pitfall_catalogue.run_catalogue(args.dtype or pitfall_catalogue.DEFAULT_DTYPES, isolate=args.isolate)
+    entries = pitfall_catalogue.entries_on(args.case)
+    rows = pitfall_catalogue.run_catalogue(args.dtype or pitfall_catalogue.DEFAULT_DTYPES, entries, isolate=args.isolate)
     unwritten = _write_results((args.json, lambda: _json_text(pitfall_catalogue.to_rows(rows))))
     print(pitfall_catalogue.render_catalogue(rows))
     print(pitfall_catalogue.CATALOGUE_LEGEND)
     met = pitfall_catalogue.targets_met(rows)
     skipped = sorted({row.dtype for row in rows if row.skipped})
     status = "every target met" if met else f"{sum(bool(r.shortfalls) for r in rows)} rows miss a target"
-    pitfalls = len(pitfall_catalogue.catalogue_entries())
+    pitfalls = len(entries)
     print(f"\n{len(rows)} rows ({pitfalls} pitfalls x {len(rows) // max(pitfalls, 1)} "
           f"precisions); {status}" + (f"; skipped: {', '.join(skipped)}" if skipped else "")
           + f" in {time.perf_counter() - started:.1f} s")

@@ -199,3 +199,12 @@ def test_a_reader_that_stops_early_ends_the_command_quietly():
     process.stdout.close()  # the reader is gone before the first line is written
     errors = process.stderr.read().decode()
     assert process.wait(timeout=120) == 141 and "Traceback" not in errors and "BrokenPipe" not in errors
+
+
+def test_the_catalogue_measures_the_entries_on_the_cases_named_and_refuses_a_case_it_does_not_use(capsys):
+    assert main(["catalogue", "--dtype", "float64", "--case", "tp_mlp", "--no-isolate"]) == 0
+    out = capsys.readouterr().out
+    assert "3 rows (3 pitfalls x 1 precisions); every target met" in out
+    assert "tensor parallelism: the loss scaled by the TP size" in out and "BatchNorm" not in out
+    assert main(["catalogue", "--case", "mlp"]) == 2
+    assert "case='mlp' is not allowed: expected a case the catalogue uses: batchnorm_cnn," in capsys.readouterr().err

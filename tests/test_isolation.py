@@ -316,7 +316,7 @@ CATALOGUE_WITH_FAULTY_KERNELS = textwrap.dedent(f"""
 def test_the_catalogue_header_and_the_json_name_the_kernel_path(tmp_path):
     script = tmp_path / "faulty_kernels.py"
     script.write_text(CATALOGUE_WITH_FAULTY_KERNELS)
-    run = subprocess.run([sys.executable, str(script), "catalogue", "--dtype", "bf16-autocast"],
+    run = subprocess.run([sys.executable, str(script), "catalogue", "--dtype", "bf16-autocast", "--case", "tp_mlp"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "kernels: bf16-autocast ran on kernel path mkldnn-off" in run.stdout

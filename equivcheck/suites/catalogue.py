@@ -76,6 +76,19 @@ def catalogue_entries() -> list[Entry]:
     return list(CATALOGUE)
 
 
+def entries_on(cases: Sequence[str] | None) -> list[Entry]:
+    """The entries whose pitfall or twin trains on one of ``cases`` (None: every entry); a name no case has, or no
+    entry uses, is refused naming the cases the catalogue uses."""
+    entries = catalogue_entries()
+    if cases is None:
+        return entries
+    used = sorted({name for entry in entries for name in (entry.case, entry.fixed_case)})
+    for name in cases:
+        if name not in used:
+            raise InvalidArgument.value("case", name, "a case the catalogue uses: " + ", ".join(used))
+    return [entry for entry in entries if {entry.case, entry.fixed_case} & set(cases)]
+
+
 def add_entry(entry: Entry) -> Entry:
     """Add a row, from the module that registers its case; that case must declare the pitfall regime a mismatch."""
     if not isinstance(entry, Entry):
