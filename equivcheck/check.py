@@ -99,6 +99,8 @@ class Plan:
     isolate: bool = False  # in-process runs train in a forked child (isolation.py)
     misfits: tuple[tuple[str, str], ...] = ()  # (spec, why) asked for with other cases, that cannot run this one
     device: str = DEFAULT_DEVICE  # where every run trains (equivcheck.device)
+    # a large model may train on torch's own thread count: decided once, so every run of the check takes the same
+    wide_threads: int = 1
     runner: IsolatedRunner | None = dataclasses.field(default=None, compare=False, repr=False)  # while it runs
 
     def tolerance(self, spec: Regime, loss_precision: Precision | None = None) -> Tolerance:
@@ -121,7 +123,8 @@ class Plan:
         """That run begun (on its ranks, for a distributed regime); an error starting it is read with its result."""
         # Every argument was checked when the plan was made: the request is trusted from here to the ranks.
         request = RunRequest(self.case, spec, resolve_precision(dtype), self.seed, measure_memory,
-                             intra_op.resolve(self.threads), order, self.device)
+                             intra_op.resolve(self.threads), order, self.device,
+                             wide_threads=self.wide_threads)
         try:
             started = start_request(request, timeout=self.timeout, runner=self.runner, against=against)
         except Exception as error:
@@ -165,7 +168,7 @@ def plan(case: Case | str, regimes: Iterable[str | Regime] | str | Regime | None
     given = rtol is not None
     rtol, atol = (case.rtol, case.atol) if rtol is None and atol is None else (rtol, atol)
     return Plan(case, specs, reference, precision, rtol, atol, seed, timeout, threads, compare_losses, given, isolate,
-                device=device)
+                device=device, wide_threads=intra_op.wide(threads))
 
 
 def iter_outcomes(plan: Plan, *, measure_memory: bool = True, runner: IsolatedRunner | None = None) -> Iterator[Outcome]:

@@ -95,8 +95,9 @@ def test_json_rows_and_the_command(rows, tmp_path, capsys, monkeypatch):
     path = tmp_path / "catalogue.json"
     asked = []  # the command renders the rows the fixture measured, not a second measurement of them
 
-    def measured(dtypes, isolate):
+    def measured(dtypes, entries, isolate):
         asked.append((dtypes, isolate))
+        assert entries == catalogue_entries()  # without --case, every entry
         return by_mode(rows, "float64")
 
     monkeypatch.setattr(catalogue, "run_catalogue", measured)

@@ -48,6 +48,22 @@ def test_by_default_a_run_uses_one_thread_and_gives_the_callers_back(torch_defau
     assert other.verdict is ec.Verdict.ERROR and "trains with 1 threads, not 2" in other.reason
 
 
+def test_a_large_model_in_this_process_trains_on_the_cores_other_tasks_leave_free(torch_default, monkeypatch):
+    """A million parameters or more and nobody chose: the check's runs take torch's count less the busy cores. A busy
+    machine, a forked child (pinned: OpenMP's pool does not survive the fork) and a small model keep one thread."""
+    monkeypatch.setattr(intra_op, "WIDE_FROM", 100)  # mlp counts as large here
+    monkeypatch.setattr(intra_op, "busy_cores", lambda: 0)
+    ec.check_step("mlp", insisting_on(2)).assert_equivalent()
+    ec.check_step("mlp", insisting_on(1), isolate=True).assert_equivalent()
+    monkeypatch.setattr(intra_op, "busy_cores", lambda: 2)  # a busy neighbour on every core
+    ec.check_step("mlp", insisting_on(1)).assert_equivalent()
+    monkeypatch.setattr(intra_op, "WIDE_FROM", 10**9)
+    monkeypatch.setattr(intra_op, "busy_cores", lambda: 0)
+    ec.check_step("mlp", insisting_on(1)).assert_equivalent()
+    ec.check_step("mlp", insisting_on(1), threads=1).assert_equivalent()  # a count chosen holds whatever the size
+    assert torch.get_num_threads() == torch_default
+
+
 def test_the_callers_count_comes_back_when_the_step_raises(torch_default):
     def failing(model, optimizer, batch):
         raise RuntimeError("the team's step broke")

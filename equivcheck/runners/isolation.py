@@ -36,6 +36,7 @@ from multiprocessing.connection import Connection, Pipe
 import torch
 
 from ..case import Case
+from ..process import threads as intra_op
 from ..process.forking import fork_is_safe
 from ..errors import InvalidArgument, IsolationWarning, RunDied, warn
 from .ranks import pool
@@ -226,6 +227,7 @@ def _serve(runs: Sequence[tuple[Case, Regime]], requests: Connection, replies: C
     code = 0
     try:
         faulthandler.enable(file=crash_log, all_threads=False)
+        intra_op.pin()  # forked: OpenMP's pool would hang on more than one thread
         # A terminal's Ctrl-C is the parent's to handle (it kills this child); SIGTERM ends the child at once,
         # where the parent's handler would raise inside a run and print a traceback.
         signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -77,6 +77,7 @@ class RunRequest:
     order: str = "given"
     device: str = DEFAULT_DEVICE
     restart: Restart | None = None  # a resume's segment (runners/resume.py): set there, never by a caller
+    wide_threads: int = 1  # where nobody chose: what a large model in this process trains on (process/threads.py)
 
     @classmethod
     def of(cls, case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED,
@@ -95,7 +96,8 @@ class RunRequest:
         if regime.distributed:
             registered_name(precision)  # only registered modes cross to ranks
         device = device_for(device, precision.default_device)
-        return cls(case, regime, precision, seed, measure_memory, intra_op.resolve(threads), order, device)
+        return cls(case, regime, precision, seed, measure_memory, intra_op.resolve(threads), order, device,
+                   wide_threads=intra_op.wide(threads))
 
     def settings(self) -> dict:
         """Everything but the case and the regime, which a forked child holds already (it is found by its place)."""

@@ -82,6 +82,8 @@ def _train(request: RunRequest, device: torch.device, *, against: Expected | Non
     with intra_op.using(request.threads), seeded(request.seed), default_dtype(request.precision.dtype), \
             request.precision.kernel_path.applied():
         built = build(request, device)
+        torch.set_num_threads(intra_op.for_model(request.threads, request.wide_threads,
+                                                 sum(p.numel() for p in built.model.parameters())))
         restart = request.restart
         if restart is not None:  # a resume's segment: its share of the batches, the checkpoint restored or saved
             built = dataclasses.replace(built, batches=restart.batches(built.batches))

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import InvalidArgument
+from ...process import threads as intra_op
 from ...process.exit import leave_with_parent
 
 
@@ -36,6 +37,7 @@ def worker_main(rank: int, world_size: int, backend: str, store: str, conn: Conn
     # SIGINT sent to it alone, as an isolated run's child ignores it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
+    intra_op.pin()  # ranks share the cores: every run on the count the pool gives them
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
