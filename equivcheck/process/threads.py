@@ -46,12 +46,13 @@ def wide(threads: int | None) -> int:
 
 
 def busy_cores() -> float:
-    """The cores other tasks hold now: the runnable tasks ``/proc/loadavg`` counts at this instant, this one left out
-    (the 1-minute average lags a neighbour by a minute each way); elsewhere that average, less this process; where
-    neither is known, every core."""
+    """The cores other processes hold now: the runnable tasks ``/proc/loadavg`` counts at this instant, less this
+    process's own (its OpenMP threads spin runnable a while after each parallel region); the 1-minute average lags a
+    neighbour by a minute each way. Elsewhere that average, less this process; where neither is known, every core."""
     try:
         with open("/proc/loadavg") as status:
-            return max(0, int(status.read().split()[3].partition("/")[0]) - 1)
+            runnable = int(status.read().split()[3].partition("/")[0])
+        return max(0, runnable - max(1, _own_runnable_threads()))
     except (OSError, ValueError, IndexError):
         pass
     try:
@@ -64,6 +65,18 @@ def chosen(threads: int | None) -> bool:
     """Whether the caller chose the thread count: ``threads=``, the environment, or ``torch.set_num_threads``."""
     return (threads is not None or any(os.environ.get(name) for name in ENVIRONMENT)
             or torch.get_num_threads() != AT_IMPORT)
+
+
+def _own_runnable_threads() -> int:
+    """This process's threads in the running state (``R`` in each ``/proc/self/task/*/stat``)."""
+    running = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/stat") as stat:
+                running += stat.read().rpartition(")")[2].split()[0] == "R"
+        except OSError:  # a thread that ended meanwhile
+            continue
+    return running
 
 
 def for_model(threads: int, wide_threads: int, parameters: int) -> int:
