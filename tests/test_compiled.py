@@ -30,8 +30,22 @@ def test_the_option_makes_the_regime_a_compiled_one_of_its_own_class():
     assert str(regime) == "ddp:world_size=2,compile=inductor" and ec.parse_regime(str(regime)) == regime
     naive = ec.parse_regime("naive_accumulate:chunks=4,compile=aot_eager")
     assert str(type(naive).pitfall.twin_of(naive)) == "accumulate:chunks=4,compile=aot_eager"
+    both = ec.parse_regime("naive_accumulate:chunks=4,compile=aot_eager,compile_optimizer=1")
+    assert str(type(both).pitfall.twin_of(both)) == "accumulate:chunks=4,compile=aot_eager,compile_optimizer=1"
     with pytest.raises(ec.InvalidArgument, match="compile='tvm' is not allowed: expected one of inductor, aot_eager"):
         ec.parse_regime("accumulate:chunks=2,compile=tvm")
+
+
+def test_the_optimizers_step_compiled_too_is_equivalent_and_a_step_left_eager_is_an_error(monkeypatch):
+    """torch.compile(optimizer.step), the recording's hooks inside it: equivalent in process and on DDP ranks. A step
+    that never went through torch.compile is an error, never an eager step called compiled."""
+    specs = ["accumulate:chunks=2,compile=aot_eager,compile_optimizer=1",
+             "ddp:world_size=2,compile=aot_eager,compile_optimizer=1"]
+    for outcome in ec.check("compiled_tokens", specs).outcomes:
+        assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
+    monkeypatch.setattr(compiled, "compile_step", lambda optimizer, model, backend: optimizer)
+    (eager,) = ec.check("compiled_tokens", specs[:1]).outcomes
+    assert eager.verdict is Verdict.ERROR and "compiled no optimizer step" in eager.reason, eager.describe()
 
 
 def test_inductor_without_a_compiler_is_skipped_saying_so(monkeypatch):

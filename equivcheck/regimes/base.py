@@ -34,6 +34,10 @@ from ..errors import InvalidArgument, expect_int, expect_number
 from ..precision import Precision, Tolerance
 
 
+# The options that compile a regime (regimes/compiled.py): a compiled pitfall's twin is compiled alike.
+COMPILE_OPTIONS = ("compile", "compiled_autograd", "compile_optimizer")
+
+
 @dataclasses.dataclass(frozen=True)
 class Pitfall:
     """What a pitfall regime is: the class of bug it reproduces and the faithful twin it must be held against.
@@ -64,7 +68,8 @@ class Pitfall:
             raise InvalidArgument.unknown("regime", name, REGIMES)
         shared = [f"{f.name}={_spec_value(getattr(regime, f.name))}" for f in spec_fields(REGIMES[name])
                   if f.name in own and f.name not in named]
-        compiled = [f"compile={regime.compile}"] if getattr(regime, "compile", "") and "compile" not in named else []
+        compiled = [f"{option}={_spec_value(getattr(regime, option))}" for option in COMPILE_OPTIONS
+                    if getattr(regime, option, None) and option not in named]
         params = ",".join(stated + shared + compiled)  # a compiled pitfall's twin is compiled alike
         twin = parse_regime(f"{name}:{params}" if params else name)
         return twin.joined(*regime.joins) if regime.joins else twin  # a resume's twin joins the same regimes

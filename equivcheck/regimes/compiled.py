@@ -44,6 +44,8 @@ def compiled_class(regime_class: type) -> type:
         compile: str = dataclasses.field(default="", kw_only=True, metadata={"trailing": True, "example": "inductor"})
         # the backward traced and compiled too (torch's compiled autograd), by the same backend
         compiled_autograd: bool = dataclasses.field(default=False, kw_only=True, metadata={"trailing": True})
+        # the optimizer's step compiled too, by the same backend (torch.compile(optimizer.step))
+        compile_optimizer: bool = dataclasses.field(default=False, kw_only=True, metadata={"trailing": True})
 
         def __post_init__(self) -> None:
             checked = getattr(super(), "__post_init__", None)
@@ -62,9 +64,13 @@ def compiled_class(regime_class: type) -> type:
         def wrap(self, model: nn.Module, objective) -> nn.Module:
             return compile_module(super().wrap(model, objective), model, self.compile)
 
+        def build_optimizer(self, case, model):
+            optimizer = super().build_optimizer(case, model)
+            return compile_step(optimizer, model, self.compile) if self.compile_optimizer else optimizer
+
         def random_streams(self, model, optimizer, inputs):
             return _compiled_something(super().random_streams(model, optimizer, inputs), model, str(self),
-                                       self.compile, self.compiled_autograd)
+                                       self.compile, self.compiled_autograd, self.compile_optimizer)
 
     Compiled.__name__ = Compiled.__qualname__ = f"Compiled{regime_class.__name__}"
     return Compiled
@@ -80,19 +86,21 @@ def missing_compiler(backend: str, device: str) -> str | None:
     return "compile=inductor writes C++ for the CPU and no C++ compiler is here (CXX, g++, c++, clang++): aot_eager runs"
 
 
-_GRAPHS: collections.Counter[str] = collections.Counter()  # graphs each counting backend compiled in this process
+# graphs each counting backend compiled in this process, by backend and what it compiled
+_GRAPHS: collections.Counter[tuple[str, str]] = collections.Counter()
+STEP_CALLS_ATTRIBUTE = "_equivcheck_compiled_steps"  # on the case's model: the calls of its compiled optimizer step
 
 
 @functools.cache
-def counting_backend(backend: str):
-    """``backend``, counting every graph it compiles: one callable per name, so dynamo's cache serves a check's later
-    runs (and the next check's) instead of compiling them again."""
+def counting_backend(backend: str, what: str = "module"):
+    """``backend``, counting every graph it compiles for ``what`` (the module, or the optimizer's step): one callable
+    per name, so dynamo's cache serves a check's later runs (and the next check's) instead of compiling them again."""
     import torch._dynamo
 
     real = torch._dynamo.lookup_backend(backend)
 
     def counted(graph_module, example_inputs):
-        _GRAPHS[backend] += 1
+        _GRAPHS[backend, what] += 1
         return real(graph_module, example_inputs)
 
     return counted
@@ -109,8 +117,27 @@ def compile_module(module: nn.Module, model: nn.Module, backend: str) -> nn.Modu
     return compiled
 
 
+def compile_step(optimizer, model: nn.Module, backend: str):
+    """``optimizer`` with its step compiled by ``backend`` (its hooks, the recording's among them, run inside it, as
+    dynamo leaves them); each call noted on ``model``."""
+    import torch
+
+    calls: list[int] = []
+    eager = optimizer.step
+    compiled = torch.compile(eager, backend=counting_backend(backend, "optimizer"))
+
+    def step(*args, **kwargs):
+        calls.append(1)
+        return compiled(*args, **kwargs)
+
+    optimizer.step = step
+    object.__setattr__(model, STEP_CALLS_ATTRIBUTE, calls)
+    return optimizer
+
+
 @contextlib.contextmanager
-def _compiled_something(inner, model: nn.Module, regime: str, backend: str, autograd: bool) -> Iterator[None]:
+def _compiled_something(inner, model: nn.Module, regime: str, backend: str, autograd: bool,
+                        optimizer: bool = False) -> Iterator[None]:
     """Training in ``inner`` (every backward under compiled autograd where ``autograd``), then an error where the
     compiled module was never called or its backend never compiled a graph in this process (the run was eager), or
     where no backward was captured."""
@@ -126,8 +153,11 @@ def _compiled_something(inner, model: nn.Module, regime: str, backend: str, auto
         if autograd:
             stack.enter_context(compiled_autograd._enable(torch.compile(backend=backend)))
         yield
-    if not getattr(model, CALLS_ATTRIBUTE, None) or not _GRAPHS[backend]:
+    if not getattr(model, CALLS_ATTRIBUTE, None) or not _GRAPHS[backend, "module"]:
         raise RuntimeError(f"{regime} compiled nothing: its steps never called the module torch.compile wrapped "
                            "(a regime that drives the model's parts), so the run was eager")
     if autograd and counters["compiled_autograd"]["captures"] == captured:
         raise RuntimeError(f"{regime} captured no backward under compiled autograd: the backward ran eager")
+    if optimizer and (not getattr(model, STEP_CALLS_ATTRIBUTE, None) or not _GRAPHS[backend, "optimizer"]):
+        raise RuntimeError(f"{regime} compiled no optimizer step: its optimizer's step was never called through "
+                           "torch.compile, or compiled no graph, so it ran eager")
