@@ -35,6 +35,28 @@ def shard(batch: Batch, rank: int, world_size: int) -> Batch:
     return Batch(batch.inputs.tensor_split(world_size)[rank], batch.targets.tensor_split(world_size)[rank], batch.count)
 
 
+def set_mesh_world_size(regime: Regime, dimensions: tuple[str, ...]) -> None:
+    """A mesh regime's world size, derived from its ``dimensions`` (``dp * tp``), each checked an integer; a
+    world_size given must be that product."""
+    for name in dimensions:
+        expect_int(name, getattr(regime, name))
+    ranks = math.prod(getattr(regime, name) for name in dimensions)
+    if regime.world_size not in (0, ranks):
+        raise InvalidArgument.value("world_size", regime.world_size, f"{' * '.join(dimensions)} = {ranks}, or left out")
+    object.__setattr__(regime, "world_size", ranks)
+
+
+def whole_from(owner: int, group, tensor: Tensor) -> Tensor:
+    """``tensor`` whole on the rank ``owner`` of ``group`` (a DTensor gathered there), broadcast to every rank of it:
+    the harness's read-back of what one rank holds, left out of the counts."""
+    from ..measure.collectives import uncounted
+
+    with uncounted():
+        whole = (tensor.full_tensor() if is_dtensor(tensor) else tensor.detach().clone()).contiguous()
+        dist.broadcast(whole, src=dist.get_global_rank(group, owner), group=group)
+    return whole
+
+
 @dataclasses.dataclass(frozen=True)
 class Distributed(Regime):
     """Common ground of the DDP regimes: world size, backend, device, the wrapper and its options."""

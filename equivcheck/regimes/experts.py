@@ -28,11 +28,11 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from ..case import Case
 from ..device import DEFAULT_DEVICE
-from ..errors import InvalidArgument, expect_int
-from ..measure.collectives import attach_mesh_counter, uncounted
+from ..errors import InvalidArgument
+from ..measure.collectives import attach_mesh_counter
 from ..process.torch_imports import fsdp2, fsdp2_missing
 from .base import Pitfall, finish_step
-from .ddp import Ddp, Distributed
+from .ddp import Ddp, Distributed, set_mesh_world_size, whole_from
 
 EXPERTS_CONTRACT = ("a module holding experts (an nn.ModuleList) and mix(hidden, weights), the sum of "
                     "weights[..., e:e+1] * experts[e](hidden) over its experts (cases/experts.py's RoutedTokens)")
@@ -130,10 +130,7 @@ class ExpertParallel(Distributed):
         owner = placement.owner(name) if placement is not None else None
         if owner is None:
             return super().full_tensor(tensor, name)
-        whole = tensor.detach().clone()
-        with uncounted():  # the harness's read-back: no collective of the step
-            dist.broadcast(whole, src=dist.get_global_rank(placement.ep, owner), group=placement.ep)
-        return whole
+        return whole_from(owner, placement.ep, tensor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,11 +143,7 @@ class FsdpExpertParallel(ExpertParallel):
     ep: int = dataclasses.field(default=1, kw_only=True)
 
     def __post_init__(self) -> None:
-        expect_int("dp", self.dp)
-        expect_int("ep", self.ep)
-        if self.world_size not in (0, self.dp * self.ep):
-            raise InvalidArgument.value("world_size", self.world_size, f"dp * ep = {self.dp * self.ep}, or left out")
-        object.__setattr__(self, "world_size", self.dp * self.ep)
+        set_mesh_world_size(self, ("dp", "ep"))
         super().__post_init__()
 
     @property

@@ -27,11 +27,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from ..case import Case
 from ..device import DEFAULT_DEVICE
 from ..errors import InvalidArgument, expect_int
-from ..measure.collectives import attach_mesh_counter, uncounted
+from ..measure.collectives import attach_mesh_counter
 from ..process.seeding import DEFAULT_SEED, seeded
-from ..process.torch_imports import fsdp2, fsdp2_missing, is_dtensor
+from ..process.torch_imports import fsdp2, fsdp2_missing
 from .base import Pitfall, Regime, finish_step
-from .ddp import Distributed, shard
+from .ddp import Distributed, set_mesh_world_size, shard, whole_from
 from .pipeline import Pipeline, Pipelined, stage_bounds
 from .tensor import _quiet_mesh_warnings, applied_plan, plan_for
 
@@ -52,12 +52,8 @@ class PipelineFsdpTensorParallel(Distributed):
     microbatches: int = dataclasses.field(default=2, kw_only=True)
 
     def __post_init__(self) -> None:
-        for name in ("pp", "dp", "tp", "microbatches"):
-            expect_int(name, getattr(self, name))
-        ranks = self.pp * self.dp * self.tp
-        if self.world_size not in (0, ranks):
-            raise InvalidArgument.value("world_size", self.world_size, f"pp * dp * tp = {ranks}, or left out")
-        object.__setattr__(self, "world_size", ranks)
+        set_mesh_world_size(self, ("pp", "dp", "tp"))
+        expect_int("microbatches", self.microbatches)
         super().__post_init__()
 
     @property
@@ -160,10 +156,7 @@ class PipelineFsdpTensorParallel(Distributed):
         owner = stages.get(name.split(".")[0]) if stages is not None else None
         if owner is None:
             return super().full_tensor(tensor, name)
-        with uncounted():  # the harness's read-back: no collective of the step
-            whole = (tensor.full_tensor() if is_dtensor(tensor) else tensor.detach().clone()).contiguous()
-            dist.broadcast(whole, src=dist.get_global_rank(group, owner), group=group)
-        return whole
+        return whole_from(owner, group, tensor)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,8 +34,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from ..case import Case
 from ..device import DEFAULT_DEVICE
 from .fsdp import shard_blocks
-from .ddp import shard
-from ..errors import InvalidArgument, expect_int
+from .ddp import set_mesh_world_size, shard
+from ..errors import InvalidArgument
 from ..process.torch_imports import fsdp2_missing
 from ..process.seeding import DEFAULT_SEED, seed_torch, seeded
 from ..process.torch_imports import is_dtensor
@@ -356,11 +356,7 @@ class DpTpMesh:
     tp: int = dataclasses.field(kw_only=True)
 
     def __post_init__(self) -> None:
-        expect_int("dp", self.dp)
-        expect_int("tp", self.tp)
-        if self.world_size not in (0, self.dp * self.tp):
-            raise InvalidArgument.value("world_size", self.world_size, f"dp * tp = {self.dp * self.tp}, or left out")
-        object.__setattr__(self, "world_size", self.dp * self.tp)
+        set_mesh_world_size(self, ("dp", "tp"))
         super().__post_init__()
 
     @property
