@@ -335,7 +335,8 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
         try:
             result = (ahead.pop(index) if index in ahead else
                       plan.start(spec, precision, measure_memory, against=against(spec))).result()
-            comparison = compare(ref, result, tolerance=tolerance)
+            comparison = witness.by_the_reference(compare(ref, result, tolerance=tolerance), ref, result, initial,
+                                                  cause=lambda: rounding.conditioning(case, seed))
             if not comparison.ok and result.measured is not None:  # the breakdown reads the run's own tensors
                 result, comparison = _recorded(plan, spec, precision, measure_memory, ref, comparison)
         except InvalidArgument:

@@ -281,7 +281,9 @@ def _scalers_alike(actual: Mapping[str, Tensor], expected: Mapping[str, Tensor])
 
 class Measurement:
     """Every quantity's difference from the reference, taken as it comes: each step's gradients (while a run
-    trains, where it is compared as it goes), then the final weights and buffers. No tensor is kept."""
+    trains, where it is compared as it goes), then the final weights and buffers. No tensor is kept but a final
+    weight beyond the tolerance (``strayed``, one model's weights at most): where the reference's own rounding
+    explains it (witness.by_the_reference), no run is needed to read it again."""
 
     def __init__(self, tolerance: Tolerance) -> None:
         self.tolerance = tolerance
@@ -289,6 +291,15 @@ class Measurement:
         self.series: dict[tuple[str, str], list[tuple[int | None, TensorDiff]]] = {}
         self.broken: dict[tuple[str, str], Problem] = {}
         self.names: list[Problem] = []  # weight or buffer names that differ
+        self.strayed: dict[str, Tensor] = {}  # the final weights beyond the tolerance, as plain CPU copies
+
+    def __getstate__(self) -> dict:
+        """Crossing processes (a rank's, the isolating child's), the kept weights go as numpy arrays: a tensor would
+        go as shared memory, which a process that already ended cannot serve."""
+        return {**self.__dict__, "strayed": {name: t.numpy() for name, t in self.strayed.items()}}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, strayed={name: torch.from_numpy(a) for name, a in state["strayed"].items()})
 
     def add(self, kind: str, step: int | None, actual: Mapping[str, Tensor], expected: Mapping[str, Tensor]) -> None:
         """The differences of ``actual`` from ``expected``, name by name (``step`` None: final values)."""
@@ -302,7 +313,10 @@ class Measurement:
                 self.broken[key] = Problem(ProblemKind.SHAPE, f"{kind} of {name!r}: candidate has "
                                            f"{None if got is None else tuple(got.shape)}, reference {tuple(wanted.shape)}")
                 continue
-            entries.append((step, TensorDiff.of(got.to(wanted.device), wanted, self.tolerance)))
+            diff = TensorDiff.of(got.to(wanted.device), wanted, self.tolerance)
+            entries.append((step, diff))
+            if kind == "weight" and step is None and diff.margin > 1:
+                self.strayed[name] = got.detach().to("cpu", copy=True)
 
     def add_final(self, kind: str, actual: Mapping[str, Tensor], expected: Mapping[str, Tensor]) -> None:
         """The final ``kind`` (``'weight'`` or ``'buffer'``), whose names must be the reference's too."""

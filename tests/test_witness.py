@@ -4,13 +4,15 @@ bug. Each guard has its test: the witness removed, the witness too loose, a bug 
 """
 
 import dataclasses
+import functools
+import importlib
 
 import pytest
 import torch
 
 import equivcheck as ec
 from equivcheck import Verdict
-from equivcheck.judge import witness
+from equivcheck.judge import rounding, witness
 from equivcheck.strategies import CaseSpec
 
 # A causal attention LM (dim 16, 2 heads, in-projection bias on), float64, Adam without epsilon: the issue's
@@ -18,6 +20,7 @@ from equivcheck.strategies import CaseSpec
 SPEC = CaseSpec(widths=(16, 13), activation="gelu", dtype="float64", batch_size=31, steps=4, loss="cross_entropy",
                 optimizer="adam_no_eps", lr=0.01, heads=2, block=8, attention_bias=True)
 CASE = ec.register_case(SPEC.build())
+check_module = importlib.import_module("equivcheck.check")  # the module, not the function ec.check
 KEY_BIAS = slice(16, 32)  # in_proj_bias holds the query's, the key's and the value's biases, 16 each
 SPECS = ["accumulate:chunks=19", "sample_by_sample"]
 
@@ -36,6 +39,7 @@ def test_the_key_bias_false_alarm_is_rounding_and_named(spec):
 
 def test_without_the_witness_the_false_alarm_is_back(monkeypatch):
     monkeypatch.setattr(witness, "applies", lambda *args: False)
+    monkeypatch.setattr(witness, "by_the_reference", lambda comparison, *args, **kwargs: comparison)
     (outcome,) = ec.check(CASE, ["accumulate:chunks=19"]).outcomes
     assert outcome.verdict is Verdict.MISMATCH
 
@@ -161,11 +165,65 @@ def test_drawn_attention_lms_are_equivalent_under_every_faithful_in_process_regi
     faithful()
 
 
-def test_in_float32_the_witness_settles_what_the_float64_shadows_cannot():
+def test_in_float32_the_witness_settles_what_the_float64_shadows_cannot(monkeypatch):
     """The shadows' own key bias is noise-driven too (Adam without epsilon amplifies float64's noise alike), so
-    they say the maths differs; the witness, in float32 itself, tells it is rounding."""
+    they say the maths differs; the witness, in float32 itself, tells it is rounding (here without the reference's
+    own judgement first, which settles it before any shadow: the next test)."""
+    monkeypatch.setattr(witness, "by_the_reference", lambda comparison, *args, **kwargs: comparison)
     case = dataclasses.replace(SPEC, dtype="float32").build()
     (outcome,) = ec.check(case, ["accumulate:chunks=19"]).outcomes
     assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
     assert "'trunk.attn.in_proj_bias'[16:32]: true gradient zero" in outcome.reason
     assert "(before this witness: the float64 runs differ too" in outcome.reason
+
+
+# The reference as its own witness (witness.by_the_reference): where every gradient matched and only weights whose
+# reference gradient is at rounding level are apart, the reference's own movement of them is the scale, and the
+# check runs nothing beyond its three trainings: no float64 shadow, no witness, no second run of the candidate.
+FLOAT32 = ec.register_case(dataclasses.replace(SPEC, dtype="float32").build())
+
+
+def extra_runs(monkeypatch) -> list[str]:
+    """What the check ran beyond its three trainings, as it runs it: shadows, witnesses, a recorded rerun."""
+    ran: list[str] = []
+    for module, name in ((rounding, "judge"), (witness, "judge"), (check_module, "_recorded")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *args, _o=original, _n=name, **kwargs: ran.append(_n) or _o(*args, **kwargs))
+    return ran
+
+
+@pytest.mark.parametrize("as_it_trains", [False, True], ids=["recorded", "compared-as-it-trains"])
+def test_the_reference_alone_settles_the_key_bias_with_no_run_beyond_the_three(monkeypatch, as_it_trains):
+    if as_it_trains:  # as a model of hundreds of millions of parameters is checked: nothing of the candidate kept
+        monkeypatch.setattr(check_module, "COMPARE_AS_IT_TRAINS_FROM", 0)
+    ran = extra_runs(monkeypatch)
+    (outcome,) = ec.check(FLOAT32, ["accumulate:chunks=19"]).outcomes
+    assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
+    assert "'trunk.attn.in_proj_bias'[16:32]: true gradient zero" in outcome.reason
+    assert "the reference's own rounding moved it up to" in outcome.reason
+    assert ran == [] and 0 < outcome.comparison.margin <= 1
+
+
+@pytest.mark.parametrize("as_it_trains", [False, True], ids=["recorded", "compared-as-it-trains"])
+def test_the_reference_alone_still_catches_a_bug_on_the_noise_driven_elements(monkeypatch, as_it_trains):
+    """The twin: the key bias moved by a bug, nothing else, in float32, compared recorded and as it trains."""
+    if as_it_trains:
+        monkeypatch.setattr(check_module, "COMPARE_AS_IT_TRAINS_FROM", 0)
+    step = functools.partial(shifted_key_bias, shift=0.05)
+    (outcome,) = ec.check_step(FLOAT32, step).outcomes
+    assert outcome.verdict is Verdict.MISMATCH, outcome.describe()
+    assert [m.name for m in outcome.comparison.mismatches] == ["trunk.attn.in_proj_bias"]
+
+
+def test_the_reference_alone_judges_weights_only_when_every_gradient_matched():
+    """A gradient apart, even on noise-driven elements alone, is left to the witnesses and the shadows, which run the
+    whole trajectory again: the reference's own noise judges final weights only. Planted: the candidate's key-bias
+    gradient at one step doubled (a noise-sized change), judged at a tolerance tight enough to see it."""
+    reference = ec.run(FLOAT32, "full_batch")
+    grads = [dict(step) for step in reference.grads]
+    grads[1]["trunk.attn.in_proj_bias"] = grads[1]["trunk.attn.in_proj_bias"].clone()
+    grads[1]["trunk.attn.in_proj_bias"][KEY_BIAS] *= 2
+    candidate = dataclasses.replace(reference, grads=tuple(grads))
+    table = ec.compare(reference, candidate, rtol=1e-3, atol=1e-30)
+    assert [(m.kind, m.name) for m in table.mismatches] == [("grad", "trunk.attn.in_proj_bias")]
+    assert witness.by_the_reference(table, reference, candidate, lambda: {}, lambda: "") is table

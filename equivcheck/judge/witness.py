@@ -103,12 +103,14 @@ class Noise:
     strayed: float  # the candidate's greatest difference there
     explained: bool  # every mismatched element is noise-driven and within WITNESS_FACTOR * noise
     margin: float  # the greatest |candidate - reference| / (allowed + WITNESS_FACTOR * noise where noise-driven)
+    witnessed: bool = True  # False: the reference alone measured the rounding (by_the_reference)
 
     def describe(self) -> str:
         zero = "" if self.mismatch.kind == "buffer" else f"true gradient zero (the reference's is {self.gradient:.2g}), "
-        return (f"{self.mismatch.kind} of {self.driven}: {zero}the reference in another sample order differs there by "
-                f"up to {self.noise:.3g}, rounding moved it up to {self.moved:.3g} from its true value, and the "
-                f"candidate differs by {self.strayed:.3g}")
+        seen = (f"the reference in another sample order differs there by up to {self.noise:.3g}, rounding moved it "
+                if self.witnessed else "the reference's own rounding moved it ")
+        return (f"{self.mismatch.kind} of {self.driven}: {zero}{seen}up to {self.moved:.3g} from its true value, and "
+                f"the candidate differs by {self.strayed:.3g}")
 
 
 def judge(comparison: Comparison, reference: RunResult, candidate: RunResult,
@@ -134,6 +136,31 @@ def judge(comparison: Comparison, reference: RunResult, candidate: RunResult,
     if standing:
         return dataclasses.replace(comparison, mismatches=standing, note=note)
     margin = max([n.margin for n in explained] + [_margin_elsewhere(reference, candidate, comparison)])
+    return Comparison(comparison.tolerance, (), (), comparison.max_abs, comparison.max_rel, margin, note=note)
+
+
+def by_the_reference(comparison: Comparison, reference: RunResult, candidate: RunResult,
+                     initial: Callable[[], dict[str, Tensor]], cause: Callable[[], str]) -> Comparison:
+    """``comparison`` judged by the reference's own rounding, before any other run: where every gradient matched and
+    the final weights are apart only on elements whose reference gradient is at rounding level at every step, the
+    reference moved those elements from where they started by rounding alone, and the candidate may move them up to
+    ``WITNESS_FACTOR`` times as far (the witnesses' rule, with one run's sample where they have three). Equivalent
+    with a note where that explains every mismatch; else ``comparison`` unchanged, for the float64 shadows and the
+    witnesses. An Adam-trained attention model's key biases are such elements: this spares its check the shadows'
+    float64 memory and the witnesses' runs. A candidate compared as it trained brings its weights beyond the
+    tolerance (``Measurement.strayed``), so it is not trained again to read them."""
+    if comparison.ok or comparison.problems or comparison.tolerance.source or any(
+            m.kind != "weight" for m in comparison.mismatches):
+        return comparison
+    weights = {**candidate.weights, **(candidate.measured.strayed if candidate.measured is not None else {})}
+    if any(m.name not in weights or m.name not in reference.weights for m in comparison.mismatches):
+        return comparison
+    candidate = dataclasses.replace(candidate, weights=weights)
+    noises = [_noise(m, reference, candidate, [], initial(), comparison.tolerance) for m in comparison.mismatches]
+    if not all(noise is not None and noise.explained for noise in noises):
+        return comparison
+    note = f"ill-conditioned: {cause()}: " + "; ".join(noise.describe() for noise in noises)
+    margin = max([noise.margin for noise in noises] + [_margin_elsewhere(reference, candidate, comparison)])
     return Comparison(comparison.tolerance, (), (), comparison.max_abs, comparison.max_rel, margin, note=note)
 
 
@@ -190,9 +217,14 @@ def _noted(comparison: Comparison, note: str) -> Comparison:
 
 def _margin_elsewhere(reference: RunResult, candidate: RunResult, comparison: Comparison) -> float:
     """The greatest margin over every quantity that matched (the judged ones excepted), so that the verdict's
-    margin is the whole comparison's."""
+    margin is the whole comparison's: from the measurement of a candidate compared as it trained."""
     judged = {(m.kind, m.name) for m in comparison.mismatches}
     tol, margin = comparison.tolerance, 0.0
+    if candidate.measured is not None:
+        margin = max((diff.margin for key, entries in candidate.measured.series.items() if key not in judged
+                      for _, diff in entries), default=0.0)
+        losses = [(r, c) for r, c in zip(reference.losses, candidate.losses) if None not in (r, c)]
+        return max([margin] + [abs(c - r) / (tol.atol + tol.rtol * abs(r)) for r, c in losses if c != r])
     pairs = [(("grad", n), ref[n], cand[n]) for ref, cand in zip(reference.grads, candidate.grads) for n in ref]
     pairs += [(("weight", n), t, candidate.weights[n]) for n, t in reference.weights.items()]
     pairs += [(("buffer", n), t, candidate.buffers[n]) for n, t in reference.buffers.items()]
@@ -232,7 +264,8 @@ def _noise(mismatch: Mismatch, reference: RunResult, candidate: RunResult, witne
     for expected, actual, seen, grads, true in _tensors(mismatch, reference, candidate, witnesses, initial):
         expected, actual = _float64(expected), _float64(actual)
         allowed = tol.atol + tol.rtol * expected.abs()
-        apart = torch.stack([(_float64(w) - expected).abs() for w in seen]).amax(dim=0)
+        apart = (torch.stack([(_float64(w) - expected).abs() for w in seen]).amax(dim=0) if seen
+                 else torch.zeros_like(expected))
         noisy = (apart > allowed) if level is None else level
         gap = (actual - expected).abs()
         matched = gap <= allowed
@@ -243,7 +276,7 @@ def _noise(mismatch: Mismatch, reference: RunResult, candidate: RunResult, witne
         if true is None:  # a buffer: the witnesses' spread is the scale, the difference what is judged
             scale, stray = float(apart[noisy].max()), gap
         else:
-            true = _float64(true)
+            true = _float64(true).to(expected.device)  # built on the run's device, recorded on the CPU
             scale = max(float((run - true).abs()[noisy].max()) for run in [expected, *(_float64(w) for w in seen)])
             stray = (actual - true).abs()
         within = noisy & (stray <= WITNESS_FACTOR * scale)
@@ -257,7 +290,7 @@ def _noise(mismatch: Mismatch, reference: RunResult, candidate: RunResult, witne
     if not driven.numel() or moved_most == 0:
         return None
     return Noise(mismatch, _name_elements(mismatch.name, driven, reference, mismatch.kind), noise, moved_most,
-                 gradient, strayed, explained, margin)
+                 gradient, strayed, explained, margin, witnessed=bool(witnesses))
 
 
 def _tensors(mismatch: Mismatch, reference: RunResult, candidate: RunResult, witnesses: list[RunResult],
