@@ -11,8 +11,9 @@ each regime (``accumulate:chunks=4`` in process, ``ddp:world_size=2`` on ranks),
 - ``ec.check(case, [regime])`` with its defaults, after a warm-up check of the 1M case (imports, the warm
   pool's ranks): its time and its peak RSS, of the checking process and of each rank.
 
-Printed as ratios, check over torch alone. Then one row for the 124M GPT-2-shaped transformer checked in one
-process (its RSS against a 16 GB runner). One intra-op thread on both sides, as equivcheck trains by default.
+Printed as ratios, check over torch alone. Then rows for the GPT-2-shaped transformers checked in one process, at
+6.5M and 124M parameters (the larger one's RSS against a 16 GB runner). One intra-op thread on both sides, as
+equivcheck trains by default.
 
     python bench/bench_scale.py [--sizes 1m 25m 100m] [--regimes accumulate:chunks=4 ddp:world_size=2] [--no-gpt]
                                 [--busy] [--repeats N]
@@ -202,7 +203,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=list(MLP_SIZES), choices=list(MLP_SIZES))
     parser.add_argument("--regimes", nargs="+", default=[IN_PROCESS, DDP], choices=[IN_PROCESS, DDP])
-    parser.add_argument("--no-gpt", action="store_true", help="leave out the 124M transformer's row")
+    parser.add_argument("--no-gpt", action="store_true", help="leave out the transformers' rows")
     parser.add_argument("--busy", action="store_true", help="beside a busy neighbour: a loop on every core")
     parser.add_argument("--repeats", type=int, default=1,
                         help="each side of a row in this many fresh processes, in turn: medians of the times")
@@ -221,7 +222,7 @@ def main() -> None:
           "largest rank\n", flush=True)
     header = ("case", "parameters", "regime", "verdict", "time", "peak RSS, checking process", "peak RSS, ranks")
     rows, notes = [header], []
-    cases = [f"scale_mlp_{size}" for size in args.sizes] + ([] if args.no_gpt else ["scale_gpt2_124m"])
+    cases = [f"scale_mlp_{size}" for size in args.sizes] + ([] if args.no_gpt else ["scale_gpt_6m", "scale_gpt2_124m"])
     with busy_neighbour(args.busy):
         for case in cases:
             for regime in args.regimes if case.startswith("scale_mlp") else [IN_PROCESS]:

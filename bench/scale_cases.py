@@ -2,7 +2,8 @@
 
 A GELU MLP in float32 with AdamW, 3 steps of 16 samples, at about 1M, 25M and 100M parameters, and a
 GPT-2-shaped transformer of about 124M parameters (12 pre-norm blocks of 768 features, 12 heads, a head tied
-to the 50,257-token embedding; block 64, batch 8, 2 steps). Registered at import, so DDP ranks find them.
+to the 50,257-token embedding; block 64, batch 8, 2 steps), and the same shape at 6.5M parameters (128 features,
+2 blocks, 4 steps). Registered at import, so DDP ranks find them.
 ``train_alone`` is the floor: what a team's own loop does with the same model, data and optimizer.
 """
 
@@ -37,11 +38,11 @@ def adamw(params) -> torch.optim.Optimizer:
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, embed: int = EMBED, heads: int = HEADS) -> None:
         super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(EMBED), nn.LayerNorm(EMBED)
-        self.attn = nn.MultiheadAttention(EMBED, HEADS, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(EMBED, 4 * EMBED), nn.GELU(), nn.Linear(4 * EMBED, EMBED))
+        self.norm1, self.norm2 = nn.LayerNorm(embed), nn.LayerNorm(embed)
+        self.attn = nn.MultiheadAttention(embed, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(embed, 4 * embed), nn.GELU(), nn.Linear(4 * embed, embed))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         causal = torch.triu(torch.full((x.shape[1], x.shape[1]), float("-inf"), device=x.device), diagonal=1)
@@ -51,11 +52,11 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, embed: int = EMBED, layers: int = LAYERS, heads: int = HEADS) -> None:
         super().__init__()
-        self.tokens, self.positions = nn.Embedding(VOCAB, EMBED), nn.Embedding(1024, EMBED)
-        self.blocks = nn.Sequential(*(Block() for _ in range(LAYERS)))
-        self.norm = nn.LayerNorm(EMBED)
+        self.tokens, self.positions = nn.Embedding(VOCAB, embed), nn.Embedding(1024, embed)
+        self.blocks = nn.Sequential(*(Block(embed, heads) for _ in range(layers)))
+        self.norm = nn.LayerNorm(embed)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
@@ -77,6 +78,11 @@ CASES = {
         loss=partial(F.cross_entropy, reduction="none"), optimizer=adamw, batch_size=SAMPLES, steps=STEPS,
         dtype=torch.float32, description=f"bench only: a GELU MLP of width {width}, {blocks} blocks, AdamW"))
        for size, (width, blocks) in MLP_SIZES.items()},
+    # The same shape, narrow and shallow: where only the attention key biases and the embedding's tail are apart.
+    "scale_gpt_6m": ec.register_case(ec.Case(
+        name="scale_gpt_6m", model=partial(GPT, 128, 2, 2), data=partial(gpt_data, GPT_BATCH, 4), loss=token_losses,
+        items=lambda t: t.numel(), optimizer=adamw, batch_size=GPT_BATCH, steps=4, dtype=torch.float32,
+        description="bench only: the GPT-2-shaped transformer at 128 features and 2 blocks (6.5M parameters)")),
     "scale_gpt2_124m": ec.register_case(ec.Case(
         name="scale_gpt2_124m", model=GPT, data=gpt_data, loss=token_losses, items=lambda t: t.numel(),
         optimizer=adamw, batch_size=GPT_BATCH, steps=GPT_STEPS, dtype=torch.float32,

@@ -8,6 +8,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 import equivcheck as ec
 from equivcheck.suites import field
@@ -98,6 +99,24 @@ def test_a_known_miss_holds_while_missed_and_stops_holding_once_caught():
     assert missed.buggy.state == "missed" and missed.holds
     caught = field.check_module(_module("fake", bug, buggy=real.buggy, fixed=real.fixed))
     assert caught.buggy.state == "caught" and not caught.holds
+
+
+def test_a_bug_in_torch_itself_is_expected_only_on_the_versions_it_lives_in():
+    """Outside its versions the code as reported trains right: the row holds where both checks are equivalent, and a
+    check that catches something there is a false alarm, which does not hold."""
+    real = __import__(NANOGPT, fromlist=["BUG"])
+    installed = torch.__version__.split("+")[0]
+    inside = Bug("pytorch/pytorch", "issue", 1, "compile", "a stand-in", torch_from=installed)
+    later = Bug("pytorch/pytorch", "issue", 1, "compile", "a stand-in", torch_from="99.0")
+    earlier = Bug("pytorch/pytorch", "issue", 1, "compile", "a stand-in", torch_before=installed)
+    assert inside.absent == "" and inside.expected == ("caught", "equivalent")
+    assert later.absent == f"torch {installed} has no such bug (measured from torch 99.0 on)"
+    assert earlier.absent == f"torch {installed} has no such bug (measured before torch {installed})"
+    absent = field.check_module(_module("fake", later, buggy=real.fixed, fixed=real.fixed))
+    assert absent.holds and absent.buggy.state == "equivalent" and absent.buggy.detail == later.absent
+    assert "[1] pytorch/pytorch#1: torch" in field.render([absent])
+    false_alarm = field.check_module(_module("fake", later, buggy=real.buggy, fixed=real.fixed))
+    assert false_alarm.buggy.state == "caught" and not false_alarm.holds
 
 
 def test_findings_read_every_verdict():

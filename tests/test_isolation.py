@@ -114,10 +114,19 @@ def test_the_child_sees_this_process_as_it_is_now_and_leaves_nothing_behind():
 
 
 def _forkers() -> set[int]:
-    """This process's forker, started by earlier distributed tests in the same worker: not a run's child."""
+    """This process's long-lived helpers, none of them a run's child: the forker, started by earlier distributed tests
+    in the same worker, and Inductor's pool of compile workers, which torch 2.11 forks once a test has compiled."""
     from equivcheck.runners.ranks import forker
 
-    return {forker._forker._process.pid} if forker._forker is not None and forker._forker.alive else set()
+    helpers = {forker._forker._process.pid} if forker._forker is not None and forker._forker.alive else set()
+    for child in children_of(os.getpid()):
+        try:
+            command = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"torch/_inductor/compile_worker" in command:
+            helpers.add(child)
+    return helpers
 
 
 @pytest.mark.skipif(not fork_is_safe(), reason="a forked child's interruption: on a machine with a GPU an isolated "

@@ -11,7 +11,9 @@ of ``equivcheck_cases.field`` reproduces one report, scaled down to a tiny model
 
 A row holds when the code as reported is caught and the code as fixed is equivalent. A bug the API cannot
 express keeps its row, saying why (``Bug.not_expressible``); one equivcheck misses keeps it too
-(``Bug.known_miss``): its row holds while it is still missed, so a fix shows up as a row to update.
+(``Bug.known_miss``): its row holds while it is still missed, so a fix shows up as a row to update. A bug in torch
+itself lives in some of its versions (``Bug.torch_from``, ``Bug.torch_before``): on another torch the code as
+reported trains right, and the row holds where both checks are equivalent, no false alarm on either.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import traceback
 import warnings
 from collections.abc import Callable, Iterable
 from types import ModuleType
+
+import torch
 
 from ..judge.verdict import Report, Verdict
 from ..errors import BlindSpotWarning, InvalidArgument
@@ -53,6 +57,8 @@ class Bug:
     fixed_by: str = ""
     not_expressible: str = ""
     known_miss: str = ""
+    torch_from: str = ""  # a bug in torch itself: the first version it was measured in
+    torch_before: str = ""  # and the first it was measured gone from
 
     def __post_init__(self) -> None:
         if self.repository.count("/") != 1:
@@ -69,6 +75,17 @@ class Bug:
         return f"{self.repository}#{self.number}"
 
     @property
+    def absent(self) -> str:
+        """Why the installed torch cannot show this bug (outside the versions it lives in); empty where it can."""
+        version = torch.torch_version.TorchVersion(torch.__version__.split("+")[0])
+        if (self.torch_from and version < self.torch_from) or (self.torch_before and version >= self.torch_before):
+            since = f"from torch {self.torch_from}" if self.torch_from else ""
+            until = f"before {'' if since else 'torch '}{self.torch_before}" if self.torch_before else "on"
+            window = " ".join(filter(None, (since, "to" if since and self.torch_before else "", until)))
+            return f"torch {version} has no such bug (measured {window})"
+        return ""
+
+    @property
     def url(self) -> str:
         return f"https://github.com/{self.repository}/{'pull' if self.kind == 'pull' else 'issues'}/{self.number}"
 
@@ -77,6 +94,8 @@ class Bug:
         """What the buggy and the fixed check must find: caught and equivalent, unless the bug is a known miss."""
         if self.not_expressible:
             return None
+        if self.absent:
+            return ("equivalent", "equivalent")
         return ("missed" if self.known_miss else "caught", "equivalent")
 
 
@@ -169,7 +188,9 @@ def check_module(module: ModuleType) -> Row:
     with warnings.catch_warnings():  # a tiny case's blind spots for other classes of bug: the row says what it caught
         warnings.simplefilter("ignore", BlindSpotWarning)
         buggy, fixed = (_found(getattr(module, name)) for name in ("buggy", "fixed"))
-    if bug.known_miss and buggy.state == "equivalent":
+    if bug.absent:
+        buggy = dataclasses.replace(buggy, detail="; ".join(filter(None, (bug.absent, buggy.detail))))
+    elif bug.known_miss and buggy.state == "equivalent":
         buggy = dataclasses.replace(buggy, state="missed", detail=bug.known_miss)
     return Row(module.__name__, bug, buggy, fixed, time.perf_counter() - started)
 
@@ -202,7 +223,7 @@ def render(rows: list[Row]) -> str:
     table = [["family", "report", "what went wrong", "as reported", "as fixed", "holds"]]
     notes = []
     for row in rows:
-        why = row.bug.not_expressible or row.bug.known_miss
+        why = row.bug.not_expressible or row.bug.known_miss or row.bug.absent
         if why:
             notes.append(f"[{len(notes) + 1}] {row.bug.reference}: {why}")
         marker = f" [{len(notes)}]" if why else ""
