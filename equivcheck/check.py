@@ -338,7 +338,14 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
             comparison = witness.by_the_reference(compare(ref, result, tolerance=tolerance), ref, result, initial,
                                                   cause=lambda: rounding.conditioning(case, seed))
             if not comparison.ok and result.measured is not None:  # the breakdown reads the run's own tensors
-                result, comparison = _recorded(plan, spec, precision, measure_memory, ref, comparison)
+                settled = rounding.settled_as_it_trained(
+                    case, comparison, ref, result, seed=seed, shadow_reference=shadow_reference,
+                    shadow_candidate=lambda against: plan.run(spec, shadow, False, against=against),
+                ) if rounding.applies(precision, comparison) and not comparison.tolerance.source else None
+                if settled is not None:
+                    comparison = settled
+                else:
+                    result, comparison = _recorded(plan, spec, precision, measure_memory, ref, comparison)
         except InvalidArgument:
             raise
         except Unavailable as why:

@@ -59,8 +59,11 @@ def test_its_twin_a_real_pitfall_on_the_same_case_is_still_caught_by_its_float64
     assert outcome.comparison.hint == float64.hint and "zero_grad" in float64.hint
 
 
-def test_a_shadow_that_starts_elsewhere_explains_nothing_and_blames_no_detach_or_rng(monkeypatch):
+@pytest.mark.parametrize("as_it_trains", [False, True], ids=["recorded", "compared-as-it-trains"])
+def test_a_shadow_that_starts_elsewhere_explains_nothing_and_blames_no_detach_or_rng(monkeypatch, as_it_trains):
     """A shadow drawing in float64 trains from other weights and data: its noise says nothing."""
+    if as_it_trains:
+        monkeypatch.setattr(sys.modules["equivcheck.check"], "COMPARE_AS_IT_TRAINS_FROM", 0)
     monkeypatch.setitem(PRECISIONS, SHADOW, dataclasses.replace(PRECISIONS[SHADOW], draw_dtype=torch.float64))
     (witnessed,) = ec.check(ILL, ["accumulate:chunks=5"], seed=SEED).outcomes
     # the witness (same precision, samples reordered) still tells rounding, where the shadows cannot
@@ -82,13 +85,15 @@ def test_the_shadow_draws_what_the_float32_run_draws():
     assert shadow.precision == SHADOW and shadow.weights["0.weight"].dtype == torch.float64
 
 
-def counting_shadows(monkeypatch):
+def counting_shadows(monkeypatch, against=False):
+    """Every run a check starts, by its precision's name (and whether it is compared as it trains, with ``against``)."""
     calls = []
     module = sys.modules["equivcheck.check"]  # the package's ``check`` is the function
     original = module.start_request  # every run of a check begins here
 
     def counted(request, **kwargs):
-        calls.append(request.precision.name)
+        name = request.precision.name
+        calls.append((name, kwargs.get("against") is not None) if against else name)
         return original(request, **kwargs)
 
     monkeypatch.setattr(module, "start_request", counted)
@@ -111,6 +116,30 @@ def test_the_shadow_reference_runs_once_per_check(monkeypatch):
     assert all(o.verdict is Verdict.EQUIVALENT for o in report.outcomes)
     shadows = calls.count(SHADOW)
     assert shadows == 1 + sum(bool(o.reason) for o in report.outcomes) and shadows >= 2
+
+
+def test_compared_as_it_trains_the_shadows_settle_it_and_the_candidate_trains_once(monkeypatch):
+    """A model large enough to be compared as it trains (here forced): its float64 candidate is compared with the
+    float64 reference as it trains too, and where they match the float32 candidate is not trained again to record it
+    (rounding.settled_as_it_trained). The runs: the reference, its repeat, the candidate, the two shadows."""
+    monkeypatch.setattr(sys.modules["equivcheck.check"], "COMPARE_AS_IT_TRAINS_FROM", 0)
+    calls = counting_shadows(monkeypatch, against=True)
+    (outcome,) = ec.check(ILL, ["accumulate:chunks=5"], seed=SEED).outcomes
+    assert outcome.verdict is Verdict.EQUIVALENT and outcome.comparison.ok, outcome.describe()
+    assert outcome.reason.startswith("ill-conditioned: LayerNorm over 2 features: gradients at rounding level")
+    assert "the float64 runs match (margin " in outcome.reason and "compared as they trained" in outcome.reason
+    assert "the reference strays from its float64 shadow by up to" in outcome.reason
+    assert calls == [("float32", False), ("float32", True), ("float32", True), (SHADOW, False), (SHADOW, True)]
+    assert outcome.comparison.margin <= 1
+
+
+def test_compared_as_it_trains_a_real_pitfall_is_still_caught_with_its_float64_hint(monkeypatch):
+    """The twin: the float64 runs differ, so nothing is settled, and the candidate is trained again, recorded, for
+    the breakdown and the shadows' hint, as a recorded check gives them."""
+    monkeypatch.setattr(sys.modules["equivcheck.check"], "COMPARE_AS_IT_TRAINS_FROM", 0)
+    (outcome,) = ec.check(ILL, ["zero_grad_inside:chunks=5"], seed=SEED).outcomes
+    assert outcome.verdict is Verdict.MISMATCH
+    assert outcome.comparison.note.startswith("the float64 runs differ too") and "zero_grad" in outcome.comparison.hint
 
 
 def test_only_a_low_precision_difference_in_numbers_goes_to_the_shadows():

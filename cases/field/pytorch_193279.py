@@ -14,7 +14,8 @@ straight-through one, so the quantized layer's weight got a zero gradient and ne
 fixed keeps ``torch.func.grad_and_value`` outside the compiled region and compiles the loss, the team's way round it
 on 2.13 (measured equivalent); the reference is eager full batch, where autograd runs the custom backward. The checks
 pass ``measure_memory=False``: equivcheck's activation meter is a saved-tensor hook, which ``torch.func.grad``
-refuses.
+refuses. Measured on the other torches here: 2.11 reproduces it too; 2.15.0 trains the code as reported right (both
+checks equivalent), so the row expects the bug before 2.15.
 """
 
 import dataclasses
@@ -31,7 +32,7 @@ from equivcheck.suites.field import Bug
 
 BUG = Bug("pytorch/pytorch", "issue", 193279, "compile",
           "torch.compile(torch.func.grad(...)) inlined an autograd.Function's forward, dropped its backward",
-          fixed_by="on torch 2.13, torch.func.grad outside the compiled region")
+          fixed_by="on torch 2.13, torch.func.grad outside the compiled region", torch_before="2.15")
 
 
 class RoundSTE(torch.autograd.Function):

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from ..case import Case
 from ..diff import Comparison, as_real
 from ..precision import Tolerance
-from .compare import compare
+from .compare import Expected, compare, tolerance_of
 from .hints import diagnose
 from ..precision import SCALED_SHADOW, SHADOW, Precision
 from ..result import RunResult
@@ -84,6 +84,33 @@ def judge(case: Case, comparison: Comparison, reference: RunResult, candidate: R
             f"(margin {comparison.margin:.3g} against {comparison.tolerance}) is the runs' own rounding: they stray "
             f"from their float64 shadows by up to {ref_noise:.3g} (reference) and {cand_noise:.3g} (regime)")
     return Comparison(comparison.tolerance, (), (), comparison.max_abs, comparison.max_rel, margin, note=note)
+
+
+def settled_as_it_trained(case: Case, comparison: Comparison, reference: RunResult, candidate: RunResult,
+                          shadow_reference: Callable[[], RunResult],
+                          shadow_candidate: Callable[[Expected], RunResult], *, seed: int) -> Comparison | None:
+    """:func:`judge` for a candidate compared as it trained, which keeps nothing: its float64 shadow is compared with
+    the reference's as it trains too. Where the float64 runs match and start where the low-precision runs did, the
+    verdict :func:`judge` gives (equivalent), its margin the float64 runs' (the candidate's own rounding was not kept
+    to weigh), its note the reference's noise; else None, and the candidate is trained again, recorded, for
+    :func:`judge` and the breakdown. A model of hundreds of millions of parameters so holds one low-precision and one
+    float64 recording, not two of each, and trains its candidate once."""
+    try:
+        ref64 = shadow_reference()
+        cand64 = shadow_candidate(Expected(ref64, tolerance_of(ref64)))
+    except Exception:  # noqa: BLE001 (judge, on the recorded runs, says why the shadows could not weigh it)
+        return None
+    maths = compare(ref64, cand64)
+    if not maths.ok or any(_start_gap(run, shadow, comparison.tolerance) is not None
+                           for run, shadow in ((reference, ref64), (candidate, cand64))):
+        return None
+    ref_noise = max((float((as_real(own).double() - as_real(exact).double()).abs().max())
+                     for _, own, exact in _quantities(reference, reference, ref64) if own.numel()), default=0.0)
+    note = (f"ill-conditioned: {conditioning(case, seed)}; the float64 runs match (margin {maths.margin:.3g}), "
+            f"compared as they trained, and the {reference.precision} difference (margin {comparison.margin:.3g} "
+            f"against {comparison.tolerance}) is the runs' own rounding: the reference strays from its float64 "
+            f"shadow by up to {ref_noise:.3g}")
+    return Comparison(comparison.tolerance, (), (), comparison.max_abs, comparison.max_rel, maths.margin, note=note)
 
 
 def _start_gap(run: RunResult, shadow: RunResult, tol: Tolerance) -> str | None:
