@@ -27,7 +27,7 @@ import torch
 
 import equivcheck as ec
 from scale_cases import CASES, train_alone
-from timing import markdown_table
+from timing import check_phases, markdown_table
 
 CASE = "gpu_gpt2_124m"
 CHUNKS = 4
@@ -44,10 +44,11 @@ def alone(dtype: str) -> None:
 
 
 def checked(dtype: str) -> str:
-    """The check, and what it said: its reason shows what it ran beyond the three trainings (float64 shadows, a
-    rerun that disagreed), which is where the time went."""
-    report = ec.check(CASE, [REGIME], device="cuda", dtype=dtype)
-    said = "\n".join(o.describe() for o in report.outcomes)
+    """The check, what it said and where its time went: its reason shows what it ran beyond the three trainings
+    (float64 shadows, a rerun that disagreed), its phases each run's and each judgement's seconds."""
+    with check_phases() as phases:
+        report = ec.check(CASE, [REGIME], device="cuda", dtype=dtype)
+    said = "\n".join(o.describe() for o in report.outcomes) + "\nphases: " + "; ".join(phases)
     if not report.ok:
         raise SystemExit(f"the check did not pass:\n{said}")
     return said

@@ -4,8 +4,10 @@ Markdown table the docs quote them in; and the byte-compiled sources that an ins
 from __future__ import annotations
 
 import compileall
+import contextlib
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,3 +58,53 @@ def peak_resident_kib(pid: int | str = "self") -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1])
     raise RuntimeError("no VmHWM in /proc/self/status: the process peak needs Linux")
+
+
+@contextlib.contextmanager
+def check_phases() -> Iterator[list[str]]:
+    """Where a check's time goes, as it runs: each run it trains (its regime and precision, and whether it is compared
+    as it trains) and each judgement past the comparison (which trains shadows or witnesses of its own), with its
+    seconds, in the order they end. The device's queue is drained at each end, so a GPU's work is counted where it
+    was asked for."""
+    import importlib
+
+    import torch
+
+    from equivcheck.judge import rounding, witness
+
+    check = importlib.import_module("equivcheck.check")  # the module: the package's ``check`` is the function
+    phases: list[str] = []
+
+    def synchronised() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def timed(label: str, work):
+        synchronised()
+        started = time.perf_counter()
+        try:
+            return work()
+        finally:
+            synchronised()
+            phases.append(f"{label} {time.perf_counter() - started:.2f} s")
+
+    def start_request(request, **kwargs):
+        began = original_start(request, **kwargs)
+        label = f"{request.regime} {request.precision.name}" + (" as it trains" if kwargs.get("against") else "")
+        finish = began._finish
+        began._finish = lambda: timed(label, finish)
+        return began
+
+    original_start = check.start_request
+    judgements = [(rounding, "settled_as_it_trained"), (rounding, "judge"), (witness, "by_the_reference"),
+                  (witness, "judge"), (check, "_recorded")]
+    originals = [(module, name, getattr(module, name)) for module, name in judgements]
+    check.start_request = start_request
+    for module, name, original in originals:
+        setattr(module, name, lambda *a, _o=original, _n=name, **k: timed(_n, lambda: _o(*a, **k)))
+    try:
+        yield phases
+    finally:
+        check.start_request = original_start
+        for module, name, original in originals:
+            setattr(module, name, original)
