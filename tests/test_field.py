@@ -138,6 +138,8 @@ def test_findings_read_every_verdict():
     ({"kind": "commit"}, "kind='commit'.*'issue' or 'pull'"),
     ({"family": "rlhf"}, "family='rlhf'.*'accumulation'"),
     ({"not_expressible": "a", "known_miss": "b"}, "either not expressible or a known miss"),
+    ({"torch_from": "2.13+cpu"}, r"torch_from='2.13\+cpu' is not allowed: expected a torch release such as '2.13'"),
+    ({"torch_before": "next"}, "torch_before='next' is not allowed"),
 ])
 def test_bad_reports_are_named(arguments, message):
     good = {"repository": "karpathy/nanoGPT", "kind": "issue", "number": 168, "family": "accumulation", "summary": "s"}

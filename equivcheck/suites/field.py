@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
+import re
 import time
 import traceback
 import warnings
@@ -69,6 +70,10 @@ class Bug:
             raise InvalidArgument.value("family", self.family, ", ".join(map(repr, FAMILIES)))
         if self.not_expressible and self.known_miss:
             raise InvalidArgument("a bug is either not expressible or a known miss, not both")
+        for argument in ("torch_from", "torch_before"):
+            version = getattr(self, argument)
+            if version and not re.fullmatch(r"\d+(\.\d+)*", version):
+                raise InvalidArgument.value(argument, version, "a torch release such as '2.13' or '2.15.0'")
 
     @property
     def reference(self) -> str:
