@@ -321,7 +321,8 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
         f"({Tolerance.resolve(loss_precision)})")
     shadow = rounding.shadow_of(precision)
     shadow_reference = functools.cache(lambda: plan.run(reference, shadow, False))
-    witnesses = functools.cache(lambda: [plan.run(reference, precision, False, order) for order in witness.ORDERS])
+    witness_run = functools.cache(lambda order: plan.run(reference, precision, False, order))
+    witnesses = (lambda orders: [witness_run(order) for order in orders])
     initial = functools.cache(lambda: initial_weights(case, precision, seed, plan.device))
     against = (lambda spec: Expected(ref, plan.tolerance(spec, loss_precision))) if streams else (lambda spec: None)
     for index, spec in enumerate(plan.specs):

@@ -215,7 +215,7 @@ def test_the_witness_judges_the_imaginary_parts_that_rounding_drives(candidate_i
     assert [(m.kind, m.name) for m in table.mismatches] == [("weight", "c")]
     assert table.mismatches[0].diff.abs_index == (0, 1)  # the first imaginary part
     assert witness.applies(table, reference, candidate)
-    judged = witness.judge(table, reference, candidate, lambda: [witnessed], lambda: {"c": start}, lambda: "a test")
+    judged = witness.judge(table, reference, candidate, lambda orders: [witnessed], lambda: {"c": start}, lambda: "a test")
     assert judged.ok is explained
     if explained:
         assert "weight of 'c' (2 of 4 real and imaginary parts): true gradient zero" in judged.note

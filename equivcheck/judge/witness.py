@@ -1,4 +1,5 @@
-"""Rounding witnessed without a higher precision: the reference again, its samples in another order.
+"""Rounding witnessed without a higher precision: the reference again, its samples in another order (or, for a
+chaotic reference that reordering does not shake, its backward at another scale: ``RESCALED``).
 
 The mean over a global batch's items does not depend on the order its samples come in, so the reference
 trained on each batch's samples reversed (and rolled by half) differs from the reference by rounding alone;
@@ -39,6 +40,17 @@ from .compare import compare
 from ..result import RunResult
 
 ORDERS = ("reversed", "rolled")  # the witnesses: each global batch's samples reversed, and rolled by half
+# More witnesses where the reordered ones' spread does not cover a chaotic candidate: the batch as given, its
+# backward at other scales (train.rescaled_backward). Reordering a batch of three samples may change no rounding that
+# decides a tiny gradient's sign; a regime that splits the batch does, and so do these. No scale is a power of two,
+# so that every product and sum of the backward rounds otherwise; each is below one, so nothing overflows that did not.
+BACKWARD_SCALES = (0.7, 0.8, 0.9)
+RESCALED = tuple(f"rescaled_{scale}" for scale in BACKWARD_SCALES)
+
+
+def backward_scale(order: str) -> float | None:
+    """The scale a witness's ``order`` runs its backward at; None for one that keeps it (all but a rescaled one)."""
+    return float(order.removeprefix("rescaled_")) if order.startswith("rescaled_") else None
 # How much further than the reference and its witnesses a candidate may move a noise-driven element. Three runs'
 # noise is a sample, not a bound: Adam moves such an element by up to its learning rate a step, further where the
 # noise keeps its sign (per-sample sums flip it less than reordering does). Measured over 2,000 drawn attention
@@ -114,22 +126,22 @@ class Noise:
 
 
 def judge(comparison: Comparison, reference: RunResult, candidate: RunResult,
-          witnesses: Callable[[], Sequence[RunResult]], initial: Callable[[], dict[str, Tensor]],
+          witnesses: Callable[[Sequence[str]], Sequence[RunResult]], initial: Callable[[], dict[str, Tensor]],
           cause: Callable[[], str]) -> Comparison:
     """``comparison`` (failed, :func:`applies`) judged by the witnesses: equivalent with a note naming every
     noise-driven parameter where rounding explains every mismatch, else the mismatches rounding does not
     explain, with a note on those it does."""
     try:
-        runs = witnesses()
+        runs = witnesses(ORDERS)
     except Exception as error:  # the verdict stands; say why it could not be weighed
         return _noted(comparison, f"the witness runs failed: {type(error).__name__}: {error}")
     neutral = [run for run in runs if _losses_match(reference, run, comparison.tolerance)]
     if not neutral:
-        return _diverging(comparison, reference, candidate, runs, cause)
+        return _diverging(comparison, reference, candidate, runs, cause, lambda: witnesses(RESCALED))
     noises = {m: _noise(m, reference, candidate, neutral, initial(), comparison.tolerance) for m in comparison.mismatches}
     explained = [n for n in noises.values() if n is not None and n.explained]
     if not explained:
-        return _diverging(comparison, reference, candidate, runs, cause)
+        return _diverging(comparison, reference, candidate, runs, cause, lambda: witnesses(RESCALED))
     note = f"ill-conditioned: {cause()}: " + "; ".join(n.describe() for n in explained) + (
         f" (before this witness: {comparison.note})" if comparison.note else "")
     standing = tuple(m for m in comparison.mismatches if not (noises[m] and noises[m].explained))
@@ -165,33 +177,49 @@ def by_the_reference(comparison: Comparison, reference: RunResult, candidate: Ru
 
 
 def _diverging(comparison: Comparison, reference: RunResult, candidate: RunResult, witnesses: Sequence[RunResult],
-               cause: Callable[[], str]) -> Comparison:
+               cause: Callable[[], str], more: Callable[[], Sequence[RunResult]] | None = None) -> Comparison:
     """The reference may itself be chaotic: where a witness starts equal to it (step 0 within the tolerance: the
     same weights, only the summation order differs) and ends apart beyond the tolerance, rounding alone is
     amplified to that size. The candidate is then judged against that spread: equivalent where every mismatched
     quantity differs from the reference by at most ``WITNESS_FACTOR`` times the furthest a witness does, said as
-    such (differences smaller than that spread cannot be seen at all). A witness apart from step 0 on (dropout's
-    draws paired with other samples) is no witness: the verdict stands."""
+    such (differences smaller than that spread cannot be seen at all). Where the reordered witnesses' spread does not
+    cover the candidate, ``more`` witnesses (the backward at other scales) are drawn and counted too. A witness apart
+    from step 0 on (dropout's draws paired with other samples; a rescaled one whose gradients reach a parameter by
+    another path than the backward) is no witness: the verdict stands."""
     tol = comparison.tolerance
     witnessed = [compare(reference, w, tolerance=tol) for w in witnesses]
-    diverging = [w for w, seen in zip(witnesses, witnessed) if _apart_later(seen)]
     if any(seen.first_divergent_step == 0 for seen in witnessed):
         return _noted(comparison, "no witness: the reference's losses change with the order of its samples from the "
                                   "first step (randomness drawn per sample?), so rounding could not be told from the maths")
-    if not diverging or (comparison.first_divergent_step or 0) < 1:
+    if (comparison.first_divergent_step or 0) < 1:
         return comparison
+    diverging = [w for w, seen in zip(witnesses, witnessed) if _apart_later(seen)]
+    how = "its samples in another order"
+    if more is not None and (not diverging or _worst_ratio(comparison, reference, candidate, diverging) > 1):
+        rescaled = [w for w in more() if _apart_later(compare(reference, w, tolerance=tol))]
+        diverging += rescaled
+        how += " or its backward at another scale" if rescaled else ""
+    if not diverging:
+        return comparison
+    worst = _worst_ratio(comparison, reference, candidate, diverging)
+    spread_margin = max(compare(reference, w, tolerance=tol).margin for w in diverging)
+    note = (f"chaotic: {cause()}: the reference itself, {how}, starts equal and ends apart "
+            f"(margin {spread_margin:.3g} against {tol}): differences within {WITNESS_FACTOR:g} times that spread "
+            "are rounding, and a difference smaller than it cannot be seen")
+    if worst > 1:
+        return _noted(comparison, note + f"; the candidate differs by up to {worst:.3g} times that")
+    return Comparison(tol, (), (), comparison.max_abs, comparison.max_rel, worst, note=note)
+
+
+def _worst_ratio(comparison: Comparison, reference: RunResult, candidate: RunResult,
+                 diverging: Sequence[RunResult]) -> float:
+    """The greatest of each mismatched quantity's difference over ``WITNESS_FACTOR`` times the witnesses' spread."""
     ratios = []
     for mismatch in comparison.mismatches:
         spread = max(_greatest_difference(mismatch, reference, w) for w in diverging)
         ratios.append(_greatest_difference(mismatch, reference, candidate) / (WITNESS_FACTOR * spread)
                       if spread else float("inf"))
-    spread_margin = max(compare(reference, w, tolerance=tol).margin for w in diverging)
-    note = (f"chaotic: {cause()}: the reference itself, its samples in another order, starts equal and ends apart "
-            f"(margin {spread_margin:.3g} against {tol}): differences within {WITNESS_FACTOR:g} times that spread "
-            "are rounding, and a difference smaller than it cannot be seen")
-    if max(ratios) > 1:
-        return _noted(comparison, note + f"; the candidate differs by up to {max(ratios):.3g} times that")
-    return Comparison(tol, (), (), comparison.max_abs, comparison.max_rel, max(ratios), note=note)
+    return max(ratios)
 
 
 def _apart_later(witnessed: Comparison) -> bool:

@@ -16,8 +16,10 @@ from ..process import threads as intra_op
 from ..process.seeding import DEFAULT_SEED
 from ..regimes import Regime, parse_regime
 from ..registry import resolve_case
+from ..judge import witness
 
-SAMPLE_ORDERS = ("given", "reversed", "rolled")  # a global batch's samples as given, or reordered (a witness)
+# A global batch's samples as given, or reordered, or as given with the backward at another scale (each a witness)
+SAMPLE_ORDERS = ("given", *witness.ORDERS, *witness.RESCALED)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,6 +22,7 @@ from . import checkpoints
 from .request import RunRequest
 from .closure import evaluate_closure
 from ..judge.compare import Expected
+from ..judge.witness import backward_scale
 from ..diff import SCALER_PREFIX, Measurement
 from ..errors import InvalidArgument, NonFinite, Unavailable, exits_as_errors
 from ..measure.activation import activation_meter
@@ -50,8 +51,8 @@ def train(
     """Train ``case`` for its steps under ``regime`` in precision ``dtype`` (default: the case's dtype)
     and return what it produced, with its peak activation memory unless ``measure_memory`` is off;
     with ``threads`` intra-op threads (default: one, unless the user chose: see :mod:`equivcheck.process.threads`);
-    with each global batch's samples in ``order`` (``'given'``; ``'reversed'`` or ``'rolled'``: a witness,
-    :mod:`equivcheck.judge.witness`); on ``device`` (default: the CPU, equivcheck.device). ``against`` compares the run with a reference as it trains, keeping the
+    with each global batch's samples in ``order`` (``'given'``; ``'reversed'`` or ``'rolled'``, or ``'rescaled_0.7'``
+    and the like, its backward at another scale: a witness, :mod:`equivcheck.judge.witness`); on ``device`` (default: the CPU, equivcheck.device). ``against`` compares the run with a reference as it trains, keeping the
     differences and none of its tensors: what a check needs of a run, in a recording's memory less
     (:mod:`equivcheck.judge.compare`)."""
     request = RunRequest.of(case, regime, seed=seed, dtype=dtype, measure_memory=measure_memory, threads=threads,
@@ -169,7 +170,8 @@ def train_segment(request: RunRequest, assembled: Assembled, against: Expected |
                       keeps=keeps_gradients, per_call=regime.counts_per_call and regime.steps_observable) \
             as recorder, \
             activation_meter(model, data, enabled=request.measure_memory) as memory, \
-            scheduled(optimizer, assembled.scheduler):
+            scheduled(optimizer, assembled.scheduler), \
+            rescaled_backward(model, backward_scale(request.order)):
         watched = StepWatch(batches, recorder)
         with regime.random_streams(model, optimizer, [batch.inputs for batch in batches]):
             losses = tuple(None if loss is None else float(loss)
@@ -322,11 +324,42 @@ def initial_weights(case: Case, precision: Precision, seed: int, device: str) ->
 
 def reordered(batch: Batch, order: str) -> Batch:
     """``batch`` with its samples in ``order``: as given, reversed, or rolled by half. The mean over a global batch's
-    items does not depend on the order of its samples, so only the summation order (rounding) changes."""
-    if order == "given":
+    items does not depend on the order of its samples, so only the summation order (rounding) changes. A rescaled
+    witness keeps them as given (:func:`rescaled_backward`)."""
+    if order == "given" or backward_scale(order) is not None:
         return batch
     index = torch.arange(len(batch) - 1, -1, -1) if order == "reversed" else torch.arange(len(batch)).roll(len(batch) // 2)
     return dataclasses.replace(batch, inputs=batch.inputs[index], targets=batch.targets[index])
+
+
+@contextlib.contextmanager
+def rescaled_backward(model: nn.Module, scale: float | None) -> Iterator[None]:
+    """Every backward of this run from a loss multiplied by ``scale`` (None: as it is), and each parameter's gradient
+    divided by it
+    as it reaches the parameter, before anything (accumulation, clipping, a GradScaler, the optimizer) reads it: the
+    same maths, rounded otherwise at every step of the backward. Where reordering a tiny batch's samples changes no
+    rounding that matters, this does: a reference whose tiny true gradients take their sign from rounding (Adam
+    without epsilon) parts from itself as a regime that splits the batch does (witness.py). A gradient that reaches
+    a parameter by another path than ``Tensor.backward`` (``torch.autograd.grad``) comes out divided: its step 0
+    differs, and the witness is then no witness (``witness._diverging``)."""
+    if scale is None:
+        yield
+        return
+    plain = torch.Tensor.backward
+
+    def backward(tensor: Tensor, gradient: Tensor | None = None, *args, **kwargs) -> None:
+        gradient = torch.ones_like(tensor) if gradient is None else gradient
+        return plain(tensor, gradient * scale, *args, **kwargs)
+
+    handles = [parameter.register_hook(lambda grad: grad / scale)
+               for parameter in dict.fromkeys(model.parameters()) if parameter.requires_grad]
+    torch.Tensor.backward = backward
+    try:
+        yield
+    finally:
+        torch.Tensor.backward = plain
+        for handle in handles:
+            handle.remove()
 
 
 def load_batches(case: Case, precision: Precision | None = None, device: torch.device | str = "cpu") -> list[Batch]:
