@@ -342,7 +342,7 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
                 settled = rounding.settled_as_it_trained(
                     case, comparison, ref, result, seed=seed, shadow_reference=shadow_reference,
                     shadow_candidate=lambda against: plan.run(spec, shadow, False, against=against),
-                ) if rounding.applies(precision, comparison) and not comparison.tolerance.source else None
+                ) if rounding.applies(precision, comparison) else None
                 if settled is not None:
                     comparison = settled
                 else:
@@ -365,9 +365,7 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
                 yield Outcome(case.name, str(spec), Verdict.EXPECTED_MISMATCH, None,
                               f"{declared}; it crashed: {crash}", seconds, details=details)
             continue
-        # Float64 shadows: the maths, or this case's rounding? Not for a lossy regime judged at its own bound:
-        # its shadows would compare the compression at float64's tolerance.
-        if rounding.applies(precision, comparison) and not comparison.tolerance.source:
+        if rounding.applies(precision, comparison):  # float64 shadows: the maths, or this case's rounding?
             comparison = rounding.judge(
                 case, comparison, ref, result, seed=seed,
                 shadow_reference=shadow_reference,

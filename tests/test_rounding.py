@@ -148,6 +148,8 @@ def test_only_a_low_precision_difference_in_numbers_goes_to_the_shadows():
     assert applies(PRECISIONS["fp16-autocast"], failing)
     assert not applies(PRECISIONS["float64"], failing) and not applies(PRECISIONS[SHADOW], failing)
     assert not applies(PRECISIONS["float32"], dataclasses.replace(failing, problems=("optimizer steps: 5 vs 1",)))
+    lossy = dataclasses.replace(failing, tolerance=Tolerance(1e-3, 1e-4, source="a compression's own bound"))
+    assert not applies(PRECISIONS["float32"], lossy)  # its shadows would judge the compression at float64's bound
 
 
 def test_a_scaled_mode_is_shadowed_through_its_scaler():

@@ -335,9 +335,8 @@ def reordered(batch: Batch, order: str) -> Batch:
 @contextlib.contextmanager
 def rescaled_backward(model: nn.Module, scale: float | None) -> Iterator[None]:
     """Every backward of this run from a loss multiplied by ``scale`` (None: as it is), and each parameter's gradient
-    divided by it
-    as it reaches the parameter, before anything (accumulation, clipping, a GradScaler, the optimizer) reads it: the
-    same maths, rounded otherwise at every step of the backward. Where reordering a tiny batch's samples changes no
+    divided by it as it reaches the parameter, before anything (accumulation, clipping, a GradScaler, the optimizer)
+    reads it: the same maths, rounded otherwise at every step of the backward. Where reordering a tiny batch's samples changes no
     rounding that matters, this does: a reference whose tiny true gradients take their sign from rounding (Adam
     without epsilon) parts from itself as a regime that splits the batch does (witness.py). A gradient that reaches
     a parameter by another path than ``Tensor.backward`` (``torch.autograd.grad``) comes out divided: its step 0
