@@ -145,9 +145,14 @@ def judge(comparison: Comparison, reference: RunResult, candidate: RunResult,
     note = f"ill-conditioned: {cause()}: " + "; ".join(n.describe() for n in explained) + (
         f" (before this witness: {comparison.note})" if comparison.note else "")
     standing = tuple(m for m in comparison.mismatches if not (noises[m] and noises[m].explained))
-    if standing:
-        return dataclasses.replace(comparison, mismatches=standing, note=note)
-    margin = max([n.margin for n in explained] + [_margin_elsewhere(reference, candidate, comparison)])
+    margins = [n.margin for n in explained]
+    if standing:  # what the noise-driven elements stirred up later may be the reference's own chaos
+        rest = _diverging(dataclasses.replace(comparison, mismatches=standing, note=note), reference, candidate, runs,
+                          cause, lambda: witnesses(RESCALED), from_step=comparison.first_divergent_step)
+        if not rest.ok:
+            return rest
+        note, margins = f"{note}; {rest.note}", margins + [rest.margin]
+    margin = max(margins + [_margin_elsewhere(reference, candidate, comparison)])
     return Comparison(comparison.tolerance, (), (), comparison.max_abs, comparison.max_rel, margin, note=note)
 
 
@@ -177,7 +182,8 @@ def by_the_reference(comparison: Comparison, reference: RunResult, candidate: Ru
 
 
 def _diverging(comparison: Comparison, reference: RunResult, candidate: RunResult, witnesses: Sequence[RunResult],
-               cause: Callable[[], str], more: Callable[[], Sequence[RunResult]] | None = None) -> Comparison:
+               cause: Callable[[], str], more: Callable[[], Sequence[RunResult]] | None = None,
+               from_step: int | None = None) -> Comparison:
     """The reference may itself be chaotic: where a witness starts equal to it (step 0 within the tolerance: the
     same weights, only the summation order differs) and ends apart beyond the tolerance, rounding alone is
     amplified to that size. The candidate is then judged against that spread: equivalent where every mismatched
@@ -185,13 +191,17 @@ def _diverging(comparison: Comparison, reference: RunResult, candidate: RunResul
     such (differences smaller than that spread cannot be seen at all). Where the reordered witnesses' spread does not
     cover the candidate, ``more`` witnesses (the backward at other scales) are drawn and counted too. A witness apart
     from step 0 on (dropout's draws paired with other samples; a rescaled one whose gradients reach a parameter by
-    another path than the backward) is no witness: the verdict stands."""
+    another path than the backward) is no witness: the verdict stands. ``from_step``: the step the whole run diverged
+    from, where ``comparison`` holds only the mismatches the noise-driven elements did not explain (:func:`judge`): a
+    key bias that Adam moves by its learning rate shifts every score of a row alike, which softmax ignores exactly and
+    float32 does not, so the other weights part by rounding from a later step."""
     tol = comparison.tolerance
+    first = comparison.first_divergent_step if from_step is None else from_step
     witnessed = [compare(reference, w, tolerance=tol) for w in witnesses]
     if any(seen.first_divergent_step == 0 for seen in witnessed):
         return _noted(comparison, "no witness: the reference's losses change with the order of its samples from the "
                                   "first step (randomness drawn per sample?), so rounding could not be told from the maths")
-    if (comparison.first_divergent_step or 0) < 1:
+    if (first or 0) < 1:
         return comparison
     diverging = [w for w, seen in zip(witnesses, witnessed) if _apart_later(seen)]
     how = "its samples in another order"
