@@ -9,6 +9,7 @@ import equivcheck as ec
 from equivcheck import Verdict
 from equivcheck.regimes import compiled
 from equivcheck.regimes.ddp import Ddp
+from equivcheck.strategies import CaseSpec
 
 
 def test_fsdp2_compiled_is_equivalent_and_a_pitfall_under_compile_is_caught():
@@ -95,6 +96,24 @@ def test_inductor_draws_dropouts_masks_as_the_eager_reference_does(monkeypatch):
     torch._dynamo.reset()  # the graphs compiled above drew eager's masks: compile again, with inductor's own
     (own_masks,) = ec.check("dropout_one_layer", [spec]).outcomes
     assert own_masks.verdict is Verdict.MISMATCH and own_masks.comparison.first_divergent_step == 0
+
+
+# A drawn attention LM on which a graph compiled for accumulation, served again by dynamo's cache, had given its
+# saved buffers away: retained_graph's second backward over it raised (bench_false_alarms.py --compiled, seed 3).
+DONATING = ec.register_case(CaseSpec(
+    widths=(4, 8), activation="gelu", dtype="float32", batch_size=2, steps=3, loss="cross_entropy",
+    optimizer="momentum", lr=0.01, heads=4, block=2, attention_bias=True, tied=True).build())
+
+
+def test_a_graph_compiled_for_another_regime_serves_a_retained_graph_one(monkeypatch):
+    specs = ["accumulate:chunks=2,compile=aot_eager", "retained_graph:chunks=2,compile=aot_eager"]
+    assert all(o.verdict is Verdict.EQUIVALENT for o in ec.check(DONATING, specs).outcomes)
+    monkeypatch.setattr(compiled, "FUNCTORCH_SETTINGS", {})  # the buffers given away again
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    _, retained = ec.check(DONATING, specs).outcomes
+    assert retained.verdict is Verdict.ERROR and "donated buffers" in retained.reason, retained.describe()
 
 
 def test_a_step_under_torch_func_grad_is_told_how_to_leave_the_activation_meter_out():

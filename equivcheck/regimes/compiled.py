@@ -33,6 +33,11 @@ CALLS_ATTRIBUTE = "_equivcheck_compiled_calls"  # on the case's model: the calls
 # a compiled run draws what the eager reference draws (measured: without it, one dropout layer under compile=inductor
 # mismatched full batch from step 0)
 INDUCTOR_SETTINGS = {"fallback_random": True}
+# A compiled backward may give its saved buffers away ("donated buffers", a memory saving), which a second backward
+# over the same graph cannot use: torch then refuses retain_graph. Dynamo's cache serves a graph compiled for one regime
+# to the next, so retained_graph met graphs compiled for accumulate and was an error (7 of 100 drawn configurations,
+# bench_false_alarms.py --compiled 100 --compile-backend aot_eager --seed 3). Kept, they change no number.
+FUNCTORCH_SETTINGS = {"donated_buffer": False}
 
 
 @functools.cache
@@ -142,6 +147,7 @@ def _compiled_something(inner, model: nn.Module, regime: str, backend: str, auto
     compiled module was never called or its backend never compiled a graph in this process (the run was eager), or
     where no backward was captured."""
     import torch
+    import torch._functorch.config
     import torch._inductor.config
     from torch._dynamo import compiled_autograd
     from torch._dynamo.utils import counters
@@ -149,6 +155,7 @@ def _compiled_something(inner, model: nn.Module, regime: str, backend: str, auto
     captured = counters["compiled_autograd"]["captures"]
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch._inductor.config.patch(**INDUCTOR_SETTINGS))
+        stack.enter_context(torch._functorch.config.patch(**FUNCTORCH_SETTINGS))
         stack.enter_context(inner)
         if autograd:
             stack.enter_context(compiled_autograd._enable(torch.compile(backend=backend)))
