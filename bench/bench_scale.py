@@ -16,7 +16,10 @@ Printed as ratios, check over torch alone. Then rows for the GPT-2-shaped transf
 equivcheck trains by default.
 
     python bench/bench_scale.py [--sizes 1m 25m 100m] [--regimes accumulate:chunks=4 ddp:world_size=2] [--no-gpt]
-                                [--busy] [--repeats N]
+                                [--busy] [--repeats N] [--dtype float32|bf16-autocast]
+
+``--dtype bf16-autocast`` checks every row under bf16 autocast (float32 weights), and torch alone trains its forward
+and loss under the same autocast.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from timing import markdown_table, peak_resident_kib
 TRAININGS = 3  # a self-checked check trains the reference twice and the regime once
 CHUNKS = 4
 IN_PROCESS, DDP = f"accumulate:chunks={CHUNKS}", "ddp:world_size=2"
+AUTOCAST = {"float32": None, "bf16-autocast": torch.bfloat16}  # the precision modes a row can be checked in
 
 
 def descendants(root: int) -> list[int]:
@@ -72,11 +76,11 @@ def rank_peaks_kib() -> list[int]:
     return sorted(peaks, reverse=True)
 
 
-def check_child(case: str, regime: str) -> dict:
+def check_child(case: str, regime: str, dtype: str) -> dict:
     """One timed check after a warm-up check of the smallest case: seconds, verdict, this process's peak and the ranks'."""
-    ec.check("scale_mlp_1m", [regime])
+    ec.check("scale_mlp_1m", [regime], dtype=dtype)
     started = time.perf_counter()
-    report = ec.check(case, [regime])
+    report = ec.check(case, [regime], dtype=dtype)
     seconds = time.perf_counter() - started
     verdicts = sorted({o.verdict.value for o in report.outcomes})
     peaks = rank_peaks_kib() if regime == DDP else []
@@ -85,22 +89,22 @@ def check_child(case: str, regime: str) -> dict:
             "notes": notes}
 
 
-def _alone_rank(rank: int, world_size: int, case: str, port: int, replies) -> None:
+def _alone_rank(rank: int, world_size: int, case: str, dtype: str, port: int, replies) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    warm_up(rank, world_size)
+    warm_up(rank, world_size, dtype)
     dist.barrier()
     started = time.perf_counter()
     for _ in range(TRAININGS):
-        train_alone(CASES[case], rank=rank, world_size=world_size)
+        train_alone(CASES[case], rank=rank, world_size=world_size, autocast=AUTOCAST[dtype])
     dist.barrier()
     replies.put((rank, time.perf_counter() - started, peak_resident_kib()))
     dist.destroy_process_group()
 
 
-def warm_up(rank: int = 0, world_size: int = 1) -> None:
+def warm_up(rank: int = 0, world_size: int = 1, dtype: str = "float32") -> None:
     """One training of the smallest case: torch's lazy imports and kernels, as the check's warm-up has them."""
-    train_alone(CASES["scale_mlp_1m"], rank=rank, world_size=world_size)
+    train_alone(CASES["scale_mlp_1m"], rank=rank, world_size=world_size, autocast=AUTOCAST[dtype])
 
 
 # Torch alone in one process, each in its own fresh process after the same warm-up as the check's: the micro-batches
@@ -121,33 +125,33 @@ def recording_bytes(case: str) -> int:
     return parameter_count(case) * (CASES[case].steps + 1) * 4
 
 
-def floor_child(case: str, work: str) -> dict:
+def floor_child(case: str, work: str, dtype: str) -> dict:
     """Torch alone in one process: ``FLOORS[work]``'s trainings, timed after a warm-up; the process's peak."""
     torch.set_num_threads(1)
-    warm_up()
+    warm_up(dtype=dtype)
     held = torch.ones(recording_bytes(case) // 4) if work == "held" else None  # noqa: F841 (held while it trains)
     started = time.perf_counter()
     for chunks in FLOORS[work]:
-        train_alone(CASES[case], chunks=chunks)
+        train_alone(CASES[case], chunks=chunks, autocast=AUTOCAST[dtype])
     return {"seconds": time.perf_counter() - started, "peak_kib": peak_resident_kib(), "rank_peaks_kib": []}
 
 
-def ddp_child(case: str, world_size: int) -> dict:
+def ddp_child(case: str, world_size: int, dtype: str) -> dict:
     """Torch alone on ``world_size`` gloo ranks: three trainings, timed after a warm-up; each rank's peak."""
     replies = mp.get_context("spawn").SimpleQueue()
     port = 29500 + os.getpid() % 1000
-    mp.spawn(_alone_rank, args=(world_size, case, port, replies), nprocs=world_size)
+    mp.spawn(_alone_rank, args=(world_size, case, dtype, port, replies), nprocs=world_size)
     ranks = sorted(replies.get() for _ in range(world_size))
     return {"seconds": max(seconds for _, seconds, _ in ranks), "peak_kib": peak_resident_kib(),
             "rank_peaks_kib": sorted((peak for _, _, peak in ranks), reverse=True)}
 
 
-def alone_figures(case: str, world_size: int) -> dict:
+def alone_figures(case: str, world_size: int, dtype: str) -> dict:
     """Torch alone's figures for a row: three trainings (on ranks under DDP); in process, also the regime's floor
     and that floor holding a recording, each in a fresh process."""
     if world_size > 1:
-        return in_fresh_process("ddp", case, str(world_size))
-    trainings, regime, held = (in_fresh_process("floor", case, work) for work in FLOORS)
+        return in_fresh_process("ddp", case, str(world_size), dtype)
+    trainings, regime, held = (in_fresh_process("floor", case, work, dtype) for work in FLOORS)
     return {**trainings, "regime_seconds": regime["seconds"], "held_seconds": held["seconds"]}
 
 
@@ -180,10 +184,11 @@ def combined(runs: list[dict]) -> dict:
     return merged
 
 
-def row(case: str, regime: str, notes: list[str], repeats: int) -> tuple[str, ...]:
+def row(case: str, regime: str, notes: list[str], repeats: int, dtype: str) -> tuple[str, ...]:
     """One table row; with ``repeats``, each side in that many fresh processes, in turn."""
     world_size = 2 if regime == DDP else 1
-    pairs = [(alone_figures(case, world_size), in_fresh_process("check", case, regime)) for _ in range(repeats)]
+    pairs = [(alone_figures(case, world_size, dtype), in_fresh_process("check", case, regime, dtype))
+             for _ in range(repeats)]
     alone, check = (combined([pair[side] for pair in pairs]) for side in (0, 1))
     notes += [f"{case} under {regime}: {note}" for note in check["notes"]]
     own_floor = "" if "regime_seconds" not in alone else (
@@ -207,15 +212,17 @@ def main() -> None:
     parser.add_argument("--busy", action="store_true", help="beside a busy neighbour: a loop on every core")
     parser.add_argument("--repeats", type=int, default=1,
                         help="each side of a row in this many fresh processes, in turn: medians of the times")
-    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", default="float32", choices=list(AUTOCAST), help="the precision mode of every row")
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        kind, case, extra = args.child
-        children = {"check": check_child, "floor": floor_child, "ddp": lambda case, ranks: ddp_child(case, int(ranks))}
-        print(json.dumps(children[kind](case, extra)))
+        kind, case, extra, dtype = args.child
+        children = {"check": check_child, "floor": floor_child,
+                    "ddp": lambda case, ranks, dtype: ddp_child(case, int(ranks), dtype)}
+        print(json.dumps(children[kind](case, extra, dtype)))
         return
     beside = "; beside a loop on every core" if args.busy else ""
-    print(f"torch {torch.__version__}, one intra-op thread a process; {os.cpu_count()} CPUs; load "
+    print(f"torch {torch.__version__}, {args.dtype}, one intra-op thread a process; {os.cpu_count()} CPUs; load "
           f"{os.getloadavg()[0]:.1f}{beside}; medians of {args.repeats} fresh processes a side\n"
           f"check / torch alone: time (alone: {TRAININGS} trainings), peak RSS of the "
           "checking process (against one torch-alone process that trains; under DDP, its largest rank) and of the "
@@ -226,7 +233,7 @@ def main() -> None:
     with busy_neighbour(args.busy):
         for case in cases:
             for regime in args.regimes if case.startswith("scale_mlp") else [IN_PROCESS]:
-                rows.append(row(case, regime, notes, args.repeats))
+                rows.append(row(case, regime, notes, args.repeats, args.dtype))
                 print("  ".join(rows[-1]), flush=True)
     print("\n" + markdown_table(rows) + "".join(f"\n- {note}" for note in notes))
 

@@ -324,6 +324,9 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
     witness_run = functools.cache(lambda order: plan.run(reference, precision, False, order))
     witnesses = (lambda orders: [witness_run(order) for order in orders])
     initial = functools.cache(lambda: initial_weights(case, precision, seed, plan.device))
+    # where the runs' gradients are at rounding level: the reference's own, or under autocast (whose 16-bit products
+    # make a zero gradient's noise as large as real small ones) the reference's trained in float32 (witness.py)
+    levels = functools.cache(lambda: ref if precision.autocast is None else plan.run(reference, PRECISIONS["float32"], False))
     against = (lambda spec: Expected(ref, plan.tolerance(spec, loss_precision))) if streams else (lambda spec: None)
     for index, spec in enumerate(plan.specs):
         if spec == reference:
@@ -337,7 +340,7 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
             result = (ahead.pop(index) if index in ahead else
                       plan.start(spec, precision, measure_memory, against=against(spec))).result()
             comparison = witness.by_the_reference(compare(ref, result, tolerance=tolerance), ref, result, initial,
-                                                  cause=lambda: rounding.conditioning(case, seed))
+                                                  cause=lambda: rounding.conditioning(case, seed), levels=levels)
             if not comparison.ok and result.measured is not None:  # the breakdown reads the run's own tensors
                 settled = rounding.settled_as_it_trained(
                     case, comparison, ref, result, seed=seed, shadow_reference=shadow_reference,
@@ -370,9 +373,9 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
                 case, comparison, ref, result, seed=seed,
                 shadow_reference=shadow_reference,
                 shadow_candidate=lambda: plan.run(spec, shadow, False))
-        if witness.applies(comparison, ref, result):  # what is left may be noise where a true gradient is zero
+        if witness.applies(comparison, ref, result, levels):  # what is left may be noise where a true gradient is zero
             comparison = witness.judge(comparison, ref, result, witnesses, initial,
-                                       cause=lambda: rounding.conditioning(case, seed))
+                                       cause=lambda: rounding.conditioning(case, seed), levels=levels)
         outcome = judge(case, spec, comparison, time.perf_counter() - started, result, ref, reference)
         yield dataclasses.replace(outcome, reason="; ".join(filter(None, (outcome.reason, loss_note))))
 

@@ -46,7 +46,7 @@ def test_without_the_witness_the_false_alarm_is_back(monkeypatch):
     assert outcome.verdict is Verdict.MISMATCH
 
 
-def shifted_key_bias(model, optimizer, batch, shift=0.05):
+def shifted_key_bias(model, optimizer, batch, shift=0.05, keys=KEY_BIAS):
     """A faithful full-batch step, then a bug that moves the key bias: nothing the loss sees changes (softmax ignores
     it), but the weights do, by far more than rounding moves them."""
     inputs, targets = batch
@@ -56,7 +56,7 @@ def shifted_key_bias(model, optimizer, batch, shift=0.05):
     optimizer.step()
     optimizer.zero_grad()
     with torch.no_grad():
-        model.trunk.attn.in_proj_bias[KEY_BIAS] += shift
+        model.trunk.attn.in_proj_bias[keys] += shift
     return loss.detach()
 
 
@@ -188,7 +188,8 @@ FLOAT32 = ec.register_case(dataclasses.replace(SPEC, dtype="float32").build())
 def extra_runs(monkeypatch) -> list[str]:
     """What the check ran beyond its three trainings, as it runs it: shadows, witnesses, a recorded rerun."""
     ran: list[str] = []
-    for module, name in ((rounding, "judge"), (witness, "judge"), (check_module, "_recorded")):
+    for module, name in ((rounding, "judge"), (rounding, "settled_as_it_trained"), (witness, "judge"),
+                         (check_module, "_recorded")):
         original = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *args, _o=original, _n=name, **kwargs: ran.append(_n) or _o(*args, **kwargs))
     return ran
@@ -213,6 +214,36 @@ def test_the_reference_alone_still_catches_a_bug_on_the_noise_driven_elements(mo
         monkeypatch.setattr(check_module, "COMPARE_AS_IT_TRAINS_FROM", 0)
     step = functools.partial(shifted_key_bias, shift=0.05)
     (outcome,) = ec.check_step(FLOAT32, step).outcomes
+    assert outcome.verdict is Verdict.MISMATCH, outcome.describe()
+    assert [m.name for m in outcome.comparison.mismatches] == ["trunk.attn.in_proj_bias"]
+
+
+# Under bf16 autocast a key bias's noise (4e-5 of the step's greatest gradient) is as large as the smallest real
+# gradients, so the reference trained in float32 says which elements are at rounding level: one float32 training where
+# two float64 shadows ran. Adam at 1e-3 over 32 features: only the key biases end apart (margin 1.17 in bf16).
+AUTOCAST = ec.register_case(CaseSpec(
+    widths=(32, 13), activation="gelu", dtype="float32", batch_size=31, steps=4, loss="cross_entropy",
+    optimizer="adam", lr=0.001, heads=2, block=8, attention_bias=True).build())
+
+
+@pytest.mark.parametrize("as_it_trains", [False, True], ids=["recorded", "compared-as-it-trains"])
+def test_under_autocast_the_reference_in_float32_says_where_rounding_is(monkeypatch, as_it_trains):
+    if as_it_trains:
+        monkeypatch.setattr(check_module, "COMPARE_AS_IT_TRAINS_FROM", 0)
+    ran = extra_runs(monkeypatch)
+    (outcome,) = ec.check(AUTOCAST, ["accumulate:chunks=4"], dtype="bf16-autocast").outcomes
+    assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
+    assert "'trunk.attn.in_proj_bias'[32:64]: true gradient zero" in outcome.reason
+    assert "the reference's own rounding moved it up to" in outcome.reason
+    assert ran == []  # no float64 shadow, no witness, no second run of the candidate
+
+
+@pytest.mark.parametrize("as_it_trains", [False, True], ids=["recorded", "compared-as-it-trains"])
+def test_under_autocast_a_bug_on_the_key_bias_is_still_caught(monkeypatch, as_it_trains):
+    if as_it_trains:
+        monkeypatch.setattr(check_module, "COMPARE_AS_IT_TRAINS_FROM", 0)
+    step = functools.partial(shifted_key_bias, shift=0.05, keys=slice(32, 64))
+    (outcome,) = ec.check_step(AUTOCAST, step, dtype="bf16-autocast").outcomes
     assert outcome.verdict is Verdict.MISMATCH, outcome.describe()
     assert [m.name for m in outcome.comparison.mismatches] == ["trunk.attn.in_proj_bias"]
 

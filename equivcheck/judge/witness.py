@@ -60,25 +60,32 @@ WITNESS_FACTOR = 3.0
 
 # A gradient element at most this many machine epsilons of the step's greatest gradient is at rounding level: a
 # true gradient of zero computes to about eps times the terms it sums (1e-16 of the rest in float64 here, 2e-8 in
-# float32), a real one, however small, far above.
+# float32), a real one, however small, far above. Not under autocast, whose gradients are float32 sums of 16-bit
+# products: there a key bias's noise (4e-5 of the greatest, bf16) is as large as the smallest real gradients, so
+# which elements are at rounding level is read from the reference trained in float32 (``levels``: check.py).
 ROUNDING_LEVEL = 64
 
 
-def applies(comparison: Comparison, reference: RunResult, candidate: RunResult) -> bool:
+def applies(comparison: Comparison, reference: RunResult, candidate: RunResult,
+            levels: Callable[[], RunResult] | None = None) -> bool:
     """Whether the witnesses could explain ``comparison``: numbers only, not the loss (a parameter whose gradient
     is zero changes nothing the loss sees), and every mismatched weight or gradient mismatched somewhere its
-    reference gradient is at rounding level at every step. Otherwise the verdict stands without witness runs."""
+    reference gradient is at rounding level at every step (read from ``levels()``, where given: the reference
+    without autocast). Otherwise the verdict stands without witness runs."""
     if not comparison.mismatches or comparison.problems or comparison.tolerance.source:
         return False
     if (comparison.first_divergent_step or 0) >= 1:  # equal at step 0, apart later: perhaps amplified rounding
         return True
+    if all(m.kind == "buffer" for m in comparison.mismatches):
+        return True
+    graded = reference if levels is None else levels()
     return all(m.kind == "buffer" or (m.kind in ("grad", "weight") and bool(
-        (_mismatched(m, reference, candidate, comparison.tolerance) & _at_rounding_level(reference, m.name)).any()))
+        (_mismatched(m, reference, candidate, comparison.tolerance) & _at_rounding_level(graded, m.name)).any()))
         for m in comparison.mismatches)
 
 
 def _at_rounding_level(reference: RunResult, name: str) -> Tensor:
-    """The elements of parameter ``name`` whose reference gradient is at rounding level at every step."""
+    """The elements of parameter ``name`` whose gradient in ``reference`` is at rounding level at every step."""
     level = None
     for step in reference.grads:
         largest = max(float(as_real(g).abs().max()) for g in step.values() if g.numel())
@@ -127,10 +134,10 @@ class Noise:
 
 def judge(comparison: Comparison, reference: RunResult, candidate: RunResult,
           witnesses: Callable[[Sequence[str]], Sequence[RunResult]], initial: Callable[[], dict[str, Tensor]],
-          cause: Callable[[], str]) -> Comparison:
+          cause: Callable[[], str], levels: Callable[[], RunResult] | None = None) -> Comparison:
     """``comparison`` (failed, :func:`applies`) judged by the witnesses: equivalent with a note naming every
     noise-driven parameter where rounding explains every mismatch, else the mismatches rounding does not
-    explain, with a note on those it does."""
+    explain, with a note on those it does. ``levels``: as :func:`applies` takes it."""
     try:
         runs = witnesses(ORDERS)
     except Exception as error:  # the verdict stands; say why it could not be weighed
@@ -138,7 +145,9 @@ def judge(comparison: Comparison, reference: RunResult, candidate: RunResult,
     neutral = [run for run in runs if _losses_match(reference, run, comparison.tolerance)]
     if not neutral:
         return _diverging(comparison, reference, candidate, runs, cause, lambda: witnesses(RESCALED))
-    noises = {m: _noise(m, reference, candidate, neutral, initial(), comparison.tolerance) for m in comparison.mismatches}
+    graded = reference if levels is None else levels()
+    noises = {m: _noise(m, reference, candidate, neutral, initial(), comparison.tolerance, graded)
+              for m in comparison.mismatches}
     explained = [n for n in noises.values() if n is not None and n.explained]
     if not explained:
         return _diverging(comparison, reference, candidate, runs, cause, lambda: witnesses(RESCALED))
@@ -157,7 +166,8 @@ def judge(comparison: Comparison, reference: RunResult, candidate: RunResult,
 
 
 def by_the_reference(comparison: Comparison, reference: RunResult, candidate: RunResult,
-                     initial: Callable[[], dict[str, Tensor]], cause: Callable[[], str]) -> Comparison:
+                     initial: Callable[[], dict[str, Tensor]], cause: Callable[[], str],
+                     levels: Callable[[], RunResult] | None = None) -> Comparison:
     """``comparison`` judged by the reference's own rounding, before any other run: where every gradient matched and
     the final weights are apart only on elements whose reference gradient is at rounding level at every step, the
     reference moved those elements from where they started by rounding alone, and the candidate may move them up to
@@ -165,7 +175,8 @@ def by_the_reference(comparison: Comparison, reference: RunResult, candidate: Ru
     with a note where that explains every mismatch; else ``comparison`` unchanged, for the float64 shadows and the
     witnesses. An Adam-trained attention model's key biases are such elements: this spares its check the shadows'
     float64 memory and the witnesses' runs. A candidate compared as it trained brings its weights beyond the
-    tolerance (``Measurement.strayed``), so it is not trained again to read them."""
+    tolerance (``Measurement.strayed``), so it is not trained again to read them. ``levels``: as :func:`applies`
+    takes it (under autocast, one float32 training, still far cheaper than two float64 ones)."""
     if comparison.ok or comparison.problems or comparison.tolerance.source or any(
             m.kind != "weight" for m in comparison.mismatches):
         return comparison
@@ -173,7 +184,8 @@ def by_the_reference(comparison: Comparison, reference: RunResult, candidate: Ru
     if any(m.name not in weights or m.name not in reference.weights for m in comparison.mismatches):
         return comparison
     candidate = dataclasses.replace(candidate, weights=weights)
-    noises = [_noise(m, reference, candidate, [], initial(), comparison.tolerance) for m in comparison.mismatches]
+    graded = reference if levels is None else levels()
+    noises = [_noise(m, reference, candidate, [], initial(), comparison.tolerance, graded) for m in comparison.mismatches]
     if not all(noise is not None and noise.explained for noise in noises):
         return comparison
     note = f"ill-conditioned: {cause()}: " + "; ".join(noise.describe() for noise in noises)
@@ -284,7 +296,7 @@ def _losses_match(reference: RunResult, witness: RunResult, tol: Tolerance) -> b
 
 
 def _noise(mismatch: Mismatch, reference: RunResult, candidate: RunResult, witnesses: list[RunResult],
-           initial: dict[str, Tensor], tol: Tolerance) -> Noise | None:
+           initial: dict[str, Tensor], tol: Tolerance, graded: RunResult) -> Noise | None:
     """The evidence on ``mismatch``'s quantity, over each of its steps; None where nothing of it is noise-driven.
 
     Where: a parameter's elements whose reference gradient is at rounding level at every step, whatever sign the
@@ -292,10 +304,11 @@ def _noise(mismatch: Mismatch, reference: RunResult, candidate: RunResult, witne
     true value of such an element is known (its gradient is zero; its weight stays where it started), so what
     the reference and each witness moved it from there is rounding, amplified. The candidate's own movement
     there must stay within ``WITNESS_FACTOR`` times the greatest of theirs (a buffer's difference, within that
-    many times the witnesses' greatest difference)."""
+    many times the witnesses' greatest difference). ``graded``: the run whose gradients say which elements are at
+    rounding level (the reference, or the reference without autocast)."""
     if mismatch.kind == "loss":  # the loss sees every parameter that matters: never noise on one that does not
         return None
-    level = None if mismatch.kind == "buffer" else _at_rounding_level(reference, mismatch.name)
+    level = None if mismatch.kind == "buffer" else _at_rounding_level(graded, mismatch.name)
     driven = torch.zeros(0, dtype=torch.bool)
     noise = moved_most = gradient = strayed = margin = 0.0
     explained = True
