@@ -15,7 +15,7 @@ Printed as ratios, check over torch alone. Then rows for the GPT-2-shaped transf
 6.5M and 124M parameters (the larger one's RSS against a 16 GB runner). One intra-op thread on both sides, as
 equivcheck trains by default.
 
-    python bench/bench_scale.py [--sizes 1m 25m 100m] [--regimes accumulate:chunks=4 ddp:world_size=2] [--no-gpt]
+    python bench/bench_scale.py [--sizes [1m 25m 100m]] [--regimes accumulate:chunks=4 ddp:world_size=2] [--gpt [6m 124m]]
                                 [--busy] [--repeats N] [--dtype float32|bf16-autocast]
 
 ``--dtype bf16-autocast`` checks every row under bf16 autocast (float32 weights), and torch alone trains its forward
@@ -46,6 +46,7 @@ TRAININGS = 3  # a self-checked check trains the reference twice and the regime 
 CHUNKS = 4
 IN_PROCESS, DDP = f"accumulate:chunks={CHUNKS}", "ddp:world_size=2"
 AUTOCAST = {"float32": None, "bf16-autocast": torch.bfloat16}  # the precision modes a row can be checked in
+GPT_CASES = {"6m": "scale_gpt_6m", "124m": "scale_gpt2_124m"}
 
 
 def descendants(root: int) -> list[int]:
@@ -206,9 +207,11 @@ def row(case: str, regime: str, notes: list[str], repeats: int, dtype: str) -> t
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", nargs="+", default=list(MLP_SIZES), choices=list(MLP_SIZES))
+    parser.add_argument("--sizes", nargs="*", default=list(MLP_SIZES), choices=list(MLP_SIZES),
+                        help="the MLPs' sizes (none: no MLP row)")
     parser.add_argument("--regimes", nargs="+", default=[IN_PROCESS, DDP], choices=[IN_PROCESS, DDP])
-    parser.add_argument("--no-gpt", action="store_true", help="leave out the transformers' rows")
+    parser.add_argument("--gpt", nargs="*", default=list(GPT_CASES), choices=list(GPT_CASES),
+                        help="the transformers' rows (none: no transformer row)")
     parser.add_argument("--busy", action="store_true", help="beside a busy neighbour: a loop on every core")
     parser.add_argument("--repeats", type=int, default=1,
                         help="each side of a row in this many fresh processes, in turn: medians of the times")
@@ -229,7 +232,7 @@ def main() -> None:
           "largest rank\n", flush=True)
     header = ("case", "parameters", "regime", "verdict", "time", "peak RSS, checking process", "peak RSS, ranks")
     rows, notes = [header], []
-    cases = [f"scale_mlp_{size}" for size in args.sizes] + ([] if args.no_gpt else ["scale_gpt_6m", "scale_gpt2_124m"])
+    cases = [f"scale_mlp_{size}" for size in args.sizes] + [GPT_CASES[size] for size in args.gpt]
     with busy_neighbour(args.busy):
         for case in cases:
             for regime in args.regimes if case.startswith("scale_mlp") else [IN_PROCESS]:

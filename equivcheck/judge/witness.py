@@ -18,7 +18,8 @@ The judgement, quantity by quantity (a step's gradient of a parameter, a final w
   value (a zero gradient; a weight where it started) no more than ``WITNESS_FACTOR`` times the furthest the
   reference or a witness did: rounding moves such an element, and nothing else may (a buffer, whose true value
   is unknown: its difference within that many times the witnesses' greatest);
-- every other mismatch stands, with the witness's figure beside it.
+- every other mismatch stands, with the witness's figure beside it, unless the whole run started equal and the
+  reference itself, reordered or rescaled, ends as far apart on that quantity (the chaotic rule, :func:`_diverging`).
 
 A mismatch in the loss is never judged so (a parameter whose gradient is zero changes nothing the loss sees),
 and a witness counts only where its losses match the reference's: one whose losses differ is not neutral (a
@@ -74,8 +75,8 @@ def applies(comparison: Comparison, reference: RunResult, candidate: RunResult,
     without autocast). Otherwise the verdict stands without witness runs."""
     if not comparison.mismatches or comparison.problems or comparison.tolerance.source:
         return False
-    if (comparison.first_divergent_step or 0) >= 1:  # equal at step 0, apart later: perhaps amplified rounding
-        return True
+    if comparison.first_divergent_step != 0:  # every gradient equal at step 0, apart later (or only the end weights):
+        return True                            # perhaps amplified rounding
     if all(m.kind == "buffer" for m in comparison.mismatches):
         return True
     graded = reference if levels is None else levels()
@@ -123,6 +124,7 @@ class Noise:
     explained: bool  # every mismatched element is noise-driven and within WITNESS_FACTOR * noise
     margin: float  # the greatest |candidate - reference| / (allowed + WITNESS_FACTOR * noise where noise-driven)
     witnessed: bool = True  # False: the reference alone measured the rounding (by_the_reference)
+    driven_within: bool = True  # every noise-driven element within its bound: what is apart has a real gradient
 
     def describe(self) -> str:
         zero = "" if self.mismatch.kind == "buffer" else f"true gradient zero (the reference's is {self.gradient:.2g}), "
@@ -149,18 +151,27 @@ def judge(comparison: Comparison, reference: RunResult, candidate: RunResult,
     noises = {m: _noise(m, reference, candidate, neutral, initial(), comparison.tolerance, graded)
               for m in comparison.mismatches}
     explained = [n for n in noises.values() if n is not None and n.explained]
-    if not explained:
-        return _diverging(comparison, reference, candidate, runs, cause, lambda: witnesses(RESCALED))
-    note = f"ill-conditioned: {cause()}: " + "; ".join(n.describe() for n in explained) + (
-        f" (before this witness: {comparison.note})" if comparison.note else "")
-    standing = tuple(m for m in comparison.mismatches if not (noises[m] and noises[m].explained))
+    note = comparison.note if not explained else f"ill-conditioned: {cause()}: " + "; ".join(
+        n.describe() for n in explained) + (f" (before this witness: {comparison.note})" if comparison.note else "")
     margins = [n.margin for n in explained]
-    if standing:  # what the noise-driven elements stirred up later may be the reference's own chaos
-        rest = _diverging(dataclasses.replace(comparison, mismatches=standing, note=note), reference, candidate, runs,
+    # What the noise-driven elements do not explain, the chaotic rule may (:func:`_diverging`): where the trajectories
+    # parted at a later step, every such quantity (rounding amplified there moves every element, a noise-driven one
+    # too); where only the end weights are apart, a quantity whose noise-driven elements all stayed within their bound
+    # (a real but tiny gradient's sign, which Adam without epsilon makes a whole step): there a noise-driven element
+    # moved beyond rounding stands, however wide the witnesses' spread.
+    parted = (comparison.first_divergent_step or 0) >= 1
+    standing = tuple(m for m in comparison.mismatches if not (noises[m] and noises[m].explained))
+    undecided = tuple(m for m in standing if parted or noises[m] is None or noises[m].driven_within)
+    if undecided:
+        rest = _diverging(dataclasses.replace(comparison, mismatches=undecided, note=note), reference, candidate, runs,
                           cause, lambda: witnesses(RESCALED), from_step=comparison.first_divergent_step)
-        if not rest.ok:
-            return rest
-        note, margins = f"{note}; {rest.note}", margins + [rest.margin]
+        if rest.ok:
+            standing, margins = tuple(m for m in standing if m not in undecided), margins + [rest.margin]
+            note = f"{note}; {rest.note}" if explained else rest.note
+        else:
+            note = rest.note
+    if standing:
+        return dataclasses.replace(comparison, mismatches=standing, note=note)
     margin = max(margins + [_margin_elsewhere(reference, candidate, comparison)])
     return Comparison(comparison.tolerance, (), (), comparison.max_abs, comparison.max_rel, margin, note=note)
 
@@ -213,7 +224,7 @@ def _diverging(comparison: Comparison, reference: RunResult, candidate: RunResul
     if any(seen.first_divergent_step == 0 for seen in witnessed):
         return _noted(comparison, "no witness: the reference's losses change with the order of its samples from the "
                                   "first step (randomness drawn per sample?), so rounding could not be told from the maths")
-    if (first or 0) < 1:
+    if first == 0:  # apart from the first step: no rounding amplified over training explains that
         return comparison
     diverging = [w for w, seen in zip(witnesses, witnessed) if _apart_later(seen)]
     how = "its samples in another order"
@@ -311,7 +322,7 @@ def _noise(mismatch: Mismatch, reference: RunResult, candidate: RunResult, witne
     level = None if mismatch.kind == "buffer" else _at_rounding_level(graded, mismatch.name)
     driven = torch.zeros(0, dtype=torch.bool)
     noise = moved_most = gradient = strayed = margin = 0.0
-    explained = True
+    explained = driven_within = True
     for expected, actual, seen, grads, true in _tensors(mismatch, reference, candidate, witnesses, initial):
         expected, actual = _float64(expected), _float64(actual)
         allowed = tol.atol + tol.rtol * expected.abs()
@@ -332,6 +343,7 @@ def _noise(mismatch: Mismatch, reference: RunResult, candidate: RunResult, witne
             stray = (actual - true).abs()
         within = noisy & (stray <= WITNESS_FACTOR * scale)
         explained &= bool((matched | within).all())
+        driven_within &= bool((matched | within | ~noisy).all())
         ratio = torch.where(noisy, stray / max(WITNESS_FACTOR * scale, tol.atol), gap / allowed)
         margin = max(margin, float(torch.where(gap == 0, 0.0, ratio).max()))
         noise, moved_most = max(noise, float(apart[noisy].max())), max(moved_most, scale)
@@ -341,7 +353,7 @@ def _noise(mismatch: Mismatch, reference: RunResult, candidate: RunResult, witne
     if not driven.numel() or moved_most == 0:
         return None
     return Noise(mismatch, _name_elements(mismatch.name, driven, reference, mismatch.kind), noise, moved_most,
-                 gradient, strayed, explained, margin, witnessed=bool(witnesses))
+                 gradient, strayed, explained, margin, witnessed=bool(witnesses), driven_within=driven_within)
 
 
 def _tensors(mismatch: Mismatch, reference: RunResult, candidate: RunResult, witnesses: list[RunResult],
