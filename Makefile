@@ -8,8 +8,10 @@ STAMP := $(VENV)/.installed
 # The cases are tiny: one torch thread per process beats several fighting over 2 cores.
 export OMP_NUM_THREADS ?= 1
 # pytest-xdist workers for make test and make test-dev: the suite's time is in the processes its tests start
-# (commands, ranks, pytest sessions), which two workers overlap (bench/README.md#the-suite).
+# (commands, ranks, pytest sessions), which two workers overlap (bench/README.md#the-suite). Whole files to a worker:
+# a module's fixture (the catalogue's four precisions, 60 to 100 s) then runs once, not once on each worker.
 WORKERS ?= 2
+XDIST = -n $(WORKERS) --dist loadfile
 
 .PHONY: install demo test test-dev test-gpu test-frameworks bench bench-speed bench-threads bench-isolation bench-memory bench-scale bench-mesh bench-false-alarms bench-compile bench-suite mutation clean
 
@@ -37,7 +39,7 @@ demo: install
 	@$(BIN)/equivcheck run --matrix --case tp_mlp --case checkpointed_dropout | awk '/^cell:/ {done = 1} !done'
 
 test-dev: install
-	$(BIN)/python -m pytest -q -n $(WORKERS)
+	$(BIN)/python -m pytest -q $(XDIST)
 
 # make test checks what users install: the sdist of the tree as git sees it, the wheel built from that sdist, that wheel installed into its own
 # venv, and the suite run from a copy of the tests, where nothing of the checkout is importable
@@ -63,7 +65,7 @@ test: $(INSTALLED)/venv/.installed
 	$(INSTALLED_BIN)/python -m pip install --quiet --disable-pip-version-check "$$(ls $(DIST)/*.whl)[test]"
 	mkdir -p $(SUITE) && cp -r tests conftest.py pyproject.toml README.md $(SUITE)/
 	cd $(SUITE) && EQUIVCHECK_SOURCE_TREE="$(CURDIR)" EQUIVCHECK_DIST="$(CURDIR)/$(DIST)" \
-		../venv/bin/python -m pytest -q -p no:cacheprovider -n $(WORKERS)
+		../venv/bin/python -m pytest -q -p no:cacheprovider $(XDIST)
 
 # On a GPU machine, with the Python and torch installed there: the suite, the catalogue, the field and the matrix on
 # the CPU default and with --device cuda, then the GPU bench (bench/gpu_check.sh; outputs in build/gpu).

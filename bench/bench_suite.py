@@ -26,7 +26,8 @@ TARGET_SECONDS = 60.0  # the target for the suite's test time on a 2-core machin
 
 def run_suite(workers: int) -> tuple[float, str]:
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(workers)],
+    spread = ["-n", str(workers)] + (["--dist", "loadfile"] if workers else [])  # as make test spreads the files
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *spread],
                           cwd=ROOT, capture_output=True, text=True)
     seconds = time.perf_counter() - started
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""

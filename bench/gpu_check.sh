@@ -35,7 +35,7 @@ step() {  # step NAME COMMAND...: run it, its output in $OUT/NAME.txt, its exit 
 }
 EC=(env PYTHONWARNINGS=ignore "$PYTHON" -m equivcheck)
 : > "$OUT/summary.txt"
-step suite "$PYTHON" -m pytest -q -n "$WORKERS" -p no:randomly -p no:cacheprovider tests &
+step suite "$PYTHON" -m pytest -q -n "$WORKERS" --dist loadfile -p no:randomly -p no:cacheprovider tests &
 { step catalogue "${EC[@]}" catalogue; step catalogue_fp16 "${EC[@]}" catalogue --dtype fp16-autocast;
   step catalogue_cuda "${EC[@]}" catalogue --device cuda --dtype float32 --dtype bf16-autocast; } &
 { step field "${EC[@]}" field; step field_cuda "${EC[@]}" field --device cuda;
