@@ -321,7 +321,9 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
         f"({Tolerance.resolve(loss_precision)})")
     shadow = rounding.shadow_of(precision)
     shadow_reference = functools.cache(lambda: plan.run(reference, shadow, False))
-    witness_run = functools.cache(lambda order: plan.run(reference, precision, False, order))
+    # a witness recorded whole, or (``tolerance`` given) compared with the reference as it trains, at that tolerance
+    witness_run = functools.cache(lambda order, tolerance=None: plan.run(
+        reference, precision, False, order, against=None if tolerance is None else Expected(ref, tolerance)))
     witnesses = (lambda orders: [witness_run(order) for order in orders])
     initial = functools.cache(lambda: initial_weights(case, precision, seed, plan.device))
     # where the runs' gradients are at rounding level: the reference's own, or under autocast (whose 16-bit products
@@ -342,10 +344,13 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
             comparison = witness.by_the_reference(compare(ref, result, tolerance=tolerance), ref, result, initial,
                                                   cause=lambda: rounding.conditioning(case, seed), levels=levels)
             if not comparison.ok and result.measured is not None:  # the breakdown reads the run's own tensors
-                settled = rounding.settled_as_it_trained(
-                    case, comparison, ref, result, seed=seed, shadow_reference=shadow_reference,
-                    shadow_candidate=lambda against: plan.run(spec, shadow, False, against=against),
-                ) if rounding.applies(precision, comparison) else None
+                settled = witness.end_weights_as_it_trained(
+                    comparison, ref, result, lambda: witness_run(witness.ORDERS[0], tolerance), initial,
+                    cause=lambda: rounding.conditioning(case, seed), levels=levels)
+                if settled is None and rounding.applies(precision, comparison):
+                    settled = rounding.settled_as_it_trained(
+                        case, comparison, ref, result, seed=seed, shadow_reference=shadow_reference,
+                        shadow_candidate=lambda against: plan.run(spec, shadow, False, against=against))
                 if settled is not None:
                     comparison = settled
                 else:
