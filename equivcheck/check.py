@@ -328,7 +328,8 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
     initial = functools.cache(lambda: initial_weights(case, precision, seed, plan.device))
     # where the runs' gradients are at rounding level: the reference's own, or under autocast (whose 16-bit products
     # make a zero gradient's noise as large as real small ones) the reference's trained in float32 (witness.py)
-    levels = functools.cache(lambda: ref if precision.autocast is None else plan.run(reference, PRECISIONS["float32"], False))
+    levels = None if precision.autocast is None else functools.cache(
+        lambda: witness.rounding_levels(plan.run(reference, PRECISIONS["float32"], False)))
     against = (lambda spec: Expected(ref, plan.tolerance(spec, loss_precision))) if streams else (lambda spec: None)
     for index, spec in enumerate(plan.specs):
         if spec == reference:

@@ -282,7 +282,7 @@ def test_a_bug_beside_that_flip_is_still_caught():
 
     def judged(run):
         return witness.judge(ec.compare(reference, run), reference, run, lambda orders: [witnesses(o) for o in orders],
-                             lambda: initial, lambda: "rounding", levels=lambda: float32)
+                             lambda: initial, lambda: "rounding", levels=lambda: witness.rounding_levels(float32))
 
     assert judged(candidate).ok
     weights = {**candidate.weights, "trunk.attn.out_proj.weight": candidate.weights["trunk.attn.out_proj.weight"] + 0.01}

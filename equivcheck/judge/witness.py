@@ -30,7 +30,7 @@ judges nothing and the verdict stands, saying why.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -68,7 +68,7 @@ ROUNDING_LEVEL = 64
 
 
 def applies(comparison: Comparison, reference: RunResult, candidate: RunResult,
-            levels: Callable[[], RunResult] | None = None) -> bool:
+            levels: Callable[[], Mapping[str, Tensor]] | None = None) -> bool:
     """Whether the witnesses could explain ``comparison``: numbers only, not the loss (a parameter whose gradient
     is zero changes nothing the loss sees), and every mismatched weight or gradient mismatched somewhere its
     reference gradient is at rounding level at every step (read from ``levels()``, where given: the reference
@@ -79,21 +79,38 @@ def applies(comparison: Comparison, reference: RunResult, candidate: RunResult,
         return True                            # perhaps amplified rounding
     if all(m.kind == "buffer" for m in comparison.mismatches):
         return True
-    graded = reference if levels is None else levels()
+    graded = _graded(reference, levels)
     return all(m.kind == "buffer" or (m.kind in ("grad", "weight") and bool(
-        (_mismatched(m, reference, candidate, comparison.tolerance) & _at_rounding_level(graded, m.name)).any()))
+        (_mismatched(m, reference, candidate, comparison.tolerance) & graded(m.name)).any()))
         for m in comparison.mismatches)
 
 
-def _at_rounding_level(reference: RunResult, name: str) -> Tensor:
-    """The elements of parameter ``name`` whose gradient in ``reference`` is at rounding level at every step."""
+def _at_rounding_level(reference: RunResult, name: str, largest: Sequence[float] | None = None) -> Tensor:
+    """The elements of parameter ``name`` whose gradient in ``reference`` is at rounding level at every step
+    (``largest``: each step's greatest gradient, where already known)."""
     level = None
-    for step in reference.grads:
-        largest = max(float(as_real(g).abs().max()) for g in step.values() if g.numel())
-        grad = as_real(step[name])
-        small = grad.abs() <= ROUNDING_LEVEL * torch.finfo(grad.dtype).eps * largest
+    for step, grads in enumerate(reference.grads):
+        greatest = _largest(grads) if largest is None else largest[step]
+        grad = as_real(grads[name])
+        small = grad.abs() <= ROUNDING_LEVEL * torch.finfo(grad.dtype).eps * greatest
         level = small if level is None else level & small
     return level if level is not None else torch.zeros(as_real(reference.weights[name]).shape, dtype=torch.bool)
+
+
+def _largest(grads: dict[str, Tensor]) -> float:
+    return max(float(as_real(g).abs().max()) for g in grads.values() if g.numel())
+
+
+def rounding_levels(run: RunResult) -> dict[str, Tensor]:
+    """Every parameter's elements whose gradient in ``run`` is at rounding level at every step: what the reference
+    trained without autocast says for an autocast check (check.py), kept without the run's own tensors."""
+    largest = [_largest(grads) for grads in run.grads]
+    return {name: _at_rounding_level(run, name, largest) for name in run.weights}
+
+
+def _graded(reference: RunResult, levels: Callable[[], Mapping[str, Tensor]] | None) -> Callable[[str], Tensor]:
+    """Parameter name -> its elements at rounding level: read from the reference's gradients, or from ``levels()``."""
+    return (lambda name: _at_rounding_level(reference, name)) if levels is None else levels().__getitem__
 
 
 def _mismatched(mismatch: Mismatch, reference: RunResult, candidate: RunResult, tol: Tolerance) -> Tensor:
@@ -136,7 +153,7 @@ class Noise:
 
 def judge(comparison: Comparison, reference: RunResult, candidate: RunResult,
           witnesses: Callable[[Sequence[str]], Sequence[RunResult]], initial: Callable[[], dict[str, Tensor]],
-          cause: Callable[[], str], levels: Callable[[], RunResult] | None = None) -> Comparison:
+          cause: Callable[[], str], levels: Callable[[], Mapping[str, Tensor]] | None = None) -> Comparison:
     """``comparison`` (failed, :func:`applies`) judged by the witnesses: equivalent with a note naming every
     noise-driven parameter where rounding explains every mismatch, else the mismatches rounding does not
     explain, with a note on those it does. ``levels``: as :func:`applies` takes it."""
@@ -147,7 +164,7 @@ def judge(comparison: Comparison, reference: RunResult, candidate: RunResult,
     neutral = [run for run in runs if _losses_match(reference, run, comparison.tolerance)]
     if not neutral:
         return _diverging(comparison, reference, candidate, runs, cause, lambda: witnesses(RESCALED))
-    graded = reference if levels is None else levels()
+    graded = _graded(reference, levels)
     noises = {m: _noise(m, reference, candidate, neutral, initial(), comparison.tolerance, graded)
               for m in comparison.mismatches}
     explained = [n for n in noises.values() if n is not None and n.explained]
@@ -178,7 +195,7 @@ def judge(comparison: Comparison, reference: RunResult, candidate: RunResult,
 
 def by_the_reference(comparison: Comparison, reference: RunResult, candidate: RunResult,
                      initial: Callable[[], dict[str, Tensor]], cause: Callable[[], str],
-                     levels: Callable[[], RunResult] | None = None) -> Comparison:
+                     levels: Callable[[], Mapping[str, Tensor]] | None = None) -> Comparison:
     """``comparison`` judged by the reference's own rounding, before any other run: where every gradient matched and
     the final weights are apart only on elements whose reference gradient is at rounding level at every step, the
     reference moved those elements from where they started by rounding alone, and the candidate may move them up to
@@ -194,7 +211,7 @@ def by_the_reference(comparison: Comparison, reference: RunResult, candidate: Ru
     candidate = _with_kept_weights(comparison, reference, candidate)
     if candidate is None:
         return comparison
-    graded = reference if levels is None else levels()
+    graded = _graded(reference, levels)
     noises = [_noise(m, reference, candidate, [], initial(), comparison.tolerance, graded) for m in comparison.mismatches]
     if not all(noise is not None and noise.explained for noise in noises):
         return comparison
@@ -214,7 +231,7 @@ def _with_kept_weights(comparison: Comparison, reference: RunResult, candidate: 
 
 def end_weights_as_it_trained(comparison: Comparison, reference: RunResult, candidate: RunResult,
                               witness: Callable[[], RunResult], initial: Callable[[], dict[str, Tensor]],
-                              cause: Callable[[], str], levels: Callable[[], RunResult] | None = None) -> Comparison | None:
+                              cause: Callable[[], str], levels: Callable[[], Mapping[str, Tensor]] | None = None) -> Comparison | None:
     """The chaotic rule for a candidate compared as it trained that is apart only in its end weights, every gradient
     matched: judged against one ``witness`` (the reference with its samples reversed) compared as it trains too, before
     any float64 shadow. Each run's greatest difference per quantity is all the rule reads, so nothing more is recorded.
@@ -229,7 +246,7 @@ def end_weights_as_it_trained(comparison: Comparison, reference: RunResult, cand
     kept = _with_kept_weights(comparison, reference, candidate)
     if kept is None:
         return None
-    graded = reference if levels is None else levels()
+    graded = _graded(reference, levels)
     noises = [_noise(m, reference, kept, [], initial(), comparison.tolerance, graded) for m in comparison.mismatches]
     if any(noise is not None and not noise.driven_within for noise in noises):
         return None
@@ -342,7 +359,7 @@ def _losses_match(reference: RunResult, witness: RunResult, tol: Tolerance) -> b
 
 
 def _noise(mismatch: Mismatch, reference: RunResult, candidate: RunResult, witnesses: list[RunResult],
-           initial: dict[str, Tensor], tol: Tolerance, graded: RunResult) -> Noise | None:
+           initial: dict[str, Tensor], tol: Tolerance, graded: Callable[[str], Tensor]) -> Noise | None:
     """The evidence on ``mismatch``'s quantity, over each of its steps; None where nothing of it is noise-driven.
 
     Where: a parameter's elements whose reference gradient is at rounding level at every step, whatever sign the
@@ -350,11 +367,11 @@ def _noise(mismatch: Mismatch, reference: RunResult, candidate: RunResult, witne
     true value of such an element is known (its gradient is zero; its weight stays where it started), so what
     the reference and each witness moved it from there is rounding, amplified. The candidate's own movement
     there must stay within ``WITNESS_FACTOR`` times the greatest of theirs (a buffer's difference, within that
-    many times the witnesses' greatest difference). ``graded``: the run whose gradients say which elements are at
-    rounding level (the reference, or the reference without autocast)."""
+    many times the witnesses' greatest difference). ``graded``: a parameter's elements at rounding level, read from
+    the reference or from the reference without autocast (:func:`_graded`)."""
     if mismatch.kind == "loss":  # the loss sees every parameter that matters: never noise on one that does not
         return None
-    level = None if mismatch.kind == "buffer" else _at_rounding_level(graded, mismatch.name)
+    level = None if mismatch.kind == "buffer" else graded(mismatch.name)
     driven = torch.zeros(0, dtype=torch.bool)
     noise = moved_most = gradient = strayed = margin = 0.0
     explained = driven_within = True
