@@ -212,7 +212,8 @@ def by_the_reference(comparison: Comparison, reference: RunResult, candidate: Ru
     if candidate is None:
         return comparison
     graded = _graded(reference, levels)
-    noises = [_noise(m, reference, candidate, [], initial(), comparison.tolerance, graded) for m in comparison.mismatches]
+    noises = [_noise(m, reference, candidate, [], initial(), comparison.tolerance, graded)
+              for m in comparison.mismatches]
     if not all(noise is not None and noise.explained for noise in noises):
         return comparison
     note = f"ill-conditioned: {cause()}: " + "; ".join(noise.describe() for noise in noises)
@@ -222,7 +223,7 @@ def by_the_reference(comparison: Comparison, reference: RunResult, candidate: Ru
 
 def _with_kept_weights(comparison: Comparison, reference: RunResult, candidate: RunResult) -> RunResult | None:
     """``candidate`` with the final weights a run compared as it trained kept beyond the tolerance
-    (``Measurement.strayed``); None where a mismatched weight is in neither run."""
+    (``Measurement.strayed``); None where either run lacks a mismatched weight."""
     weights = {**candidate.weights, **(candidate.measured.strayed if candidate.measured is not None else {})}
     if any(m.name not in weights or m.name not in reference.weights for m in comparison.mismatches):
         return None
@@ -231,7 +232,8 @@ def _with_kept_weights(comparison: Comparison, reference: RunResult, candidate: 
 
 def end_weights_as_it_trained(comparison: Comparison, reference: RunResult, candidate: RunResult,
                               witness: Callable[[], RunResult], initial: Callable[[], dict[str, Tensor]],
-                              cause: Callable[[], str], levels: Callable[[], Mapping[str, Tensor]] | None = None) -> Comparison | None:
+                              cause: Callable[[], str],
+                              levels: Callable[[], Mapping[str, Tensor]] | None = None) -> Comparison | None:
     """The chaotic rule for a candidate compared as it trained that is apart only in its end weights, every gradient
     matched: judged against one ``witness`` (the reference with its samples reversed) compared as it trains too, before
     any float64 shadow. Each run's greatest difference per quantity is all the rule reads, so nothing more is recorded.
@@ -239,7 +241,8 @@ def end_weights_as_it_trained(comparison: Comparison, reference: RunResult, cand
     and a quantity with a noise-driven element beyond the reference's own bound (read from the candidate's kept
     weights) is left to the full judgement, as :func:`judge` leaves it standing. Equivalent where the witness covers
     every mismatch; else None, and the shadows and the witnesses recorded whole come next. A bf16 check of a 124M
-    transformer so settles one key-projection weight 1.008 times the tolerance apart with one run, not two float64 ones."""
+    transformer so settles one key-projection weight 1.008 times the tolerance apart with one run, not two float64
+    ones."""
     if (comparison.ok or comparison.problems or comparison.tolerance.source or candidate.measured is None
             or any(m.kind != "weight" for m in comparison.mismatches)):
         return None
