@@ -30,6 +30,7 @@ judges nothing and the verdict stands, saying why.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -77,8 +78,6 @@ def applies(comparison: Comparison, reference: RunResult, candidate: RunResult,
         return False
     if comparison.first_divergent_step != 0:  # every gradient equal at step 0, apart later (or only the end weights):
         return True                            # perhaps amplified rounding
-    if all(m.kind == "buffer" for m in comparison.mismatches):
-        return True
     graded = _graded(reference, levels)
     return all(m.kind == "buffer" or (m.kind in ("grad", "weight") and bool(
         (_mismatched(m, reference, candidate, comparison.tolerance) & graded(m.name)).any()))
@@ -109,8 +108,12 @@ def rounding_levels(run: RunResult) -> dict[str, Tensor]:
 
 
 def _graded(reference: RunResult, levels: Callable[[], Mapping[str, Tensor]] | None) -> Callable[[str], Tensor]:
-    """Parameter name -> its elements at rounding level: read from the reference's gradients, or from ``levels()``."""
-    return (lambda name: _at_rounding_level(reference, name)) if levels is None else levels().__getitem__
+    """Parameter name -> its elements at rounding level: read from the reference's gradients (each step's greatest
+    found once, not once a parameter), or from ``levels()``, asked only when a name is."""
+    if levels is not None:
+        return lambda name: levels()[name]
+    largest = functools.cache(lambda: [_largest(grads) for grads in reference.grads])
+    return lambda name: _at_rounding_level(reference, name, largest())
 
 
 def _mismatched(mismatch: Mismatch, reference: RunResult, candidate: RunResult, tol: Tolerance) -> Tensor:
@@ -205,15 +208,10 @@ def by_the_reference(comparison: Comparison, reference: RunResult, candidate: Ru
     float64 memory and the witnesses' runs. A candidate compared as it trained brings its weights beyond the
     tolerance (``Measurement.strayed``), so it is not trained again to read them. ``levels``: as :func:`applies`
     takes it (under autocast, one float32 training, still far cheaper than two float64 ones)."""
-    if comparison.ok or comparison.problems or comparison.tolerance.source or any(
-            m.kind != "weight" for m in comparison.mismatches):
+    found = _end_weight_noises(comparison, reference, candidate, initial, levels)
+    if found is None:
         return comparison
-    candidate = _with_kept_weights(comparison, reference, candidate)
-    if candidate is None:
-        return comparison
-    graded = _graded(reference, levels)
-    noises = [_noise(m, reference, candidate, [], initial(), comparison.tolerance, graded)
-              for m in comparison.mismatches]
+    candidate, noises = found
     if not all(noise is not None and noise.explained for noise in noises):
         return comparison
     note = f"ill-conditioned: {cause()}: " + "; ".join(noise.describe() for noise in noises)
@@ -221,13 +219,21 @@ def by_the_reference(comparison: Comparison, reference: RunResult, candidate: Ru
     return Comparison(comparison.tolerance, (), (), comparison.max_abs, comparison.max_rel, margin, note=note)
 
 
-def _with_kept_weights(comparison: Comparison, reference: RunResult, candidate: RunResult) -> RunResult | None:
-    """``candidate`` with the final weights a run compared as it trained kept beyond the tolerance
-    (``Measurement.strayed``); None where either run lacks a mismatched weight."""
+def _end_weight_noises(comparison: Comparison, reference: RunResult, candidate: RunResult,
+                       initial: Callable[[], dict[str, Tensor]], levels: Callable[[], Mapping[str, Tensor]] | None,
+                       ) -> tuple[RunResult, list[Noise | None]] | None:
+    """Where only end weights are apart (every gradient matched): ``candidate`` with the weights a run compared as it
+    trained kept beyond the tolerance (``Measurement.strayed``), and each mismatch's noise as the reference alone
+    measures it; None where anything else differs or either run lacks a mismatched weight."""
+    if comparison.ok or comparison.problems or comparison.tolerance.source or any(
+            m.kind != "weight" for m in comparison.mismatches):
+        return None
     weights = {**candidate.weights, **(candidate.measured.strayed if candidate.measured is not None else {})}
     if any(m.name not in weights or m.name not in reference.weights for m in comparison.mismatches):
         return None
-    return dataclasses.replace(candidate, weights=weights)
+    kept, graded = dataclasses.replace(candidate, weights=weights), _graded(reference, levels)
+    return kept, [_noise(m, reference, kept, [], initial(), comparison.tolerance, graded)
+                  for m in comparison.mismatches]
 
 
 def end_weights_as_it_trained(comparison: Comparison, reference: RunResult, candidate: RunResult,
@@ -243,15 +249,9 @@ def end_weights_as_it_trained(comparison: Comparison, reference: RunResult, cand
     every mismatch; else None, and the shadows and the witnesses recorded whole come next. A bf16 check of a 124M
     transformer so settles one key-projection weight 1.008 times the tolerance apart with one run, not two float64
     ones."""
-    if (comparison.ok or comparison.problems or comparison.tolerance.source or candidate.measured is None
-            or any(m.kind != "weight" for m in comparison.mismatches)):
-        return None
-    kept = _with_kept_weights(comparison, reference, candidate)
-    if kept is None:
-        return None
-    graded = _graded(reference, levels)
-    noises = [_noise(m, reference, kept, [], initial(), comparison.tolerance, graded) for m in comparison.mismatches]
-    if any(noise is not None and not noise.driven_within for noise in noises):
+    found = (None if candidate.measured is None else
+             _end_weight_noises(comparison, reference, candidate, initial, levels))
+    if found is None or any(noise is not None and not noise.driven_within for noise in found[1]):
         return None
     judged = _diverging(comparison, reference, candidate, [witness()], cause)
     return judged if judged.ok else None
@@ -279,16 +279,18 @@ def _diverging(comparison: Comparison, reference: RunResult, candidate: RunResul
                                   "first step (randomness drawn per sample?), so rounding could not be told from the maths")
     if first == 0:  # apart from the first step: no rounding amplified over training explains that
         return comparison
-    diverging = [w for w, seen in zip(witnesses, witnessed) if _apart_later(seen)]
+    diverging = [(w, seen) for w, seen in zip(witnesses, witnessed) if _apart_later(seen)]
+    worst = _worst_ratio(comparison, reference, candidate, [w for w, _ in diverging]) if diverging else float("inf")
     how = "its samples in another order"
-    if more is not None and (not diverging or _worst_ratio(comparison, reference, candidate, diverging) > 1):
-        rescaled = [w for w in more() if _apart_later(compare(reference, w, tolerance=tol))]
-        diverging += rescaled
-        how += " or its backward at another scale" if rescaled else ""
+    if more is not None and worst > 1:
+        rescaled = [(w, seen) for w in more() for seen in [compare(reference, w, tolerance=tol)] if _apart_later(seen)]
+        if rescaled:
+            diverging += rescaled
+            worst = _worst_ratio(comparison, reference, candidate, [w for w, _ in diverging])
+            how += " or its backward at another scale"
     if not diverging:
         return comparison
-    worst = _worst_ratio(comparison, reference, candidate, diverging)
-    spread_margin = max(compare(reference, w, tolerance=tol).margin for w in diverging)
+    spread_margin = max(seen.margin for _, seen in diverging)
     note = (f"chaotic: {cause()}: the reference itself, {how}, starts equal and ends apart "
             f"(margin {spread_margin:.3g} against {tol}): differences within {WITNESS_FACTOR:g} times that spread "
             "are rounding, and a difference smaller than it cannot be seen")
