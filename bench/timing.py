@@ -97,7 +97,7 @@ def check_phases() -> Iterator[list[str]]:
 
     original_start = check.start_request
     judgements = [(rounding, "settled_as_it_trained"), (rounding, "judge"), (witness, "by_the_reference"),
-                  (witness, "judge"), (check, "_recorded")]
+                  (witness, "end_weights_as_it_trained"), (witness, "judge"), (check, "_recorded")]
     originals = [(module, name, getattr(module, name)) for module, name in judgements]
     check.start_request = start_request
     for module, name, original in originals:

@@ -278,12 +278,11 @@ def _recording_bytes(plan: Plan, precision: Precision) -> int | None:
     the model cannot be built there."""
     if not launcher.active():
         pool.start_forker()
-    try:
-        with seeded(plan.seed), torch.device("meta"), default_dtype(precision.draw_dtype or precision.dtype):
-            model = plan.case.model()
-        weights = sum(p.numel() for p in model.parameters())
-    except Exception:  # a factory that reads files or draws data: recorded whole, as a small case is
+    with seeded(plan.seed), default_dtype(precision.draw_dtype or precision.dtype):
+        model = plan.case.skeleton()
+    if model is None:  # a factory that reads files or draws data: recorded whole, as a small case is
         return None
+    weights = sum(p.numel() for p in model.parameters())
     return weights * (plan.case.steps * plan.case.epochs + 1) * precision.dtype.itemsize
 
 

@@ -226,6 +226,26 @@ def test_the_note_names_each_normalisation_over_few_features_once_and_an_adaptiv
     assert conditioning(nn.LayerNorm(5), nn.GroupNorm(1, 5)) == "rounding noise"
 
 
+@pytest.mark.parametrize("reads_a_value, builds", [(False, ["meta"]), (True, ["meta", "cpu"])])
+def test_the_note_reads_the_model_built_on_the_meta_device_and_builds_it_for_real_only_where_that_fails(
+        reads_a_value, builds):
+    built_on = []
+
+    def model():
+        built_on.append(torch.empty(0).device.type)
+        norm = nn.LayerNorm(2)
+        if reads_a_value:  # a factory that reads what it drew cannot build on the meta device
+            float(norm.weight.detach().sum())
+        return nn.Sequential(nn.Linear(3, 2), norm)
+
+    case = ec.Case(name="built_on", model=model, data=data, loss=F.cross_entropy, batch_size=12, steps=1,
+                   optimizer=lambda params: torch.optim.Adam(params, lr=0.1))
+    assert rounding.conditioning(case, seed=0) == (
+        "LayerNorm over 2 features: gradients at rounding level, amplified by Adam (it scales each update to about "
+        "its learning rate)")
+    assert built_on == builds
+
+
 def test_shadows_that_cannot_run_leave_the_low_precision_verdict_and_say_why():
     failing = Comparison(Tolerance(1e-3, 1e-4), (object(),), (), 1.0, 1.0, 2.0, hint="a hint")
 

@@ -164,10 +164,10 @@ def _quantities(reference: RunResult, candidate: RunResult,
 
 
 def conditioning(case: Case, seed: int) -> str:
-    """Why this case turns rounding into visible differences, as far as its model and optimizer show."""
+    """Why this case turns rounding into visible differences, as far as its model's modules and its optimizer's class
+    show: read from the model built on the meta device where its factory allows (:meth:`Case.skeleton`)."""
     with seeded(seed):
-        model = case.model()
-        optimizer = case.build_optimizer(model)
+        model, optimizer = _built(case)
     causes = []
     for module in model.modules():
         if isinstance(module, nn.LayerNorm) and math.prod(module.normalized_shape) <= FEW_FEATURES:
@@ -178,6 +178,19 @@ def conditioning(case: Case, seed: int) -> str:
     if isinstance(optimizer, ADAPTIVE):
         cause += f", amplified by {type(optimizer).__name__} (it scales each update to about its learning rate)"
     return cause
+
+
+def _built(case: Case) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The case's model and optimizer, on the meta device where both factories build there (a fused optimizer
+    refuses meta parameters), else for real."""
+    model = case.skeleton()
+    if model is not None:
+        try:
+            return model, case.build_optimizer(model)
+        except Exception:  # noqa: BLE001 (built for real below, where a real error says itself)
+            pass
+    model = case.model()
+    return model, case.build_optimizer(model)
 
 
 def _count(n: int, noun: str) -> str:
