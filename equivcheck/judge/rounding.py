@@ -181,8 +181,8 @@ def conditioning(case: Case, seed: int) -> str:
 
 
 def _built(case: Case) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """The case's model and optimizer, on the meta device where both factories build there (a fused optimizer
-    refuses meta parameters), else for real."""
+    """The case's model and optimizer, on the meta device where both factories build there (an optimizer factory may
+    refuse meta parameters), else for real."""
     model = case.skeleton()
     if model is not None:
         try:
