@@ -50,9 +50,6 @@ BACKWARD_SCALES = (0.7, 0.8, 0.9)
 RESCALED = tuple(f"rescaled_{scale}" for scale in BACKWARD_SCALES)
 
 
-def backward_scale(order: str) -> float | None:
-    """The scale a witness's ``order`` runs its backward at; None for one that keeps it (all but a rescaled one)."""
-    return float(order.removeprefix("rescaled_")) if order.startswith("rescaled_") else None
 # How much further than the reference and its witnesses a candidate may move a noise-driven element. Three runs'
 # noise is a sample, not a bound: Adam moves such an element by up to its learning rate a step, further where the
 # noise keeps its sign (per-sample sums flip it less than reordering does). Measured over 2,000 drawn attention
@@ -66,6 +63,11 @@ WITNESS_FACTOR = 3.0
 # products: there a key bias's noise (4e-5 of the greatest, bf16) is as large as the smallest real gradients, so
 # which elements are at rounding level is read from the reference trained in float32 (``levels``: check.py).
 ROUNDING_LEVEL = 64
+
+
+def backward_scale(order: str) -> float | None:
+    """The scale a witness's ``order`` runs its backward at; None for one that keeps it (all but a rescaled one)."""
+    return float(order.removeprefix("rescaled_")) if order.startswith("rescaled_") else None
 
 
 def applies(comparison: Comparison, reference: RunResult, candidate: RunResult,

@@ -52,7 +52,8 @@ def train(
     and return what it produced, with its peak activation memory unless ``measure_memory`` is off;
     with ``threads`` intra-op threads (default: one, unless the user chose: see :mod:`equivcheck.process.threads`);
     with each global batch's samples in ``order`` (``'given'``; ``'reversed'`` or ``'rolled'``, or ``'rescaled_0.7'``
-    and the like, its backward at another scale: a witness, :mod:`equivcheck.judge.witness`); on ``device`` (default: the CPU, equivcheck.device). ``against`` compares the run with a reference as it trains, keeping the
+    and the like, its backward at another scale: a witness, :mod:`equivcheck.judge.witness`); on ``device``
+    (default: the CPU, equivcheck.device). ``against`` compares the run with a reference as it trains, keeping the
     differences and none of its tensors: what a check needs of a run, in a recording's memory less
     (:mod:`equivcheck.judge.compare`)."""
     request = RunRequest.of(case, regime, seed=seed, dtype=dtype, measure_memory=measure_memory, threads=threads,
@@ -336,11 +337,11 @@ def reordered(batch: Batch, order: str) -> Batch:
 def rescaled_backward(model: nn.Module, scale: float | None) -> Iterator[None]:
     """Every backward of this run from a loss multiplied by ``scale`` (None: as it is), and each parameter's gradient
     divided by it as it reaches the parameter, before anything (accumulation, clipping, a GradScaler, the optimizer)
-    reads it: the same maths, rounded otherwise at every step of the backward. Where reordering a tiny batch's samples changes no
-    rounding that matters, this does: a reference whose tiny true gradients take their sign from rounding (Adam
-    without epsilon) parts from itself as a regime that splits the batch does (witness.py). A gradient that reaches
-    a parameter by another path than ``Tensor.backward`` (``torch.autograd.grad``) comes out divided: its step 0
-    differs, and the witness is then no witness (``witness._diverging``)."""
+    reads it: the same maths, rounded otherwise at every step of the backward. Where reordering a tiny batch's
+    samples changes no rounding that matters, this does: a reference whose tiny true gradients take their sign from
+    rounding (Adam without epsilon) parts from itself as a regime that splits the batch does (witness.py). A gradient
+    that reaches a parameter by another path than ``Tensor.backward`` (``torch.autograd.grad``) comes out divided:
+    its step 0 differs, and the witness is then no witness (``witness._diverging``)."""
     if scale is None:
         yield
         return
