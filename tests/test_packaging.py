@@ -133,6 +133,19 @@ def test_every_relative_link_in_the_guide_and_the_docs_leads_somewhere():
     assert len(pages) > 5 and broken == []
 
 
+# an absolute path of the machine a page was written on: a home, a temporary or a work folder
+MACHINE_PATH = re.compile(r"(?<![\w.:/~-])/(?:root|home|Users|tmp|var/folders|private/var|work)/[^\s`'\")]*")
+
+
+def test_no_page_of_the_guide_or_the_docs_holds_a_path_of_the_machine_it_was_written_on():
+    """Output pasted from a command names files relative to the repository: a reader's checkout lives elsewhere."""
+    pages = [SOURCE_TREE / "README.md", SOURCE_TREE / "bench" / "README.md", *sorted((SOURCE_TREE / "docs").rglob("*.md"))]
+    found = [f"{page.relative_to(SOURCE_TREE)}:{number}: {match.group()}"
+             for page in pages for number, line in enumerate(page.read_text().splitlines(), 1)
+             for match in MACHINE_PATH.finditer(line)]
+    assert len(pages) > 5 and found == []
+
+
 def test_docs_cli_md_lists_every_option_of_every_command():
     """The README sends readers to docs/cli.md for every option: its synopsis lists each command's options with
     their choices as the parser has them, and each option of run, catalogue, audit and field has its row."""
