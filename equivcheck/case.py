@@ -288,22 +288,52 @@ class Objective:
         self.scaler.update()
 
     def item_losses(self, output: Tensor, targets: Tensor) -> Tensor:
+        """The batch's losses as one 1-D tensor: one per item, or one per element of a loss that keeps the positions
+        ``items=`` leaves out as zeros (torch's ``reduction='none'`` with ``ignore_index``), which add nothing to a
+        sum; such a loss cut per sample is cut by its own shape, as the batch is."""
         losses = self._call_loss(output, targets)
         expected = int(self._case.items(targets))
         if isinstance(losses, Tensor) and losses.dim() > 1 and losses.numel() == expected:
             losses = losses.reshape(-1)  # a per-token loss of shape (samples, tokens): one item per element
+        if self._keeps_ignored(losses, targets, expected):
+            return self._ignored_are_zeros(losses, targets, expected).reshape(-1)
         if not isinstance(losses, Tensor) or losses.dim() != 1 or len(losses) != expected:
             shape = tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__
             scalar = isinstance(losses, Tensor) and losses.dim() == 0
             raise InvalidArgument(
                 f"loss of case {self._case.name!r} returned shape {shape} for {len(targets)} samples holding "
                 f"{expected} items: expected a 1-D tensor of one loss per item (reduction='none'), "
-                "leaving out only the items that don't count, or without items= one loss per target element "
+                "leaving out only the items that don't count, or one loss per target element, 0 where items= does "
+                "not count it (ignore_index), or without items= one loss per target element "
                 "(a per-token loss of shape (samples, tokens))"
                 + (". If it is the mean over those items (a Hugging Face model's .loss), declare "
                    "Case(loss_reduction='mean')" if scalar else "")
             )
         return losses
+
+    def _keeps_ignored(self, losses: object, targets: Tensor, expected: int) -> bool:
+        """Whether ``losses`` is one loss per position of every sample, more of them than the items that count:
+        ``(samples * tokens,)`` or ``(samples, tokens)``, the ignored positions kept."""
+        samples = len(targets)
+        return (isinstance(losses, Tensor) and self._case.items is not count_samples and samples > 0
+                and losses.numel() > expected and losses.numel() % samples == 0
+                and (losses.dim() == 1 or losses.shape[0] == samples))
+
+    def _ignored_are_zeros(self, losses: Tensor, targets: Tensor, expected: int) -> Tensor:
+        """``losses``, where at least as many of them are 0 as ``items=`` leaves out: else refused, naming the
+        positions that items= leaves out and the loss does not (where items= can count one target alone)."""
+        left_out = losses.numel() - expected
+        zeros = int((losses.detach() == 0).sum())
+        if zeros >= left_out:
+            return losses
+        named = _nonzero_left_out(self._case.items, losses.detach(), targets)
+        raise InvalidArgument(
+            f"loss of case {self._case.name!r} returned shape {tuple(losses.shape)} for {len(targets)} samples holding "
+            f"{expected} items: the {left_out} positions items= leaves out must hold a loss of 0 (as torch's "
+            f"ignore_index gives), and only {zeros} do"
+            + (f"; not 0 where items= counts nothing: {named}" if named else "")
+            + ". Return 0 there (F.cross_entropy(..., reduction='none', ignore_index=-100)), or leave them out"
+        )
 
     def counted_by_its_loss(self, model: nn.Module, batch: Batch) -> Case:
         """The case, counting one item per element of its loss where it declares no ``items=``, holds more
@@ -367,7 +397,8 @@ class Objective:
         if self._case.loss_reduction == "mean":
             mean = self._mean_loss(output, targets)[0]
         else:
-            mean = self.item_losses(output, targets).mean()
+            losses, count = self.item_losses(output, targets), int(self._case.items(targets))
+            mean = losses.mean() if len(losses) == count else losses.sum() / count  # ignored zeros are no items
         for term, values in self._term_values(output, targets):
             mean = mean + term.weight * values.mean()
         return mean
@@ -388,6 +419,25 @@ class Objective:
         """The case's ``(trunk, head)`` of ``model``; regimes that need it validate its presence first."""
         assert self._case.split is not None
         return self._case.split(model)
+
+
+def _nonzero_left_out(items: Callable[[Tensor], int], losses: Tensor, targets: Tensor, most: int = 5) -> str:
+    """The first ``most`` positions (sample, position) whose target ``items`` counts as no item but whose loss is not
+    0, with their losses; '' where there is not one loss per target element or ``items`` cannot count one alone."""
+    if losses.numel() != targets.numel():
+        return ""
+    flat, per_sample = targets.reshape(-1), max(1, targets[0].numel())
+    alone = [1] * targets.dim()
+    found = []
+    try:
+        for index, loss in enumerate(losses.reshape(-1).tolist()):
+            if loss != 0 and int(items(flat[index : index + 1].reshape(alone))) == 0:
+                found.append(f"(sample {index // per_sample}, position {index % per_sample}) {loss:.3g}")
+                if len(found) == most:
+                    break
+    except Exception:  # noqa: BLE001 (an items= that cannot count one target alone: the counts say enough)
+        return ""
+    return ", ".join(found)
 
 
 def _described(output: object) -> str:
