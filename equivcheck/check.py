@@ -26,6 +26,8 @@ from .process import threads as intra_op
 from .runners.dispatch import DEFAULT_TIMEOUT, Started, start_request
 from .runners.request import RunRequest
 from .judge import rounding, witness
+from .judge.hints import agreeing
+from .judge.locate import Replay, locate
 from .precision import PRECISIONS, Precision, Tolerance, resolve_precision
 from .regimes import DEFAULT_REGIMES, REGIMES, Regime, parse_regime
 from .registry import all_cases, resolve_case
@@ -113,18 +115,19 @@ class Plan:
         return spec.tolerance_for(self.case, self.precision, base) or base
 
     def run(self, spec: Regime, dtype: Precision, measure_memory: bool, order: str = "given",
-            against: Expected | None = None) -> RunResult:
+            against: Expected | None = None, trace_step: int | None = None) -> RunResult:
         """One run of this plan's case under ``spec``, with the plan's seed, timeout and threads; its samples in
-        ``order`` (a witness: witness.py); compared as it trains where ``against`` says with what (compare.py)."""
-        return self.start(spec, dtype, measure_memory, order, against).result()
+        ``order`` (a witness: witness.py); compared as it trains where ``against`` says with what (compare.py); a
+        replay that traces ``trace_step`` and stops after it (runners/tracing.py)."""
+        return self.start(spec, dtype, measure_memory, order, against, trace_step).result()
 
     def start(self, spec: Regime, dtype: Precision, measure_memory: bool, order: str = "given",
-              against: Expected | None = None) -> Started:
+              against: Expected | None = None, trace_step: int | None = None) -> Started:
         """That run begun (on its ranks, for a distributed regime); an error starting it is read with its result."""
         # Every argument was checked when the plan was made: the request is trusted from here to the ranks.
         request = RunRequest(self.case, spec, resolve_precision(dtype), self.seed, measure_memory,
                              intra_op.resolve(self.threads), order, self.device,
-                             wide_threads=self.wide_threads)
+                             wide_threads=self.wide_threads, trace_step=trace_step)
         try:
             started = start_request(request, timeout=self.timeout, runner=self.runner, against=against)
         except Exception as error:
@@ -330,6 +333,7 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
     levels = None if precision.autocast is None else functools.cache(
         lambda: witness.rounding_levels(plan.run(reference, PRECISIONS["float32"], False)))
     against = (lambda spec: Expected(ref, plan.tolerance(spec, loss_precision))) if streams else (lambda spec: None)
+    traced_reference = functools.cache(lambda step: plan.run(reference, precision, False, trace_step=step))
     for index, spec in enumerate(plan.specs):
         if spec == reference:
             yield judge(case, spec, self_check, ref_seconds / 2, rerun, ref, reference)
@@ -382,7 +386,26 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
             comparison = witness.judge(comparison, ref, result, witnesses, initial,
                                        cause=lambda: rounding.conditioning(case, seed), levels=levels)
         outcome = judge(case, spec, comparison, time.perf_counter() - started, result, ref, reference)
+        outcome = _located(outcome, ref, result, lambda step: (
+            traced_reference(step), plan.run(spec, precision, False, trace_step=step)))
         yield dataclasses.replace(outcome, reason="; ".join(filter(None, (outcome.reason, loss_note))))
+
+
+def _located(outcome: Outcome, reference: RunResult, result: RunResult, replay: Replay) -> Outcome:
+    """A failed outcome with where its run first parts from the reference (judge/locate.py), its hint kept only where
+    it agrees. Nothing is replayed for an outcome as equivalent as its reference: an equivalent check costs what it
+    did. A replay that fails leaves the outcome as judged, saying why it cannot say where."""
+    comparison = outcome.comparison
+    if comparison is None or comparison.ok:
+        return outcome
+    try:
+        location = locate(comparison, reference, result, replay)
+    except Exception as error:
+        why = f"where it parts is unsaid: its replay failed ({type(error).__name__}: {error})"
+        return dataclasses.replace(outcome, reason="; ".join(filter(None, (outcome.reason, why))))
+    if location is None:
+        return outcome
+    return dataclasses.replace(outcome, comparison=agreeing(dataclasses.replace(comparison, location=location)))
 
 
 def _recorded(plan: Plan, spec: Regime, precision: Precision, measure_memory: bool, reference: RunResult,

@@ -193,6 +193,33 @@ def _at(index: tuple[int, ...], parts: bool) -> str:
     return f" in the {('real', 'imaginary')[index[-1]]} part" + _at(index[:-1], parts=False)
 
 
+# The phases of an optimizer step, in the order it runs them, where a run can first part from its reference.
+PHASES = ("forward", "loss", "backward", "gradient", "communication", "optimizer", "state")
+
+
+@dataclasses.dataclass(frozen=True)
+class Location:
+    """The first place a run leaves its reference: optimizer ``step``, ``phase`` (one of :data:`PHASES`) and
+    ``module`` (a dotted name in the case's model; "" for the root, or where no module applies), with the evidence:
+    the ``tensor`` that differs first and its ``margin``, and what was seen to match around it (``matched``).
+    ``own_code``: the module's children compute alike from what they are given, so the difference is made in the
+    module's own code between them."""
+
+    step: int
+    phase: str
+    module: str
+    tensor: str
+    margin: float | None = None
+    matched: str = ""
+    own_code: bool = False
+
+    def describe(self) -> str:
+        where = f" in `{self.module}`" if self.module else ""
+        margin = "" if self.margin is None else f", margin {self.margin:.3g}"
+        matched = f"; {self.matched}" if self.matched else ""
+        return f"parts at step {self.step}, {self.phase}{where} ({self.tensor} differs{margin}{matched})"
+
+
 @dataclasses.dataclass(frozen=True)
 class Comparison:
     """The verdict of one candidate run against the reference, with every mismatch found."""
@@ -205,6 +232,7 @@ class Comparison:
     margin: float
     hint: str = ""  # the likely pitfall, where the pattern of mismatches is recognisable: set by hints.diagnose
     note: str = ""  # what float64 shadow runs showed of a low-precision run (rounding.py)
+    location: Location | None = None  # where the run first parts from the reference (judge/locate.py)
 
     @property
     def ok(self) -> bool:
@@ -220,6 +248,10 @@ class Comparison:
         if self.ok:
             return f"equivalent: margin {self.margin:.3g} ({self.tolerance}){note}"
         lines = [f"not equivalent ({self.tolerance}): margin {self.margin:.3g}, max abs {self.max_abs:.3g}{note}"]
+        if self.location is not None:
+            downstream = len(self.mismatches)
+            lines.append(self.location.describe() + (f"; the {downstream} mismatched quantities below differ from "
+                                                     "there on (propagated)" if downstream > 1 else ""))
         if self.hint:
             lines.append(f"hint: {self.hint}")
         lines += self.problems

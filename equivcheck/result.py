@@ -9,6 +9,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .trace import StepTrace
+
 if TYPE_CHECKING:
     from .diff import Measurement
 
@@ -58,6 +60,8 @@ class RunResult:
     # A run compared with a reference as it trained (training.train's against=): every difference measured, and
     # no gradient, weight or buffer kept (``grads`` holds an empty mapping per step).
     measured: Measurement | None = None
+    # A replay's record of the one step it traced, one per rank (runners/tracing.py); () for every other run.
+    traces: tuple[StepTrace, ...] = ()
 
     @property
     def optimizer_steps(self) -> int:
@@ -75,6 +79,7 @@ class RunResult:
         plain["grads"] = [_to_numpy(step) for step in self.grads]
         for field in _TENSOR_MAPS:
             plain[field] = _to_numpy(plain[field])
+        plain["traces"] = [trace.to_plain() for trace in self.traces]
         return plain
 
     @classmethod
@@ -83,6 +88,7 @@ class RunResult:
         fields["grads"] = tuple(_to_torch(step) for step in plain["grads"])
         for field in _TENSOR_MAPS:
             fields[field] = _to_torch(plain[field])
+        fields["traces"] = tuple(StepTrace.from_plain(trace) for trace in plain.get("traces", ()))
         for field in ("losses", "syncs", "sync_bytes"):
             fields[field] = None if plain[field] is None else tuple(plain[field])
         return cls(**fields)

@@ -104,7 +104,9 @@ def test_markdown_says_the_status_and_each_failure_with_its_hint(tmp_path, capsy
     text = path.read_text()
     assert text.startswith("## equivcheck: not as expected\n")
     assert "| mlp | 1 ok, 1 MISMATCH | MISMATCH naive_accumulate:chunks=5 4e+05 |" in text
-    assert "- **mlp** under `naive_accumulate:chunks=5`: mismatch 4e+05; the step-0 loss already differs" in text
+    assert ("- **mlp** under `naive_accumulate:chunks=5`: mismatch 4e+05; parts at step 0, loss (the gradient of the "
+            "loss with respect to the model's output differs") in text
+    assert "; the step-0 loss already differs" in text
     assert main(["run", "--case", "mlp", "--regime", "accumulate:chunks=5", "--markdown", str(path)]) == 0
     assert path.read_text().startswith("## equivcheck: ok\n") and "Not as expected" not in path.read_text()
     capsys.readouterr()

@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterable
 
 from ..case import Case
-from ..diff import Comparison, Problem, ProblemKind, kind_of
+from ..diff import Comparison, Location, Problem, ProblemKind, kind_of
 from ..errors import InvalidArgument, MemoryNotSaved, NotEquivalent, expect_number
 from ..regimes import Regime, parse_regime
 from ..result import RunResult
@@ -68,6 +68,11 @@ class Outcome:
     result: RunResult | None = dataclasses.field(default=None, repr=False)
     details: str = dataclasses.field(default="", repr=False)  # the traceback of an error
     memory: MemoryUse | None = None  # peak activation memory beside the reference's
+
+    @property
+    def location(self) -> Location | None:
+        """Where the run first parts from its reference (step, phase, module), on a comparison that failed."""
+        return None if self.comparison is None else self.comparison.location
 
     def describe(self) -> str:
         head = f"{self.case} under {self.regime}: {self.verdict.value}"

@@ -114,7 +114,7 @@ def _matrix(rows: list[dict]) -> str:
                 line.append("<td>.</td>")
                 continue
             margin = "" if row["margin"] is None else f" {float(row['margin']):.0e}"
-            line.append(f"<td class='{_css(row['verdict'])}' title='{_e(row['hint'] or row['reason'])}'>"
+            line.append(f"<td class='{_css(row['verdict'])}' title='{_e(row['where'] or row['hint'] or row['reason'])}'>"
                         f"{_e(LABELS[Verdict(row['verdict'])] + margin)}</td>")
         body.append(line)
     return _table(["case", *map(_breakable, regimes)], body, raw=True, css="matrix")
@@ -141,7 +141,8 @@ def _details(rows: list[dict]) -> str:
     parts = []
     for row in rows:
         parts.append(f"<h3>{_e(row['case'])} under {_e(row['regime'])}: {_e(row['verdict'])}</h3>")
-        parts += [f"<p>{_e(text)}</p>" for text in (row["hint"], row["reason"], *row["problems"]) if text]
+        parts += [f"<p>{_e(text)}</p>" for text in (row["where"], row["hint"], row["reason"], *row["problems"])
+                  if text]
         if any(m.get("step_margins") for m in row["mismatches"]):
             figure = divergence_figure(row)
             parts.append(f"<p>{_e(PLOTS_MISSING)}</p>" if figure is None else _svg(figure))

@@ -8,7 +8,7 @@ from .text import AS_EXPECTED, overview_table, shown_margin
 
 def render_markdown(rows: list[dict], title: str = "equivcheck") -> str:
     """A compact Markdown summary (what a CI job shows from ``$GITHUB_STEP_SUMMARY``): the overview, then
-    each check that was not as expected with its hint or reason."""
+    each check that was not as expected with where it parts, its hint or reason."""
     status = Status.of(Verdict(r["verdict"]) for r in rows).value
     header, *body = overview_table(rows)
     lines = [f"## {title}: {status.replace('_', ' ')}", "", "| " + " | ".join(header) + " |", "|---|---|---|"]
@@ -17,5 +17,6 @@ def render_markdown(rows: list[dict], title: str = "equivcheck") -> str:
     if failed:
         lines += ["", "### Not as expected", ""]
         lines += [f"- **{r['case']}** under `{r['regime']}`: {r['verdict']} {shown_margin(r)}".rstrip()
-                  + "".join(f"; {text}" for text in (r["hint"], r["reason"]) if text) for r in failed]
+                  + "".join(f"; {text}" for text in (r["where"], r["hint"], r["reason"]) if text)
+                  for r in failed]
     return "\n".join(lines) + "\n"

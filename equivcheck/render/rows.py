@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -36,6 +37,8 @@ def _row(o: Outcome) -> dict:
         "max_rel": json_number(c.max_rel) if c else None,
         "margin": json_number(c.margin) if c else None,
         "first_divergent_step": c.first_divergent_step if c else None,
+        "location": dataclasses.asdict(o.location) if o.location else None,  # where the run first parts
+        "where": o.location.describe() if o.location else "",
         "hint": c.hint if c else "",
         "reason": o.reason,
         "seconds": round(o.seconds, 6),

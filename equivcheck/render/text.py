@@ -20,7 +20,8 @@ LABELS = {
     Verdict.COMMUNICATION: "COMM",
 }
 LEGEND = (
-    "cell: verdict and margin (greatest error / allowed error; below 1 matches). ok = equivalent, "
+    "cell: verdict, margin (greatest error / allowed error; below 1 matches) and the phase where a run parts. "
+    "ok = equivalent, "
     "caught = declared pitfall reported, MISMATCH = not equivalent, MISSED = declared pitfall not seen, "
     "NONDET = reference disagrees with itself, COMM = numbers match but synchronisation count does not"
 )
@@ -33,7 +34,8 @@ def cell(outcome: Outcome) -> str:
     comparison = outcome.comparison
     if comparison.problems and comparison.margin <= 1:  # the numbers match; the structure does not
         return f"{label} ({problem_label(comparison.problems[0])})"
-    return f"{label} {comparison.margin:.0e}"
+    where = f" {comparison.location.phase}" if comparison.location is not None else ""  # where it parts
+    return f"{label} {comparison.margin:.0e}{where}"
 
 
 def problem_label(problem: str) -> str:

@@ -115,7 +115,8 @@ def _assembled(replies: list[dict]) -> RunResult:
         return dataclasses.replace(results[0], losses=losses)
     spread, drift = _spread(results)
     return dataclasses.replace(results[0], losses=losses, rank_spread=spread, rank_drift=drift,
-                               rank_grad_spread=_grad_spread(results))
+                               rank_grad_spread=_grad_spread(results),
+                               traces=tuple(trace for r in results for trace in r.traces))
 
 
 def _spread(results: list[RunResult]) -> tuple[float, str]:

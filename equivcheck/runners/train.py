@@ -21,6 +21,7 @@ from ..case import Batch, Case, Objective
 from . import checkpoints
 from .request import RunRequest
 from .closure import evaluate_closure
+from .tracing import TraceComplete, traced, tracing
 from ..judge.compare import Expected
 from ..judge.witness import backward_scale
 from ..diff import SCALER_PREFIX, Measurement
@@ -159,6 +160,7 @@ class Segment:
     recorder: GradRecorder
     memory: object
     watched: StepWatch
+    traces: tuple = ()  # a replay's trace of its step (runners/tracing.py)
 
 
 def train_segment(request: RunRequest, assembled: Assembled, against: Expected | None,
@@ -172,14 +174,18 @@ def train_segment(request: RunRequest, assembled: Assembled, against: Expected |
             as recorder, \
             activation_meter(model, data, enabled=request.measure_memory) as memory, \
             scheduled(optimizer, assembled.scheduler), \
-            rescaled_backward(model, backward_scale(request.order)):
+            rescaled_backward(model, backward_scale(request.order)), \
+            tracing(model, optimizer, regime, request.trace_step) as tracer:
         watched = StepWatch(batches, recorder)
         with regime.random_streams(model, optimizer, [batch.inputs for batch in batches]):
-            losses = tuple(None if loss is None else float(loss)
-                           for loss in regime.train(assembled.module, optimizer,
-                                                    watched if regime.steps_observable else batches,
-                                                    built.objective))
-    return Segment(losses, recorder, memory, watched)
+            try:
+                losses = tuple(None if loss is None else float(loss)
+                               for loss in regime.train(assembled.module, optimizer,
+                                                        watched if regime.steps_observable else batches,
+                                                        built.objective))
+            except TraceComplete:  # a replay stops after the step it traced: its losses are not read
+                losses = ()
+    return Segment(losses, recorder, memory, watched, traced(tracer))
 
 
 @contextlib.contextmanager
@@ -241,6 +247,7 @@ def result_of(request: RunRequest, assembled: Assembled, segment: Segment, again
         rank_spread=recorder.rank_spread,
         rank_drift=recorder.rank_drift,
         measured=recorder.measurement,
+        traces=segment.traces,
     )
 
 

@@ -1,0 +1,365 @@
+"""Where a failed run parts from its reference: the first optimizer step, the phase of that step and the module.
+
+A comparison lists every quantity that differs; most differ only because something before them did. This module
+names the one place the difference starts, from two traces of the first step that parts (the reference's and the
+candidate's, one per rank: :mod:`equivcheck.runners.tracing`), each record made whole first: micro-batches' and
+ranks' rows joined along the dimension where they add up to the reference's, repeated ranks (a tensor-parallel
+group sees one batch) counted once, and the activation gradients of ranks whose gradients are averaged divided by
+their count (each rank's loss is that many times its share). Phases are tried in the order a step runs them:
+
+- ``state`` / ``optimizer``: the weights at the start of the step already differ: the previous step's update (or
+  the optimizer's settings carried to it) parted;
+- ``forward``: the first module, in the order forwards finish (a child before its parent), whose inputs match
+  and whose output does not;
+- ``loss``: every output matches, the gradient of the loss with respect to the model's output does not;
+- ``backward``: the first module, in the order backward reaches its inputs, whose output gradient matches and
+  whose input gradient, or what backward delivered to its own parameters, does not;
+- ``communication`` / ``gradient``: backward delivered the reference's gradients, the optimizer read others:
+  ranks that read different ones (or a count of collectives that is off) never reduced them, else something
+  changed them after backward (clipping, a hook, scaling, zeroing).
+
+A record that cannot be made whole (a tensor-parallel shard, a module called another number of times) is left out,
+never guessed at: the next record decides. Each comparison is judged at the check's own tolerance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from ..diff import Comparison, Location, ProblemKind, TensorDiff, kind_of
+from ..precision import Tolerance
+from ..result import RunResult
+from ..trace import ModuleCall, StepTrace
+
+Replay = Callable[[int], tuple[RunResult, RunResult]]
+
+
+def locate(comparison: Comparison, reference: RunResult, candidate: RunResult, replay: Replay) -> Location | None:
+    """Where ``candidate`` first parts from ``reference``, from what the comparison shows and, where a gradient
+    differs, from ``replay(step)``: both runs traced at that step. None where neither says."""
+    if comparison.ok:
+        return None
+    counted = _step_count(reference, candidate)
+    if counted is not None:
+        return counted
+    grads = [m for m in comparison.mismatches if m.kind == "grad" and m.first_step is not None]
+    if not grads:
+        return _after_the_gradients(comparison, reference, candidate)
+    step = min(m.first_step for m in grads)
+    traced_reference, traced_candidate = replay(step)
+    if not traced_reference.traces or not traced_candidate.traces:
+        return None
+    return _Walk(traced_reference.traces[0], traced_candidate.traces, comparison, step).first()
+
+
+def _step_count(reference: RunResult, candidate: RunResult) -> Location | None:
+    """A run that stepped its optimizer another number of times parts at the first batch whose count is off."""
+    if reference.optimizer_steps == candidate.optimizer_steps:
+        return None
+    counts = candidate.steps_per_batch or ()
+    batch = next((index for index, count in enumerate(counts) if count != 1), 0)
+    taken = f"{counts[batch]} times" if counts else f"{candidate.optimizer_steps} times in all"
+    return Location(batch, "optimizer", "", f"the optimizer's step count (it stepped {taken} on global batch {batch}, "
+                                            f"the reference once a batch)")
+
+
+def _after_the_gradients(comparison: Comparison, reference: RunResult, candidate: RunResult) -> Location | None:
+    """A run whose every gradient matched: its loss, its update, what it carries or what it communicated parts."""
+    last = max(reference.optimizer_steps - 1, 0)
+    by_kind = {}
+    for mismatch in comparison.mismatches:
+        by_kind.setdefault(mismatch.kind, mismatch)
+    communication = [p for p in comparison.problems if kind_of(p) in (ProblemKind.COMMUNICATION, ProblemKind.RANK_DRIFT)]
+    if "weight" in by_kind:
+        order = list(reference.weights)
+        first = min((m for m in comparison.mismatches if m.kind == "weight"),
+                    key=lambda m: order.index(m.name) if m.name in order else len(order))
+        return Location(last, "optimizer", module_of(first.name), f"weight {first.name!r} after the step",
+                        first.diff.margin, "every gradient the optimizer read matches")
+    if "buffer" in by_kind:
+        buffer = by_kind["buffer"]
+        return Location(last, "state", module_of(buffer.name), f"buffer {buffer.name!r}", buffer.diff.margin,
+                        "every gradient and weight matches")
+    if "loss" in by_kind:
+        loss = by_kind["loss"]
+        return Location(loss.first_step or 0, "loss", "", "the reported loss", loss.diff.margin,
+                        "every gradient and weight matches")
+    if communication:
+        return Location(_problem_step(communication[0]), "communication", "", "what it communicated", None,
+                        str(communication[0]))
+    return None
+
+
+def _problem_step(problem: str) -> int:
+    """The step a communication problem names (``communication: step 1 ...``), else 0."""
+    words = problem.split()
+    return next((int(after) for word, after in zip(words, words[1:]) if word == "step" and after.isdigit()), 0)
+
+
+def module_of(name: str) -> str:
+    """The module that holds parameter (or buffer) ``name``: ``'blocks.1.fc2'`` of ``'blocks.1.fc2.weight'``."""
+    return name.rpartition(".")[0]
+
+
+class _Walk:
+    """The phases of one traced step, tried in order against the reference's trace."""
+
+    def __init__(self, reference: StepTrace, ranks: Sequence[StepTrace], comparison: Comparison, step: int) -> None:
+        self.reference, self.step, self.comparison = reference, step, comparison
+        self.tol: Tolerance = comparison.tolerance
+        self.ranks = list(ranks)
+        self.distinct = _distinct_data(self.ranks)  # the ranks that hold shards of their own, in order
+        self.averaged = len(self.distinct)
+        self.calls = {}
+        for call in reference.calls:
+            self.calls.setdefault(call.module, []).append(call)
+
+    def first(self) -> Location | None:
+        for phase in (self._carried, self._forward, self._loss, self._backward, self._after_backward):
+            found = phase()
+            if found is not None:
+                return found
+        return None
+
+    # -- what the step started from
+    def _carried(self) -> Location | None:
+        if self.step == 0:
+            return None
+        before, theirs = self.reference.weights_before, self.ranks[0].weights_before
+        for name, expected in before.items():
+            diff = self._diff(theirs.get(name), expected)
+            if diff is None or diff.margin <= 1:
+                continue
+            settings = self._settings_apart()
+            if settings:
+                return Location(self.step - 1, "state", "", settings, None,
+                                f"the optimizer's settings carried into step {self.step} differ")
+            return Location(self.step - 1, "optimizer", module_of(name), f"weight {name!r} after the step",
+                            diff.margin, f"every gradient the optimizer read at step {self.step - 1} matches")
+        return None
+
+    def _settings_apart(self) -> str:
+        for group, (expected, actual) in enumerate(zip(self.reference.hyper, self.ranks[0].hyper)):
+            for key, value in expected.items():
+                if key in actual and not _close(actual[key], value):
+                    return f"the optimizer's {key} of parameter group {group} ({actual[key]:.6g}, the reference's {value:.6g})"
+        return ""
+
+    # -- the forward
+    def _forward(self) -> Location | None:
+        fed = self._fed_otherwise()
+        if fed is not None:
+            return fed
+        for call in self.reference.calls:
+            theirs = self._joined_call(call)
+            if theirs is None:
+                continue
+            inputs = [self._diff(a, e) for a, e in zip(theirs.inputs, call.inputs)]
+            integers = [a is not None and a.shape == e.shape and torch.equal(a, e)
+                        for a, e in zip(theirs.integers, call.integers)]
+            if any(d is None or d.margin > 1 for d in inputs) or not all(integers):
+                continue  # its inputs differ already (or cannot be told): a module before it parted
+            for position, (actual, expected) in enumerate(zip(theirs.outputs, call.outputs)):
+                diff = self._diff(actual, expected)
+                if diff is not None and diff.margin > 1:
+                    children = self._clean_children(call.module, "their inputs")
+                    return Location(self.step, "forward", call.module, f"{_nth('output', position, call.outputs)} of "
+                                    f"{_named(call)}", diff.margin, "its inputs match" + children, bool(children))
+        return None
+
+    def _fed_otherwise(self) -> Location | None:
+        """The model called whole in both runs, but with rows that do not make up the global batch's (a sampler that
+        pads or drops, ranks handed the same shard): the difference is in what it was fed, before any module."""
+        root = self.calls.get("", [None])[0]
+        if root is None or not all(any(c.module == "" for c in trace.calls) for trace in self.distinct):
+            return None
+        theirs = self._joined_call(root)
+        fed = [] if theirs is None else [
+            (self._diff(a, e), a is not None and a.shape == e.shape and torch.equal(a, e))
+            for a, e in [*zip(theirs.inputs, root.inputs), *zip(theirs.integers, root.integers)]]
+        if theirs is not None and all(exact or (diff is not None and diff.margin <= 1) for diff, exact in fed):
+            return None
+        return Location(self.step, "forward", "", "the batch the model was fed", None,
+                        "its rows do not make up the global batch's: samples padded, dropped or handed out otherwise")
+
+    # -- the loss
+    def _loss(self) -> Location | None:
+        root = self.calls.get("", [None])[0]
+        if root is not None:
+            theirs = self._joined_call(root)
+            if theirs is not None:
+                for actual, expected in zip(theirs.grad_outputs, root.grad_outputs):
+                    diff = self._diff(self._averaged(actual), expected)
+                    if diff is not None and diff.margin > 1:
+                        return Location(self.step, "loss", "", "the gradient of the loss with respect to the model's "
+                                        "output", diff.margin, "the model's outputs match")
+        loss = next((m for m in self.comparison.mismatches if m.kind == "loss" and m.first_step == self.step), None)
+        if loss is not None and not self._grads_differ_here():
+            return Location(self.step, "loss", "", "the reported loss", loss.diff.margin, "the model's outputs match")
+        return None
+
+    def _grads_differ_here(self) -> bool:
+        return any(m.kind == "grad" and m.first_step == self.step for m in self.comparison.mismatches)
+
+    # -- the backward
+    def _backward(self) -> Location | None:
+        owned = _owned(self.reference.delivered)
+        judged: set[str] = set()
+        for module, index in self.reference.backward_order:
+            call = next((c for c in self.calls.get(module, ()) if c.index == index), None)
+            theirs = None if call is None else self._joined_call(call)
+            if theirs is None:
+                continue
+            outputs = [self._diff(self._averaged(a), e) for a, e in zip(theirs.grad_outputs, call.grad_outputs)
+                       if e is not None]
+            if any(d is None or d.margin > 1 for d in outputs):
+                continue  # its output gradient differs already: the difference came from after it
+            children = self._clean_children(module, "their output gradients")
+            matched = "its output gradient matches" + children
+            for position, (actual, expected) in enumerate(zip(theirs.grad_inputs, call.grad_inputs)):
+                if expected is None:
+                    continue
+                diff = self._diff(self._averaged(actual), expected)
+                if diff is not None and diff.margin > 1:
+                    return Location(self.step, "backward", module, f"the gradient of "
+                                    f"{_nth('input', position, call.inputs)} of {_named(call)}", diff.margin, matched,
+                                    bool(children))
+            if module in judged:
+                continue
+            judged.add(module)
+            for name in owned.get(module, ()):
+                diff = self._diff(self._delivered(name), self.reference.delivered[name])
+                if diff is not None and diff.margin > 1:
+                    return Location(self.step, "backward", module, f"the gradient backward delivered to {name!r}",
+                                    diff.margin, matched, bool(children))
+        return None
+
+    def _clean_children(self, module: str, given: str) -> str:
+        """Its children, which the walk passed (each computes alike from the same ``given``): the difference is made
+        in ``module``'s own code between them."""
+        prefix = f"{module}." if module else ""
+        children = sorted({name for name in self.calls if name.startswith(prefix) and name != module
+                           and "." not in name[len(prefix):]})
+        if not children:
+            return ""
+        shown = ", ".join(f"`{name}`" for name in children[:4]) + (", ..." if len(children) > 4 else "")
+        return f"; its children ({shown}) compute alike from {given}: its own code"
+
+    # -- between backward and the update
+    def _after_backward(self) -> Location | None:
+        read = [m for m in self.comparison.mismatches if m.kind == "grad" and m.first_step == self.step]
+        if not read:
+            return None
+        order = list(self.reference.read) or [m.name for m in read]
+        first = min(read, key=lambda m: order.index(m.name) if m.name in order else len(order))
+        name = first.name
+        delivered = self._diff(self._delivered(name), self.reference.delivered.get(name))
+        if delivered is not None and delivered.margin > 1:
+            return None  # backward delivered another gradient, and no record above could say where: left unsaid
+        matched = "backward delivered the reference's gradient to it" if delivered is not None else ""
+        unreduced = self._ranks_read_apart(name)
+        counts = [p for p in self.comparison.problems if kind_of(p) is ProblemKind.COMMUNICATION]
+        if unreduced or counts:
+            why = unreduced or str(counts[0])
+            return Location(self.step, "communication", module_of(name), f"grad of {name!r} as the optimizer read it",
+                            first.diff.margin, "; ".join(filter(None, (matched, why))))
+        return Location(self.step, "gradient", module_of(name), f"grad of {name!r} as the optimizer read it",
+                        first.diff.margin, "; ".join(filter(None, (matched, "it was changed after backward"))))
+
+    def _ranks_read_apart(self, name: str) -> str:
+        first = self.ranks[0].read.get(name)
+        for trace in self.ranks[1:]:
+            theirs = trace.read.get(name)
+            if first is not None and theirs is not None and theirs.shape == first.shape and \
+                    TensorDiff.of(theirs, first, self.tol).margin > 1:
+                return f"rank {trace.rank} read another gradient than rank {self.ranks[0].rank}: never reduced"
+        return ""
+
+    # -- records made whole
+    def _joined_call(self, call: ModuleCall) -> ModuleCall | None:
+        """The candidate's calls that stand for the reference's ``call``: the same call of each micro-batch and of
+        each rank with a shard of its own, their records joined (None: they cannot be)."""
+        per_call = len(self.calls[call.module])
+        pieces: list[ModuleCall] = []
+        for trace in self.distinct:
+            calls = sorted((c for c in trace.calls if c.module == call.module), key=lambda c: c.index)
+            if not calls or len(calls) % per_call:
+                return None
+            pieces += calls[call.index::per_call]
+        joined = ModuleCall(call.module, call.index, [], [])
+        for field in ("inputs", "outputs", "integers", "grad_outputs", "grad_inputs"):
+            expected = getattr(call, field)
+            if any(len(getattr(piece, field)) != len(expected) for piece in pieces):
+                return None
+            setattr(joined, field, [_joined([getattr(piece, field)[i] for piece in pieces], like)
+                                    for i, like in enumerate(expected)])
+        return joined
+
+    def _delivered(self, name: str) -> Tensor | None:
+        parts = [trace.delivered.get(name) for trace in self.distinct]
+        if any(part is None for part in parts) or len({part.shape for part in parts}) != 1:
+            return None
+        return self._averaged(sum(parts[1:], parts[0]))
+
+    def _averaged(self, tensor: Tensor | None) -> Tensor | None:
+        """A rank's activation gradient as the reference's: a rank whose gradients are averaged over ``averaged``
+        ranks back-propagates that many times its share."""
+        return tensor if tensor is None or self.averaged == 1 else tensor / self.averaged
+
+    def _diff(self, actual: Tensor | None, expected: Tensor | None) -> TensorDiff | None:
+        """How ``actual`` differs from ``expected``; None where it cannot be told (one is missing, shapes differ)."""
+        if actual is None or expected is None or actual.shape != expected.shape:
+            return None
+        return TensorDiff.of(actual, expected, self.tol)
+
+
+def _distinct_data(ranks: Sequence[StepTrace]) -> list[StepTrace]:
+    """The ranks fed data of their own, in rank order: a rank fed what an earlier one was (a tensor-parallel group's
+    ranks see one batch) holds no other rows."""
+    kept: list[StepTrace] = []
+    for trace in sorted(ranks, key=lambda t: t.rank):
+        if not any(_same(trace.root_inputs, other.root_inputs) for other in kept):
+            kept.append(trace)
+    return kept
+
+
+def _same(first: list[Tensor], second: list[Tensor]) -> bool:
+    return len(first) == len(second) and all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(first, second))
+
+
+def _joined(pieces: list[Tensor | None], like: Tensor | None) -> Tensor | None:
+    """``pieces`` (micro-batches' or ranks' rows, in order) as one tensor shaped ``like``: joined along the one
+    dimension where their sizes add up to its size; None where no dimension does."""
+    if like is None or any(piece is None for piece in pieces):
+        return None
+    if len(pieces) == 1:
+        return pieces[0] if pieces[0].shape == like.shape else None
+    for dim in range(like.dim()):
+        if all(p.dim() == like.dim() and all(p.shape[d] == like.shape[d] for d in range(like.dim()) if d != dim)
+               for p in pieces) and sum(p.shape[dim] for p in pieces) == like.shape[dim]:
+            return torch.cat(pieces, dim)
+    return None
+
+
+def _owned(delivered: dict[str, Tensor]) -> dict[str, list[str]]:
+    """Each module's own parameters (not its children's), by the names backward delivered to."""
+    owned: dict[str, list[str]] = {}
+    for name in delivered:
+        owned.setdefault(module_of(name), []).append(name)
+    return owned
+
+
+def _nth(what: str, position: int, of: Sequence) -> str:
+    return what if len(of) == 1 else f"{what} {position}"
+
+
+def _named(call: ModuleCall) -> str:
+    return f"`{call.module}`" if call.module else "the model"
+
+
+def _close(actual: float, expected: float) -> bool:
+    return abs(actual - expected) <= 1e-12 + 1e-9 * abs(expected)

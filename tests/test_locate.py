@@ -1,0 +1,97 @@
+"""Where a run parts: one bug planted in one place at a time, each located at its step, phase and module, in
+process, on DDP ranks, on a tensor-parallel mesh and under a team's own step; and nothing replayed where a check is
+equivalent."""
+
+import json
+
+import pytest
+
+import equivcheck as ec
+from equivcheck.render.rows import to_rows
+
+import located_bugs as bugs
+
+
+def where(outcome):
+    location = outcome.location
+    assert location is not None, outcome.describe()
+    return location.step, location.phase, location.module
+
+
+def test_an_equivalent_check_is_not_located_and_replays_nothing(monkeypatch):
+    from equivcheck.runners import tracing
+
+    traced = []
+    monkeypatch.setattr(tracing, "StepTracer", lambda *a: traced.append(a) or pytest.fail("traced"))
+    report = ec.check(bugs.CLEAN, ["accumulate:chunks=3", "sample_by_sample"])
+    assert report.ok and all(o.location is None for o in report.outcomes) and not traced
+
+
+@pytest.mark.parametrize("regime", ["accumulate:chunks=3", "ddp:world_size=2"])
+def test_a_wrong_forward_in_a_blocks_own_code_is_located_there(regime):
+    outcome = ec.check(bugs.FORWARD, [regime]).outcome(bugs.FORWARD.name, regime)
+    assert outcome.verdict is ec.Verdict.MISMATCH
+    assert where(outcome) == (0, "forward", "blocks.1")
+    assert "its own code" in outcome.location.matched
+
+
+@pytest.mark.parametrize("regime", ["accumulate:chunks=3", "ddp:world_size=2"])
+def test_a_wrong_backward_in_a_blocks_own_code_is_located_there_not_at_the_embedding(regime):
+    outcome = ec.check(bugs.BACKWARD, [regime]).outcome(bugs.BACKWARD.name, regime)
+    assert where(outcome) == (0, "backward", "blocks.1")
+    text = outcome.describe().splitlines()
+    assert text[2].startswith("parts at step 0, backward in `blocks.1`"), text[:3]  # the culprit in the first lines
+    assert "detach" not in outcome.comparison.hint  # the hint that blamed a cut backward upstream is dropped
+
+
+@pytest.mark.parametrize(("regime", "expected"), [
+    ("naive_accumulate:chunks=5", (0, "loss", "")),
+    ("ddp_mean_loss:world_size=5", (0, "loss", "")),
+    ("zero_grad_inside:chunks=3", (0, "gradient", "emb")),
+    ("clip_per_micro_batch:chunks=3,max_norm=0.01", (0, "gradient", "emb")),
+    ("step_per_micro_batch:chunks=3", (0, "optimizer", "")),
+    ("ddp_padded_sampler:world_size=5", (0, "forward", "")),
+])
+def test_the_pitfall_regimes_part_in_their_phase(regime, expected):
+    outcome = ec.check(bugs.CLEAN, [regime]).outcome(bugs.CLEAN.name, regime)
+    assert outcome.verdict is ec.Verdict.MISMATCH and where(outcome) == expected
+
+
+@pytest.mark.parametrize(("step", "expected"), [
+    (bugs.stepped_twice_at_first, (0, "optimizer", "")),
+    (bugs.decays_weights_after_the_step, (0, "optimizer", "emb")),
+    (bugs.halves_lr_after_each_step, (1, "state", "")),
+    (bugs.scales_head_gradient, (0, "gradient", "head")),
+])
+def test_a_teams_step_is_located(step, expected):
+    outcome = ec.check_step(bugs.CLEAN, step).outcomes[0]
+    assert outcome.verdict is ec.Verdict.MISMATCH and where(outcome) == expected
+
+
+def test_a_layer_left_out_of_the_all_reduce_is_a_communication_fault_in_that_layer():
+    outcome = ec.check_step(bugs.CLEAN, bugs.head_left_out_of_all_reduce, world_size=2).outcomes[0]
+    assert outcome.verdict is ec.Verdict.MISMATCH
+    assert where(outcome) == (0, "communication", "head")
+    assert "never reduced" in outcome.location.matched
+
+
+def test_tensor_parallel_pitfalls_are_located():
+    report = ec.check("tp_mlp", ["tp_loss_scaled:world_size=2", "tp_different_batches:world_size=2"])
+    assert where(report.outcome("tp_mlp", "tp_loss_scaled:world_size=2")) == (0, "loss", "")
+    assert where(report.outcome("tp_mlp", "tp_different_batches:world_size=2"))[:2] == (0, "forward")
+
+
+def test_the_location_reaches_every_report():
+    report = ec.check(bugs.BACKWARD, ["accumulate:chunks=3"])
+    row = to_rows(report)[0]
+    location = report.outcomes[0].location
+    assert row["location"] == {"step": 0, "phase": "backward", "module": "blocks.1", "tensor": location.tensor,
+                               "margin": location.margin, "matched": location.matched, "own_code": True}
+    json.dumps(row)
+    from equivcheck.render.html import render_html
+    from equivcheck.render.markdown import render_markdown
+
+    assert "parts at step 0, backward in `blocks.1`" in render_markdown([row])
+    assert "parts at step 0, backward in" in render_html([row], {})
+    with pytest.raises(ec.NotEquivalent, match=r"parts at step 0, backward in `blocks.1`"):
+        report.assert_equivalent()
