@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from functools import cached_property
 
@@ -165,6 +167,7 @@ class Case:
                 raise InvalidArgument.value("tp_plan", self.tp_plan, "a mapping of module names (or patterns) to "
                                             + ", ".join(map(repr, TP_STYLES)))
             object.__setattr__(self, "tp_plan", dict(self.tp_plan))
+        object.__setattr__(self, "built_at", _where_built())  # not a field: an error naming a case bound nowhere reads it
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         """The case's optimizer over ``model``'s parameters; a factory that returns no optimizer is told so here,
@@ -438,6 +441,17 @@ def _nonzero_left_out(items: Callable[[Tensor], int], losses: Tensor, targets: T
     except Exception:  # noqa: BLE001 (an items= that cannot count one target alone: the counts say enough)
         return ""
     return ", ".join(found)
+
+
+def _where_built() -> tuple[str, int, str] | None:
+    """(file, line, function) of the code that built a case: the first frame past dataclasses' generated ``__init__``,
+    ``dataclasses.replace`` and equivcheck's own modules."""
+    ours = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame = sys._getframe(2)
+    while frame is not None and (frame.f_code.co_filename.startswith(("<", ours))
+                                 or frame.f_code.co_filename == dataclasses.__file__):
+        frame = frame.f_back
+    return None if frame is None else (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name)
 
 
 def _described(output: object) -> str:

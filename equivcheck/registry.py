@@ -14,7 +14,8 @@ from typing import TypeVar
 
 from .case import Case
 from .errors import InvalidArgument
-from .process.import_paths import FILE_MODULE_PREFIX, SOURCE_ATTRIBUTE, import_file
+from .process.import_paths import (FILE_MODULE_PREFIX, SOURCE_ATTRIBUTE, bound_path, import_file, is_bound_path,
+                                   resolve)
 
 BUILTIN_PACKAGE = "equivcheck_cases"
 _cases: dict[str, Case] = {}
@@ -78,14 +79,44 @@ def case_source(name: str) -> str:
     return module if importable and importlib.util.find_spec(module) is not None else str(file)
 
 def importable_source(case: Case) -> str:
-    """Where another process (a rank, a clean child) imports ``case`` from: it must be the case registered under its
-    name."""
+    """Where another process (a rank, a clean child) imports ``case`` from: ``module:NAME`` where the case itself is
+    bound at the top level of a module or of the script being run, registered or not (the README's ``CASE =
+    ec.Case(...)``); else the source of the case registered under its name."""
+    bound = bound_path(case, "case")
+    if bound is not None:
+        return bound
     if all_cases().get(case.name) is not case:
         raise InvalidArgument(
-            f"case={case.name!r} is not allowed here: worker processes import cases themselves, so distributed "
-            "checks need a case registered with equivcheck.register_case at the top level of a module or file"
+            f"case={case.name!r} is not allowed here: worker processes import the case by the name it is bound to at "
+            "the top level of a module or of the script being run (registered with equivcheck.register_case or "
+            f"not), and this one is bound to none{_built_where(case)}. Bind it at a module's top level and check it "
+            f"from there:\n    CASE = ec.Case(name={case.name!r}, ...)  # at the top level of the module\n"
+            "    equivcheck.check_step(CASE, train_step, world_size=2)  # in a test, or under "
+            "`if __name__ == \"__main__\":`"
         )
     return case_source(case.name)
+
+
+def _built_where(case: Case) -> str:
+    """``: it was built inside make_case() at tests/test_x.py:12`` where the case was built inside a function."""
+    built = getattr(case, "built_at", None)
+    if built is None or built[2] == "<module>":
+        return ""
+    file, line, function = built
+    return f": it was built inside {function}() at {file}:{line}"
+
+
+def load_case(name: str, source: str) -> Case:
+    """The case ``name`` as :func:`importable_source` said to find it: the object at ``module:NAME``, or the case
+    registered under that name once its module is imported."""
+    if not is_bound_path(source):
+        load_cases_from(source)
+        return get_case(name)
+    case = resolve(source)
+    if not isinstance(case, Case) or case.name != name:
+        raise InvalidArgument(f"case={name!r} is not allowed here: {source} holds {case!r} in this process, not the "
+                              "case of that name (is it rebound at the module's top level after the case?)")
+    return case
 
 
 def all_cases() -> dict[str, Case]:

@@ -220,7 +220,7 @@ def test_unregistered_case_cannot_cross_to_workers():
     import dataclasses
 
     inline = dataclasses.replace(ec.get_case("mlp"), name="inline_only")
-    with pytest.raises(ec.InvalidArgument, match="worker processes import cases themselves"):
+    with pytest.raises(ec.InvalidArgument, match="worker processes import the case by the name it is bound to"):
         ec.run(inline, "ddp:world_size=2")
 
 

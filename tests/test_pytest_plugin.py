@@ -414,35 +414,53 @@ def loss_per_item(output, target):
 '''
 
 MYPROJECT_TRAIN = '''
+import contextlib
 import torch.nn.functional as F
 
 def train_step(model, optimizer, batch, micro_batches=5):
     inputs, targets = batch
-    for x, y in zip(inputs.tensor_split(micro_batches), targets.tensor_split(micro_batches)):
-        loss = F.cross_entropy(model(x), y, reduction="{reduction}"){scale}
-        loss.backward()
+    chunks = list(zip(inputs.tensor_split(micro_batches), targets.tensor_split(micro_batches)))
+    for i, (x, y) in enumerate(chunks):  # under DDP, one all-reduce: on the last micro-batch
+        last = i == len(chunks) - 1 or not hasattr(model, "no_sync")
+        with contextlib.nullcontext() if last else model.no_sync():
+            loss = F.cross_entropy(model(x), y, reduction="{reduction}"){scale}
+            loss.backward()
     optimizer.step()
     optimizer.zero_grad()
 '''
 
+# the README's sentence that follows its CI example: the same check on DDP ranks
+README_ON_RANKS = "`equivcheck.check_step(CASE, train_step, world_size=2)`"
 
+
+@pytest.mark.parametrize("on_ranks", [False, True], ids=["in_process", "on_2_ranks"])
 @pytest.mark.parametrize(("reduction", "scale", "passes"), [("sum", " / len(targets)", True),
                                                             ("mean", " / micro_batches", False)])
-def test_the_readme_ci_gate_runs_as_written(pytester, reduction, scale, passes):
+def test_the_readme_ci_gate_runs_as_written(pytester, monkeypatch, reduction, scale, passes, on_ranks):
+    """The README's test file as written (its case defined at the top level, not registered); on ranks with the
+    README's next sentence in place of its check, in a pytest of its own (warm ranks keep the modules they imported,
+    and each parameter writes another myproject)."""
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     snippet = readme.split("<!-- ci-gate -->\n```python\n", 1)[1].split("```", 1)[0]
     assert len(snippet.strip().splitlines()) <= 10
+    if on_ranks:
+        assert README_ON_RANKS in readme
+        snippet = snippet.replace("equivcheck.check_step(CASE, train_step)", README_ON_RANKS.strip("`"))
+        assert README_ON_RANKS.strip("`") in snippet
     pytester.mkpydir("myproject")
     pytester.path.joinpath("myproject", "model.py").write_text(MYPROJECT_MODEL)
     pytester.path.joinpath("myproject", "train.py").write_text(MYPROJECT_TRAIN.format(reduction=reduction, scale=scale))
     pytester.mkdir("tests").joinpath("test_train_step.py").write_text(snippet)
     pytester.syspathinsert()
-    result = pytester.runpytest("tests/test_train_step.py")
+    monkeypatch.setenv("PYTHONPATH", str(pytester.path))
+    run = pytester.runpytest_subprocess if on_ranks else pytester.runpytest
+    result = run("tests/test_train_step.py")
+    regime = "ddp_step:world_size=2,fn=myproject.train:train_step" if on_ranks else "step:train_step"
     if passes:
         result.assert_outcomes(passed=1)
-    else:  # the naive mean / K over micro-batches of 3,3,2,2,2 samples
+    else:  # the naive mean / K over micro-batches of 3,3,2,2,2 samples (1,1,1,1,2 per rank)
         result.assert_outcomes(failed=1)
-        result.stdout.fnmatch_lines(["*myproject under step:train_step: mismatch*",
+        result.stdout.fnmatch_lines([f"*myproject under {regime}: mismatch*",
                                      "*grad of '0.weight' mismatched from step 0*"])
 
 

@@ -17,7 +17,7 @@ import importlib
 import importlib.util
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType, ModuleType
 
@@ -50,6 +50,55 @@ def import_path(fn: Callable, argument: str = "step") -> str:
         argument, fn, "a function, or an object bound to a name, at the top level of an importable module or of the "
         f"script being run (worker processes import the {argument} by name to run it on every rank); what a factory "
         "returns, or a functools.partial, qualifies once bound to a name there (`fast_step = make_step(chunks=4)`)")
+
+
+def bound_path(value: object, argument: str = "case") -> str | None:
+    """``module:name`` (or ``/abs/script.py:name``) where ``value`` itself is bound at the top level of a module another
+    process imports, found by identity (a case defined there, registered or not); the modules on the call stack are
+    searched first, then every imported one. None where it is bound nowhere (built inside a function)."""
+    main = sys.modules.get("__main__")
+    for module in _modules_on_the_stack_then_all():
+        if module is main or module.__name__ == "__mp_main__":
+            continue
+        name = _bound_name(vars(module), value)
+        where = _importable_as(module) if name is not None else None
+        if where is not None:
+            return f"{where}:{name}"
+    return _script_path(value, argument)
+
+
+def is_bound_path(source: str) -> bool:
+    """Whether ``source`` names an object (``module:name``, ``script.py:name``), not a module or file to import."""
+    module, colon, name = source.rpartition(":")
+    return bool(colon and module) and all(part.isidentifier() for part in name.split("."))
+
+
+def _modules_on_the_stack_then_all() -> Iterator[ModuleType]:
+    """The modules whose code called here, innermost first (where a value is usually bound), then every other."""
+    seen: set[int] = set()
+    frame, stack = sys._getframe(1), []
+    while frame is not None:
+        module = sys.modules.get(frame.f_globals.get("__name__", ""))
+        if module is not None and getattr(module, "__dict__", None) is frame.f_globals:
+            stack.append(module)
+        frame = frame.f_back
+    for module in (*stack, *list(sys.modules.values())):
+        if isinstance(module, ModuleType) and id(module) not in seen:
+            seen.add(id(module))
+            yield module
+
+
+def _importable_as(module: ModuleType) -> str | None:
+    """What another process imports ``module`` by: its name where a search finds it, else its file (one loaded by
+    path, a test module pytest imported under a name of its own)."""
+    file = getattr(module, SOURCE_ATTRIBUTE, None) or getattr(module, "__file__", None)
+    if not module.__name__.startswith(FILE_MODULE_PREFIX):
+        try:
+            if importlib.util.find_spec(module.__name__) is not None:
+                return module.__name__
+        except (ImportError, ValueError):
+            pass
+    return os.path.abspath(file) if isinstance(file, str) and file.endswith(SCRIPT_SUFFIX) else None
 
 
 def resolve(path: str) -> Callable:

@@ -38,6 +38,7 @@ import torch
 from ..case import Case
 from ..process import threads as intra_op
 from ..process.forking import fork_is_safe
+from ..process.import_paths import is_bound_path
 from ..errors import InvalidArgument, IsolationWarning, RunDied, warn
 from .ranks import pool
 from .ranks.jobs import TrainJob
@@ -66,7 +67,7 @@ def by_name(request: RunRequest) -> str | None:
         same = parse_regime(str(request.regime)) == request.regime
     except (InvalidArgument, ValueError, TypeError):
         return None
-    return source if same and registered_on_import(request.case) else None
+    return source if same and (is_bound_path(source) or registered_on_import(request.case)) else None
 
 
 class IsolatedRunner:
@@ -99,8 +100,8 @@ class IsolatedRunner:
         why = (f"it trains on {request.threads} threads, and a forked child's OpenMP pool would hang"
                if request.threads != 1 else
                f"this machine has a GPU, so its isolating child imports the case and the regime by name, and case "
-               f"{request.case.name!r} under {str(request.regime)!r} cannot cross by name (register the case at a "
-               "module's top level, not inside a test; a team's step given as a function crosses only to ranks)")
+               f"{request.case.name!r} under {str(request.regime)!r} cannot cross by name (define or register the case "
+               "at a module's top level, not inside a test; a team's step given as a function crosses only to ranks)")
         if why not in self._warned:
             self._warned.add(why)
             warn(IsolationWarning(f"a run of {request.case.name!r} trains in the checking process: {why}; a crash "

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from ...process.import_paths import resolve
 from ...regimes import parse_regime, regime_source
-from ...registry import get_case, load_cases_from
+from ...registry import load_case
 from ..evaluate import evaluate
 from ..request import RunRequest
 from ..train import run_request
@@ -27,7 +27,7 @@ class TrainJob:
     """Train one run on every rank of an initialised process group; each rank replies with its run as plain data."""
 
     case: str
-    source: str  # where a rank imports the case from: a module name or a file
+    source: str  # where a rank imports the case from: a module name or a file, or module:NAME of the case itself
     regime: str  # the regime's spec
     regime_source: str  # the module that registers the regime's name
     request: dict  # the rest of the run's request, checked where it was made (RunRequest.plain)
@@ -43,9 +43,9 @@ class TrainJob:
 
     def answer(self) -> dict:
         """The case's module and the regime's are imported first: they register the names the job uses."""
-        load_cases_from(self.source)
+        case = load_case(self.case, self.source)
         importlib.import_module(self.regime_source)
-        request = RunRequest.rebuilt(get_case(self.case), parse_regime(self.regime), self.request)
+        request = RunRequest.rebuilt(case, parse_regime(self.regime), self.request)
         against = None if self.against is None else shared_reference.expected(self.against)
         return run_request(request, against).to_plain()
 
@@ -64,10 +64,10 @@ class EvalJob:
         return f"job {self.case} under evaluate:{self.fn}"
 
     def answer(self) -> dict:
-        load_cases_from(self.source)
+        case = load_case(self.case, self.source)
         device = (torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
                   if dist.get_backend() == "nccl" else None)
-        return evaluate(get_case(self.case), resolve(self.fn), seed=self.seed, device=device)
+        return evaluate(case, resolve(self.fn), seed=self.seed, device=device)
 
 
 Job = TrainJob | EvalJob
