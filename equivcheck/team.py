@@ -100,6 +100,8 @@ def check_step(
     ``gather`` runs on every rank in lockstep, for every parameter name of the case's model in one order, so a gather
     made of collectives (an ``all_gather`` over the TP group) meets its peers; it must make the same collectives on
     every rank. ``local`` is None on a rank that holds no part of ``name`` (an expert that lives on another rank).
+    Experts numbered locally on each rank (Megatron's) need no gather: ``parallelize`` returns ``(model, names)``,
+    ``names`` this rank's parameter names to the case's model's, and what only some ranks hold is broadcast from one.
     With ``resume=Checkpoint(at=K, save=..., load=...)`` the run is resumed from the team's own checkpoint: after K
     global batches its ranks call ``save`` and end, ranks started afresh build the model anew, call ``load`` and the
     step trains on (see :class:`Checkpoint`); every gradient, the losses and the final weights are held to the

@@ -17,10 +17,10 @@ EXPERTS = 2
 
 
 class RoutedMLP(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, experts: int = EXPERTS) -> None:
         super().__init__()
-        self.router = nn.Linear(6, EXPERTS)
-        self.experts = nn.ModuleList(nn.Linear(6, 6) for _ in range(EXPERTS))
+        self.router = nn.Linear(6, experts)
+        self.experts = nn.ModuleList(nn.Linear(6, 6) for _ in range(experts))
         self.head = nn.Linear(6, 3)
 
     def route(self, x):
@@ -68,11 +68,17 @@ def expert_parallel_forward(model, x):
     return model.head(torch.tanh(out) * gate)
 
 
-def _step(model, optimizer, batch, experts_over_ep: bool, dense_reduced: bool):
+def backward_shard(model, optimizer, batch, forward):
+    """This rank's shard's losses through ``forward``, their sum over the global batch's count back-propagated."""
     inputs, targets = batch
     optimizer.zero_grad()
-    losses = F.cross_entropy(expert_parallel_forward(model, inputs), targets, reduction="none")
+    losses = F.cross_entropy(forward(model, inputs), targets, reduction="none")
     (losses.sum() / (len(inputs) * dist.get_world_size())).backward()
+    return losses
+
+
+def _step(model, optimizer, batch, experts_over_ep: bool, dense_reduced: bool):
+    losses = backward_shard(model, optimizer, batch, expert_parallel_forward)
     for name, parameter in model.named_parameters():
         if parameter.grad is None:
             continue

@@ -9,6 +9,7 @@ import equivcheck as ec
 from equivcheck import Verdict
 
 import expert_parallel as ep
+import expert_parallel_local as local
 
 
 @pytest.mark.parametrize("mesh", [{"ep": 2}, {"dp": 2, "ep": 2}], ids=["ep 2", "dp 2 x ep 2"])
@@ -32,3 +33,24 @@ def test_ep_is_a_dimension_of_a_teams_mesh_and_its_ranks_hold_shards_of_their_ow
     regime = ec.parse_regime("mesh_step:fn=expert_parallel:step,parallelizer=expert_parallel:parallelize,dp=2,ep=2")
     assert regime.world_size == 4 and regime.sizes == {"dp": 2, "ep": 2, "tp": 1}
     assert regime.shards == ("dp * ep", 4)
+
+
+@pytest.mark.parametrize("mesh", [{"dp": 2}, {"ep": 2}, {"dp": 2, "ep": 2}], ids=["dp 2", "ep 2", "dp 2 x ep 2"])
+def test_experts_numbered_locally_on_each_rank_are_read_back_by_the_teams_name_map(mesh):
+    """Megatron's layout: each rank's experts a ModuleList of its own, numbered from 0; parallelize returns (model,
+    names) and every expert's weight and gradient is read back under the single-process name, from its rank."""
+    (outcome,) = ec.check_step(local.CASE, local.step, mesh=mesh, parallelize=local.parallelize).outcomes
+    assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
+    assert set(outcome.result.weights) == {name for name, _ in local.RoutedMLP().named_parameters()}
+
+
+@pytest.mark.parametrize(("step", "mesh"), [(local.step_experts_averaged, {"ep": 2}),
+                                            (local.step_experts_averaged, {"dp": 2, "ep": 2}),
+                                            (local.step_experts_not_summed_over_dp, {"dp": 2}),
+                                            (local.step_experts_not_summed_over_dp, {"dp": 2, "ep": 2})],
+                         ids=["averaged over ep 2", "averaged over ep, dp 2 x ep 2", "not summed over dp 2",
+                              "not summed over dp, dp 2 x ep 2"])
+def test_a_local_numbering_teams_bugs_are_caught(step, mesh):
+    (outcome,) = ec.check_step(local.CASE, step, mesh=mesh, parallelize=local.parallelize).outcomes
+    assert outcome.verdict is Verdict.MISMATCH and outcome.comparison.margin > 1000, outcome.describe()
+    assert any(m.kind == "grad" and m.name.startswith("experts.") for m in outcome.comparison.mismatches)

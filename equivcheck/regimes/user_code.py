@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -305,8 +305,10 @@ class MeshStep(DeclaresCollectives, Distributed):
     handed that group's shard, the same on each. Weights and gradients are read back
     whole through DTensor's ``full_tensor()``, or the team's ``gatherer(name, local)`` for its own plain shards (on a
     pipeline, every tensor: a stage's DTensors are whole on its own ranks only); any other plain tensor is taken as
-    replicated, and one that ends different on two ranks is a ``ranks disagree`` finding. On a pipeline only the last
-    stage's ranks have a loss: the step's is their mean."""
+    replicated, and one that ends different on two ranks is a ``ranks disagree`` finding. A ``parallelize`` that returns
+    ``(model, names)`` says which of the case's parameters each of this rank's is (experts numbered locally, from 0 on
+    every rank): tensors are read back under those names, and one that only some ranks hold is broadcast from the first
+    of them. On a pipeline only the last stage's ranks have a loss: the step's is their mean."""
 
     counts_per_call = True
     harness_scaler = False
@@ -362,13 +364,31 @@ class MeshStep(DeclaresCollectives, Distributed):
         return attach_mesh_counter(module, layout=self.sizes)
 
     def read_back(self, named: dict[str, Tensor]) -> dict[str, Tensor]:
-        """With the team's gather: every name of the case's model, on every rank in one order, each whole from what
+        """This rank's tensors under the case's names first (the team's name map, where its parallelize returned one).
+        With the team's gather: every name of the case's model, on every rank in one order, each whole from what
         this rank holds under that name, or None where it holds none of it (experts that live on another rank): a
-        gather made of collectives meets its peers. Without one: each tensor this rank holds, whole."""
+        gather made of collectives meets its peers. Without one: each tensor this rank holds, whole, and each that
+        only some ranks hold broadcast from the first of them."""
+        local_names = getattr(self, "_local_names", None)
+        if local_names:
+            named = {local_names.get(name, name): tensor for name, tensor in named.items()}
         names = getattr(self, "_case_names", None)
-        if not self.gatherer or names is None:
+        if names is not None and self.gatherer:
+            return {name: self.full_tensor(named.get(name), name) for name in names}
+        holders = getattr(self, "_holders", None)
+        if not holders:
             return super().read_back(named)
-        return {name: self.full_tensor(named.get(name), name) for name in names}
+        whole = {name: self.full_tensor(tensor, name) for name, tensor in named.items() if name not in holders}
+        device = next(iter(named.values())).device
+        with uncounted(), torch.no_grad():  # the harness's read-back: no collective of the team's step
+            for name in (name for name in names if name in holders):  # every rank in one order
+                shape, dtype = self._case_shapes[name]
+                mine = named.get(name)
+                held = (mine.detach().clone() if mine is not None
+                        else torch.empty(shape, dtype=dtype, device=device)).contiguous()
+                dist.broadcast(held, src=holders[name])
+                whole[name] = held
+        return whole
 
     def full_tensor(self, tensor: Tensor | None, name: str = "") -> Tensor:
         """A DTensor through ``full_tensor()``; a plain tensor (or None: this rank holds none of it) through the team's
@@ -391,11 +411,41 @@ class MeshStep(DeclaresCollectives, Distributed):
         # The names the reference gives: read back (with the team's gather) whatever this rank's layers hold. Set on
         # this run's own regime (parsed afresh for every job); no field of its spec.
         object.__setattr__(self, "_case_names", [name for name, _ in model.named_parameters()])
+        object.__setattr__(self, "_case_shapes", {name: (p.shape, p.dtype) for name, p in model.named_parameters()})
         made = resolve(self.parallelizer)(model, mesh)
+        made, local_names = made if isinstance(made, tuple) and len(made) == 2 else (made, None)
         if not isinstance(made, nn.Module):
             raise InvalidArgument(f"parallelize {self.parallelizer!r} returned a {type(made).__name__}: expected the "
-                                  "model (an nn.Module), its plan applied")
+                                  "model (an nn.Module), its plan applied, or (model, names): names maps this rank's "
+                                  "parameter names to the case's model's (local experts numbered from 0 on every rank)")
+        self._hold_by_names(made, local_names)
         return made
+
+    def _hold_by_names(self, made: nn.Module, local_names: object) -> None:
+        """The team's map of this rank's parameter names to the case's, checked; and which ranks hold each name that
+        not every rank holds (one gather of the names, the harness's): those are broadcast from the first holder."""
+        own = [name for name, _ in made.named_parameters()]
+        if local_names is not None:
+            if not isinstance(local_names, Mapping) or not set(local_names) <= set(own) or not set(
+                    local_names.values()) <= set(self._case_names):
+                raise InvalidArgument.value(
+                    "names", local_names, "a dict of this rank's parameter names (of the model parallelize returns) "
+                    "to the case's model's, as parallelize's (model, names) ({'experts.0.weight': 'experts.2.weight'} "
+                    "on the rank that holds the case's expert 2 as its local expert 0)")
+            object.__setattr__(self, "_local_names", dict(local_names))
+            own = [local_names.get(name, name) for name in own]
+        if self.gatherer or self.pp > 1:  # the team's gather reads back what each rank holds; a stage holds its own
+            return
+        every: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+        with uncounted():
+            dist.all_gather_object(every, own)
+        held_by = {name: [rank for rank, names in enumerate(every) if name in names] for name in self._case_names}
+        nowhere = [name for name, ranks in held_by.items() if not ranks]
+        if nowhere and local_names is not None:
+            raise InvalidArgument(f"parallelize {self.parallelizer!r}: no rank holds {', '.join(nowhere[:5])} of the "
+                                  "case's model under the names its (model, names) maps to")
+        object.__setattr__(self, "_holders", {name: ranks[0] for name, ranks in held_by.items()
+                                              if ranks and len(ranks) < len(every)})
 
     @property
     def shards(self) -> tuple[str, int]:
