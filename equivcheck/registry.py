@@ -79,10 +79,13 @@ def case_source(name: str) -> str:
     return module if importable and importlib.util.find_spec(module) is not None else str(file)
 
 def importable_source(case: Case) -> str:
-    """Where another process (a rank, a clean child) imports ``case`` from: ``module:NAME`` where the case itself is
-    bound at the top level of a module or of the script being run, registered or not (the README's ``CASE =
-    ec.Case(...)``); else the source of the case registered under its name."""
-    bound = bound_path(case, "case")
+    """Where another process (a rank, a clean child) imports ``case`` from: the source of the case registered under its
+    name by its module's top level; else ``module:NAME`` where the case itself is bound at the top level of a module or
+    of the script being run (the README's ``CASE = ec.Case(...)``), the module that built it first."""
+    if all_cases().get(case.name) is case and registered_on_import(case):
+        return case_source(case.name)
+    built = getattr(case, "built_at", None)
+    bound = bound_path(case, "case", home=built[0] if built and built[2] == "<module>" else None)
     if bound is not None:
         return bound
     if all_cases().get(case.name) is not case:

@@ -52,12 +52,13 @@ def import_path(fn: Callable, argument: str = "step") -> str:
         "returns, or a functools.partial, qualifies once bound to a name there (`fast_step = make_step(chunks=4)`)")
 
 
-def bound_path(value: object, argument: str = "case") -> str | None:
+def bound_path(value: object, argument: str = "case", home: str | None = None) -> str | None:
     """``module:name`` (or ``/abs/script.py:name``) where ``value`` itself is bound at the top level of a module another
-    process imports, found by identity (a case defined there, registered or not); the modules on the call stack are
-    searched first, then every imported one. None where it is bound nowhere (built inside a function)."""
+    process imports, found by identity (a case defined there, registered or not); the module of the file ``home`` (where
+    it was defined) is searched first, then the modules on the call stack, then every imported one. None where it is
+    bound nowhere (built inside a function)."""
     main = sys.modules.get("__main__")
-    for module in _modules_on_the_stack_then_all():
+    for module in _modules_on_the_stack_then_all(home):
         if module is main or module.__name__ == "__mp_main__":
             continue
         name = _bound_name(vars(module), value)
@@ -73,10 +74,12 @@ def is_bound_path(source: str) -> bool:
     return bool(colon and module) and all(part.isidentifier() for part in name.split("."))
 
 
-def _modules_on_the_stack_then_all() -> Iterator[ModuleType]:
-    """The modules whose code called here, innermost first (where a value is usually bound), then every other."""
+def _modules_on_the_stack_then_all(home: str | None = None) -> Iterator[ModuleType]:
+    """The module of the file ``home``, the modules whose code called here, innermost first (where a value is usually
+    bound), then every other."""
     seen: set[int] = set()
-    frame, stack = sys._getframe(1), []
+    frame, stack = sys._getframe(1), [module for module in list(sys.modules.values())
+                                      if home is not None and getattr(module, "__file__", None) == home]
     while frame is not None:
         module = sys.modules.get(frame.f_globals.get("__name__", ""))
         if module is not None and getattr(module, "__dict__", None) is frame.f_globals:
