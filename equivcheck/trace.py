@@ -53,6 +53,9 @@ class StepTrace:
     weights_before: dict[str, Tensor]
     hyper: list[dict[str, float]]
     root_inputs: list[Tensor] = dataclasses.field(default_factory=list)  # what this rank fed the model, ids too
+    # the optimizer's state as the step began ("fc.weight/exp_avg"), as this rank holds it
+    optimizer_state: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    loss_scale: float = 1.0  # what a GradScaler multiplied the step's loss by: its activation gradients carry it
     broken: str = ""
 
     def to_plain(self) -> dict:

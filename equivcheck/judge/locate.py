@@ -47,13 +47,20 @@ def locate(comparison: Comparison, reference: RunResult, candidate: RunResult, r
     if counted is not None:
         return counted
     grads = [m for m in comparison.mismatches if m.kind == "grad" and m.first_step is not None]
-    if not grads:
-        return _after_the_gradients(comparison, reference, candidate)
-    step = min(m.first_step for m in grads)
+    found = _walked(comparison, replay, min(m.first_step for m in grads)) if grads else \
+        _after_the_gradients(comparison, reference, candidate)
+    if found is not None and found.phase == "optimizer":
+        # the update parted: with the optimizer's own code, or with what it carried into that step?
+        return _walked(comparison, replay, found.step, state_only=True) or found
+    return found
+
+
+def _walked(comparison: Comparison, replay: Replay, step: int, state_only: bool = False) -> Location | None:
     traced_reference, traced_candidate = replay(step)
     if not traced_reference.traces or not traced_candidate.traces:
         return None
-    return _Walk(traced_reference.traces[0], traced_candidate.traces, comparison, step).first()
+    walk = _Walk(traced_reference.traces[0], traced_candidate.traces, comparison, step)
+    return walk.carried_into() if state_only else walk.first()
 
 
 def _step_count(reference: RunResult, candidate: RunResult) -> Location | None:
@@ -114,6 +121,9 @@ class _Walk:
         self.ranks = list(ranks)
         self.distinct = _distinct_data(self.ranks)  # the ranks that hold shards of their own, in order
         self.averaged = len(self.distinct)
+        # each run's activation gradients and what backward delivered, divided by its loss scale (a GradScaler's)
+        self.scale = self.distinct[0].loss_scale * self.averaged
+        self.reference_scale = reference.loss_scale
         self.calls = {}
         for call in reference.calls:
             self.calls.setdefault(call.module, []).append(call)
@@ -149,6 +159,27 @@ class _Walk:
                     return f"the optimizer's {key} of parameter group {group} ({actual[key]:.6g}, the reference's {value:.6g})"
         return ""
 
+    def carried_into(self) -> Location | None:
+        """What the step began with besides the weights, where it differs: the optimizer's settings (a schedule) or
+        its state (moments, momentum, step counts: a resume that lost them); None where the weights it began from
+        differ already, or nothing else does."""
+        theirs = self.ranks[0].weights_before
+        if any((diff := self._diff(theirs.get(name), expected)) is not None and diff.margin > 1
+               for name, expected in self.reference.weights_before.items()):
+            return None
+        settings = self._settings_apart()
+        if settings:
+            return Location(self.step, "state", "", settings, None, f"the weights step {self.step} began from match")
+        theirs = self.ranks[0].optimizer_state
+        for key, expected in self.reference.optimizer_state.items():
+            actual = theirs.get(key)
+            diff = self._diff(actual, expected)
+            if (actual is None and expected.count_nonzero()) or (diff is not None and diff.margin > 1):
+                name = key.rpartition("/")[0]
+                return Location(self.step, "state", module_of(name), f"the optimizer's state {key!r}",
+                                None if diff is None else diff.margin, f"the weights step {self.step} began from match")
+        return None
+
     # -- the forward
     def _forward(self) -> Location | None:
         fed = self._fed_otherwise()
@@ -158,10 +189,7 @@ class _Walk:
             theirs = self._joined_call(call)
             if theirs is None:
                 continue
-            inputs = [self._diff(a, e) for a, e in zip(theirs.inputs, call.inputs)]
-            integers = [a is not None and a.shape == e.shape and torch.equal(a, e)
-                        for a, e in zip(theirs.integers, call.integers)]
-            if any(d is None or d.margin > 1 for d in inputs) or not all(integers):
+            if not self._same_inputs(theirs, call):
                 continue  # its inputs differ already (or cannot be told): a module before it parted
             for position, (actual, expected) in enumerate(zip(theirs.outputs, call.outputs)):
                 diff = self._diff(actual, expected)
@@ -171,6 +199,12 @@ class _Walk:
                                     f"{_named(call)}", diff.margin, "its inputs match" + children, bool(children))
         return None
 
+    def _same_inputs(self, theirs: ModuleCall, call: ModuleCall) -> bool:
+        """Whether a call's floating inputs match within tolerance and its integer ones (token ids) exactly."""
+        floats = [self._diff(a, e) for a, e in zip(theirs.inputs, call.inputs)]
+        return all(d is not None and d.margin <= 1 for d in floats) and all(
+            a is not None and a.shape == e.shape and torch.equal(a, e) for a, e in zip(theirs.integers, call.integers))
+
     def _fed_otherwise(self) -> Location | None:
         """The model called whole in both runs, but with rows that do not make up the global batch's (a sampler that
         pads or drops, ranks handed the same shard): the difference is in what it was fed, before any module."""
@@ -178,10 +212,7 @@ class _Walk:
         if root is None or not all(any(c.module == "" for c in trace.calls) for trace in self.distinct):
             return None
         theirs = self._joined_call(root)
-        fed = [] if theirs is None else [
-            (self._diff(a, e), a is not None and a.shape == e.shape and torch.equal(a, e))
-            for a, e in [*zip(theirs.inputs, root.inputs), *zip(theirs.integers, root.integers)]]
-        if theirs is not None and all(exact or (diff is not None and diff.margin <= 1) for diff, exact in fed):
+        if theirs is not None and self._same_inputs(theirs, root):
             return None
         return Location(self.step, "forward", "", "the batch the model was fed", None,
                         "its rows do not make up the global batch's: samples padded, dropped or handed out otherwise")
@@ -193,7 +224,7 @@ class _Walk:
             theirs = self._joined_call(root)
             if theirs is not None:
                 for actual, expected in zip(theirs.grad_outputs, root.grad_outputs):
-                    diff = self._diff(self._averaged(actual), expected)
+                    diff = self._diff(self._averaged(actual), self._unscaled(expected))
                     if diff is not None and diff.margin > 1:
                         return Location(self.step, "loss", "", "the gradient of the loss with respect to the model's "
                                         "output", diff.margin, "the model's outputs match")
@@ -214,8 +245,8 @@ class _Walk:
             theirs = None if call is None else self._joined_call(call)
             if theirs is None:
                 continue
-            outputs = [self._diff(self._averaged(a), e) for a, e in zip(theirs.grad_outputs, call.grad_outputs)
-                       if e is not None]
+            outputs = [self._diff(self._averaged(a), self._unscaled(e))
+                       for a, e in zip(theirs.grad_outputs, call.grad_outputs) if e is not None]
             if any(d is None or d.margin > 1 for d in outputs):
                 continue  # its output gradient differs already: the difference came from after it
             children = self._clean_children(module, "their output gradients")
@@ -223,7 +254,7 @@ class _Walk:
             for position, (actual, expected) in enumerate(zip(theirs.grad_inputs, call.grad_inputs)):
                 if expected is None:
                     continue
-                diff = self._diff(self._averaged(actual), expected)
+                diff = self._diff(self._averaged(actual), self._unscaled(expected))
                 if diff is not None and diff.margin > 1:
                     return Location(self.step, "backward", module, f"the gradient of "
                                     f"{_nth('input', position, call.inputs)} of {_named(call)}", diff.margin, matched,
@@ -232,7 +263,7 @@ class _Walk:
                 continue
             judged.add(module)
             for name in owned.get(module, ()):
-                diff = self._diff(self._delivered(name), self.reference.delivered[name])
+                diff = self._diff(self._delivered(name), self._reference_delivered(name))
                 if diff is not None and diff.margin > 1:
                     return Location(self.step, "backward", module, f"the gradient backward delivered to {name!r}",
                                     diff.margin, matched, bool(children))
@@ -251,33 +282,57 @@ class _Walk:
 
     # -- between backward and the update
     def _after_backward(self) -> Location | None:
+        """The first parameter, in model order, whose gradient as the optimizer read it differs while there is
+        evidence of where it was changed: ranks that hold it whole read it apart (``communication``), or backward
+        delivered the reference's gradient to it (``gradient``; ``communication`` where the collectives' count is
+        off). A parameter with neither (a shard, a pipeline stage's) is passed over; none left: unsaid."""
         read = [m for m in self.comparison.mismatches if m.kind == "grad" and m.first_step == self.step]
-        if not read:
-            return None
-        order = list(self.reference.read) or [m.name for m in read]
-        first = min(read, key=lambda m: order.index(m.name) if m.name in order else len(order))
-        name = first.name
-        delivered = self._diff(self._delivered(name), self.reference.delivered.get(name))
-        if delivered is not None and delivered.margin > 1:
-            return None  # backward delivered another gradient, and no record above could say where: left unsaid
-        matched = "backward delivered the reference's gradient to it" if delivered is not None else ""
-        unreduced = self._ranks_read_apart(name)
+        order = list(self.reference.read)
         counts = [p for p in self.comparison.problems if kind_of(p) is ProblemKind.COMMUNICATION]
-        if unreduced or counts:
-            why = unreduced or str(counts[0])
-            return Location(self.step, "communication", module_of(name), f"grad of {name!r} as the optimizer read it",
-                            first.diff.margin, "; ".join(filter(None, (matched, why))))
-        return Location(self.step, "gradient", module_of(name), f"grad of {name!r} as the optimizer read it",
-                        first.diff.margin, "; ".join(filter(None, (matched, "it was changed after backward"))))
+        for first in sorted(read, key=lambda m: order.index(m.name) if m.name in order else len(order)):
+            name = first.name
+            what = f"grad of {name!r} as the optimizer read it"
+            apart = self._ranks_read_apart(name)
+            if apart:  # replicas read different gradients: each its own (never reduced), or each changed its own
+                if self._read_as_delivered(name):
+                    return Location(self.step, "communication", module_of(name), what, first.diff.margin,
+                                    f"{apart}: each rank read what its own backward delivered, never reduced")
+                return Location(self.step, "gradient", module_of(name), what, first.diff.margin,
+                                f"{apart}: each rank changed it after backward on its own")
+            delivered = self._diff(self._delivered(name), self._reference_delivered(name))
+            if delivered is None:
+                continue
+            if delivered.margin > 1:
+                return None  # backward delivered another gradient, and no record above could say where: left unsaid
+            matched = "backward delivered the reference's gradient to it"
+            if counts:
+                return Location(self.step, "communication", module_of(name), what, first.diff.margin,
+                                f"{matched}; {counts[0]}")
+            return Location(self.step, "gradient", module_of(name), what, first.diff.margin,
+                            f"{matched}; it was changed after backward")
+        return None
 
     def _ranks_read_apart(self, name: str) -> str:
-        first = self.ranks[0].read.get(name)
-        for trace in self.ranks[1:]:
-            theirs = trace.read.get(name)
-            if first is not None and theirs is not None and theirs.shape == first.shape and \
-                    TensorDiff.of(theirs, first, self.tol).margin > 1:
-                return f"rank {trace.rank} read another gradient than rank {self.ranks[0].rank}: never reduced"
+        """Which rank read another gradient of ``name`` than the first rank, among the ranks that hold it whole (the
+        reference's shape) and train it (backward reached it there): replicas, which a faithful step leaves alike. A
+        shard is no replica, nor a copy a rank holds and never trains (another rank's expert): none is compared."""
+        whole = self.reference.read.get(name)
+        held = [(trace.rank, trace.read.get(name)) for trace in self.ranks if name in trace.delivered]
+        held = [(rank, grad) for rank, grad in held if grad is not None and whole is not None and grad.shape == whole.shape]
+        for rank, grad in held[1:]:
+            if TensorDiff.of(grad, held[0][1], self.tol).margin > 1:
+                return f"rank {rank} read another gradient than rank {held[0][0]}"
         return ""
+
+    def _read_as_delivered(self, name: str) -> bool:
+        """Whether every rank read of ``name`` just what its own backward delivered to it (its loss scale divided out):
+        a gradient no collective touched."""
+        for trace in self.ranks:
+            read, delivered = trace.read.get(name), trace.delivered.get(name)
+            if read is None or delivered is None or read.shape != delivered.shape or \
+                    TensorDiff.of(read, delivered / trace.loss_scale, self.tol).margin > 1:
+                return False
+        return True
 
     # -- records made whole
     def _joined_call(self, call: ModuleCall) -> ModuleCall | None:
@@ -300,15 +355,24 @@ class _Walk:
         return joined
 
     def _delivered(self, name: str) -> Tensor | None:
-        parts = [trace.delivered.get(name) for trace in self.distinct]
-        if any(part is None for part in parts) or len({part.shape for part in parts}) != 1:
+        """What backward delivered to ``name`` on the ranks with shards of their own that train it, summed, as the
+        reference's (a rank it never reached added nothing); None where their parts are no whole tensors."""
+        parts = [trace.delivered[name] for trace in self.distinct if name in trace.delivered]
+        if not parts or len({part.shape for part in parts}) != 1:
             return None
         return self._averaged(sum(parts[1:], parts[0]))
 
     def _averaged(self, tensor: Tensor | None) -> Tensor | None:
         """A rank's activation gradient as the reference's: a rank whose gradients are averaged over ``averaged``
-        ranks back-propagates that many times its share."""
-        return tensor if tensor is None or self.averaged == 1 else tensor / self.averaged
+        ranks back-propagates that many times its share, times its loss scale."""
+        return tensor if tensor is None or self.scale == 1 else tensor / self.scale
+
+    def _unscaled(self, tensor: Tensor | None) -> Tensor | None:
+        """The reference's activation gradient (or what backward delivered) without its loss scale."""
+        return tensor if tensor is None or self.reference_scale == 1 else tensor / self.reference_scale
+
+    def _reference_delivered(self, name: str) -> Tensor | None:
+        return self._unscaled(self.reference.delivered.get(name))
 
     def _diff(self, actual: Tensor | None, expected: Tensor | None) -> TensorDiff | None:
         """How ``actual`` differs from ``expected``; None where it cannot be told (one is missing, shapes differ)."""
@@ -354,7 +418,8 @@ def _owned(delivered: dict[str, Tensor]) -> dict[str, list[str]]:
 
 
 def _nth(what: str, position: int, of: Sequence) -> str:
-    return what if len(of) == 1 else f"{what} {position}"
+    """``the input`` of a call with one, ``input 1`` of one with several."""
+    return f"the {what}" if len(of) == 1 else f"{what} {position}"
 
 
 def _named(call: ModuleCall) -> str:

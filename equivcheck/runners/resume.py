@@ -43,9 +43,18 @@ def train_resumed(request: RunRequest, timeout: float, assembled) -> RunResult:
 
 def _segment(request: RunRequest, regime: Regime, restart: Restart, timeout: float, assembled) -> RunResult:
     placed = request.regime.segment_placement(regime, request.device)
-    segment = dataclasses.replace(request, regime=regime, restart=restart)
+    segment = dataclasses.replace(request, regime=regime, restart=restart, trace_step=_traced_in(request, restart))
     job = TrainJob.of(segment, importable_source(request.case))
     return assembled(pool.run_in_fresh_ranks(placed.backend, regime.world_size, job, timeout))
+
+
+def _traced_in(request: RunRequest, restart: Restart) -> int | None:
+    """The step of this segment's own count a replay traces: the run's ``trace_step`` where this segment trains it
+    (its steps counted from its first batch), else None."""
+    step = request.trace_step
+    if step is None or step < restart.start or (restart.stop is not None and step >= restart.stop):
+        return None
+    return step - restart.start
 
 
 def joined(first: RunResult, rest: RunResult, regime: str) -> RunResult:
@@ -61,4 +70,4 @@ def joined(first: RunResult, rest: RunResult, regime: str) -> RunResult:
         collectives=both("collectives"), rank_grad_spread=both("rank_grad_spread"),
         steps_per_batch=both("steps_per_batch"), batch_samples=first.batch_samples + rest.batch_samples,
         grad_norms=first.grad_norms + rest.grad_norms, peak_activation_bytes=max(peaks, default=None),
-        loss_dtypes=tuple(sorted({*first.loss_dtypes, *rest.loss_dtypes})))
+        loss_dtypes=tuple(sorted({*first.loss_dtypes, *rest.loss_dtypes})), traces=first.traces + rest.traces)

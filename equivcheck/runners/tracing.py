@@ -3,8 +3,10 @@
 A check that failed replays the first step that parts, in the reference and in the candidate, with this tracer on
 (``RunRequest.trace_step``). It opens after the optimizer's previous step and closes at that step: every module
 call in between is recorded (inputs, outputs, and through tensor hooks the gradients of each), with what backward
-delivered to each parameter, the gradients the optimizer read, the weights it started from. The run then stops:
-a replay costs the steps up to the one that parts, never the whole training again.
+delivered to each parameter, the gradients the optimizer read, the weights and the optimizer's state it started
+from. A run in one process then stops: its replay costs the steps up to the one that parts, never the whole training
+again. Ranks train on to the end (a rank that stopped alone inside a join or a pipeline schedule would leave the others
+waiting), and read the weights where they are in step with each other: at the optimizer's hooks.
 
 Hooks observe and never change a value: an input is seen through ``view_as`` (an identity view, so that the
 gradient this module alone sends to it can be caught), every record is a copy. A hook that cannot record a call
@@ -57,8 +59,11 @@ class StepTracer:
         self._calls: dict[str, int] = {}
         self._stack: dict[str, list[ModuleCall]] = {}
         self._arrived: set[tuple[str, int]] = set()
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        self.trace = StepTrace(step, rank, [], [], {}, {}, {}, [])
+        ranks = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        self._stops = not ranks  # in one process the run stops after the traced step; ranks train on
+        self._done = False
+        self._weights_at_first_forward = not ranks  # no collective may run inside one rank's forward
+        self.trace = StepTrace(step, torch.distributed.get_rank() if ranks else 0, [], [], {}, {}, {}, [])
 
     def __enter__(self) -> StepTracer:
         self._exits = contextlib.ExitStack()
@@ -71,6 +76,7 @@ class StepTracer:
                   if parameter.requires_grad]
         for hook in hooks:
             self._exits.callback(hook.remove)
+        self._exits.enter_context(_loss_scale_seen(self.trace))
         if self.step == 0:
             self._open_window()
         return self
@@ -79,9 +85,20 @@ class StepTracer:
         self._exits.close()
 
     def _open_window(self) -> None:
-        """The step begins: recorded from now, its weights read as its first forward starts (whatever the code does
-        after the previous ``optimizer.step()`` is part of what this step starts from)."""
+        """The step begins: recorded from now; its weights and the optimizer's state read now on ranks, else as its
+        first forward starts (whatever the code does after the previous ``optimizer.step()`` is part of what the step
+        starts from)."""
         self._open = True
+        if not self._weights_at_first_forward:
+            self._read_state()
+
+    def _read_state(self) -> None:
+        self.trace.weights_before = self._whole_weights()
+        names = {id(p): name for name, p in self._parameters}
+        self.trace.optimizer_state = {
+            f"{names[id(p)]}/{key}": _local(value) for group in self._optimizer.param_groups for p in group["params"]
+            if id(p) in names for key, value in self._optimizer.state.get(p, {}).items()
+            if isinstance(value, Tensor) and (value.is_floating_point() or value.is_complex())}
 
     def _whole_weights(self) -> dict[str, Tensor]:
         from .train import snapshot
@@ -90,7 +107,7 @@ class StepTracer:
             return snapshot(self._regime.read_back({n: p.detach() for n, p in self._parameters}).items())
 
     def _before_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
-        if not self._open:
+        if not self._open or not self.trace.root_inputs:  # a step with no forward in the window records nothing
             return
         self._open = False
         self.trace.read = {name: _local(p.grad) for name, p in self._parameters if p.grad is not None}
@@ -102,11 +119,13 @@ class StepTracer:
         self._steps_taken += 1
         if self._steps_taken == self.step:
             self._open_window()
-        elif self._steps_taken == self.step + 1:
+        elif self._steps_taken == self.step + 1 and not self._done:
+            self._done = True
             order = self.trace.backward_order
             # calls no gradient reached an input of (token ids, data): they finish backward last, latest first
             order += [(c.module, c.index) for c in reversed(self.trace.calls) if (c.module, c.index) not in self._arrived]
-            raise TraceComplete
+            if self._stops:
+                raise TraceComplete
 
     def _entering(self, name: str):
         def hook(module: nn.Module, args: tuple, kwargs: dict):
@@ -117,9 +136,10 @@ class StepTracer:
                 self._calls[name] = index + 1
                 leaves, spec = tree_flatten((args, kwargs))
                 call = ModuleCall(name, index, [], [])
-                if not self.trace.root_inputs:  # the first call of the step: what this rank was fed, and its weights
+                if not self.trace.root_inputs:  # the first call of the step: what this rank was fed
                     self.trace.root_inputs = [_local(t) for t in leaves if isinstance(t, Tensor)]
-                    self.trace.weights_before = self._whole_weights()
+                    if self._weights_at_first_forward:
+                        self._read_state()
                 for leaf_index, leaf in enumerate(leaves):
                     if not isinstance(leaf, Tensor):
                         continue
@@ -182,14 +202,36 @@ class StepTracer:
             self.trace.broken = f"module {name!r}: {type(error).__name__}: {error}"
 
 
+@contextlib.contextmanager
+def _loss_scale_seen(trace: StepTrace) -> Iterator[None]:
+    """While tracing: the scale a GradScaler (the harness's or one the code made) multiplies a loss by, noted on the
+    trace, which divides it out of the activation gradients and what backward delivered."""
+    from torch.amp import GradScaler
+
+    plain = GradScaler.scale
+
+    def scale(scaler, outputs):
+        scaled = plain(scaler, outputs)
+        if scaler.is_enabled() and scaler._scale is not None and trace.loss_scale == 1.0:
+            trace.loss_scale = float(scaler._scale)
+        return scaled
+
+    GradScaler.scale = scale
+    try:
+        yield
+    finally:
+        GradScaler.scale = plain
+
+
 def _local(tensor: Tensor) -> Tensor:
-    """A plain CPU copy of what this rank holds of ``tensor`` (a DTensor's local part; a sparse one densified)."""
+    """A plain CPU copy of what this rank holds of ``tensor`` (a DTensor's local part; a sparse one densified; a
+    bfloat16 one in float32, exactly, as numpy carries it from a rank)."""
     if is_dtensor(tensor):
         tensor = tensor.to_local()
     tensor = tensor.detach()
     if tensor.layout != torch.strided:
         tensor = tensor.to_dense()
-    return tensor.to("cpu", copy=True)
+    return tensor.to("cpu", torch.float32 if tensor.dtype == torch.bfloat16 else None, copy=True)
 
 
 def _added(total: Tensor | None, grad: Tensor) -> Tensor:
