@@ -19,7 +19,8 @@ from equivcheck.suites.field import Bug
 from equivcheck_cases.field._references import mesh_where
 
 BUG = Bug("huggingface/accelerate", "pull", 2790, "fsdp",
-          "sync_each_batch set sync_gradients, which also gates the optimizer: a step every micro-batch")
+          "sync_each_batch set sync_gradients, which also gates the optimizer: a step every micro-batch",
+          fix_acts="optimizer")
 
 ACCUMULATION_STEPS = 3  # each rank's 6 samples of block_stack's 12: micro-batches of 2
 

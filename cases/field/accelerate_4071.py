@@ -24,7 +24,8 @@ import equivcheck as ec
 from equivcheck.suites.field import Bug
 
 BUG = Bug("huggingface/accelerate", "pull", 4071,  "resume",
-          "skip_first_batches made a DataLoaderShard with iteration 0: resumed epoch set the sampler to epoch 0")
+          "skip_first_batches made a DataLoaderShard with iteration 0: resumed epoch set the sampler to epoch 0",
+          fix_acts="forward")
 
 SAMPLES, BATCH_SIZE, EPOCHS, SEED = 24, 6, 2, 42
 STEPS_PER_EPOCH = SAMPLES // BATCH_SIZE

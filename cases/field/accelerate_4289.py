@@ -36,7 +36,8 @@ BUG = Bug("huggingface/accelerate", "issue", 4289, "resume",
                      "exactly when the gradients are unscaled, so every gradient, weight and loss equals the "
                      "uninterrupted run's until a step's scaled gradients overflow at the doubled scale and it is "
                      "skipped. equivcheck compares gradients, weights and losses; it would need the GradScaler's "
-                     "state compared as part of the run, or an fp16 run that overflows at the doubled scale")
+                     "state compared as part of the run, or an fp16 run that overflows at the doubled scale",
+          fix_acts="state")
 
 SCALER = {"init_scale": 1024.0, "growth_interval": 2}
 

@@ -19,7 +19,7 @@ from equivcheck.suites.field import Bug
 
 BUG = Bug("huggingface/accelerate", "issue", 963, "accumulation",
           "prepared scheduler stepped on every micro-batch, the optimizer only when gradients synced",
-          fixed_by="pull #999")
+          fixed_by="pull #999", fix_acts="state")
 
 GRADIENT_ACCUMULATION_STEPS = 4  # mlp's global batches of 12: the loop's DataLoader yields micro-batches of 3
 

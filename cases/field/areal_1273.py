@@ -20,7 +20,8 @@ import equivcheck as ec
 from equivcheck.suites.field import Bug
 
 BUG = Bug("areal-project/AReaL", "pull", 1273, "pipeline",
-          "loss already weighted w_i / W_total, divided again by num_microbatches in the pipeline schedule")
+          "loss already weighted w_i / W_total, divided again by num_microbatches in the pipeline schedule",
+          fix_acts="loss")
 
 MICRO_BATCHES = 4  # pipeline_uneven_tokens' 12 sequences a step: micro-batches of 3
 IGNORE = -100  # the padding's target

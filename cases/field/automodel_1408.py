@@ -23,7 +23,7 @@ from equivcheck_cases.field._moe import BALANCE_WEIGHT, IGNORE, PAD, sequence_ba
 
 BUG = Bug("NVIDIA-NeMo/Automodel", "issue", 1408, "moe",
           "MoEAuxLossAutoScaler.apply's return value discarded: the aux loss never differentiated",
-          fixed_by="pull #1412")
+          fixed_by="pull #1412", fix_acts="loss")
 
 
 class MoEAuxLossAutoScaler(torch.autograd.Function):

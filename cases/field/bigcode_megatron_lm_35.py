@@ -29,7 +29,7 @@ from equivcheck_cases.field._tensor import (
 
 BUG = Bug("bigcode-project/Megatron-LM", "issue", 35, "tensor",
           "MQA with TP: shared key_value layer's input grad (a per-rank partial sum) never all-reduced",
-          fixed_by="pull #39")
+          fixed_by="pull #39", fix_acts="communication key_value")
 
 HEADS, HEAD_DIM = 2, FEATURES // 2
 

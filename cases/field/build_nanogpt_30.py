@@ -14,7 +14,8 @@ import equivcheck as ec
 from equivcheck.suites.field import Bug
 
 BUG = Bug("karpathy/build-nanogpt", "pull", 30, "ddp",
-          "require_backward_grad_sync set after the forward: the first micro-step all-reduced, not the last")
+          "require_backward_grad_sync set after the forward: the first micro-step all-reduced, not the last",
+          fix_acts="communication")
 
 GRAD_ACCUM_STEPS = 3  # each rank's 6 samples of mlp's 12: micro-batches of 2
 

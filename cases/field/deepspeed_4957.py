@@ -19,7 +19,8 @@ from equivcheck.suites.field import Bug
 from equivcheck_cases.field._moe import group, remember
 
 BUG = Bug("deepspeedai/DeepSpeed", "pull", 4957, "moe",
-          "ZeRO MoE buckets divided by the expert-data-parallel size twice: expert grads / edp^2")
+          "ZeRO MoE buckets divided by the expert-data-parallel size twice: expert grads / edp^2",
+          fix_acts="communication experts")
 
 
 def parallelize(model, mesh):

@@ -24,7 +24,7 @@ from equivcheck_cases.field._moe import IN, TOP_K, GROUP, experts_per_rank, gath
 
 BUG = Bug("deepspeedai/DeepSpeed", "issue", 5618, "moe",
           "ZeRO + EP: expert grads divided by the expert-data-parallel size, not the DP size: ep times too big",
-          fixed_by="pull #6546")
+          fixed_by="pull #6546", fix_acts="communication experts")
 
 
 def parallelize(model, mesh):

@@ -16,7 +16,7 @@ from equivcheck.suites.field import Bug
 
 BUG = Bug("deepspeedai/DeepSpeed", "issue", 7837, "zero",
           "bf16 ZeRO-0: grads divided by a loss scale never applied, and not zeroed between steps",
-          fixed_by="pull #7839")
+          fixed_by="pull #7839", fix_acts="gradient")
 
 ZERO_STAGE = 0
 INITIAL_DYNAMIC_SCALE = 2.0 ** 16

@@ -18,7 +18,8 @@ import equivcheck as ec
 from equivcheck.suites.field import Bug
 
 BUG = Bug("deepspeedai/DeepSpeed", "pull", 7967, "zero",
-          "ZeRO-1/2 CPU offload: micro-steps after the first dropped, not added to the fp32 buffer")
+          "ZeRO-1/2 CPU offload: micro-steps after the first dropped, not added to the fp32 buffer",
+          fix_acts="gradient")
 
 GRADIENT_ACCUMULATION_STEPS = 3  # each rank's 6 samples of block_stack's 12: micro-batches of 2
 

@@ -20,7 +20,8 @@ import equivcheck as ec
 from equivcheck.suites.field import Bug
 
 BUG = Bug("deepspeedai/DeepSpeed", "pull", 7981, "zero",
-          "ZeRO-1/2 CPU offload, GA=1 with several backward() per step: only the last backward kept")
+          "ZeRO-1/2 CPU offload, GA=1 with several backward() per step: only the last backward kept",
+          fix_acts="gradient")
 
 GRADIENT_ACCUMULATION_STEPS = 1  # DeepSpeed's config: the caller accumulates by itself
 BACKWARDS_PER_STEP = 3  # each rank's 6 samples of block_stack's 12: micro-batches of 2

@@ -22,7 +22,7 @@ from equivcheck.suites.field import Bug
 
 BUG = Bug("deepspeedai/DeepSpeed", "issue", 8152, "pipeline",
           "every pipeline stage divided its output grad by GAS: earlier stages got 1/GAS^2, 1/GAS^3, ...",
-          fixed_by="pull #8154")
+          fixed_by="pull #8154", fix_acts="backward 2")
 
 GRADIENT_ACCUMULATION_STEPS = 4  # micro-batches per step: block_stack's 12 samples in 4 of 3
 

@@ -19,7 +19,8 @@ from equivcheck.suites.field import Bug
 from equivcheck_cases.field._references import clipped_once
 
 BUG = Bug("huggingface/diffusers", "pull", 686, "accumulation",
-          "accelerator.clip_grad_norm_ (unscale + clip) after every micro-batch, not once when gradients sync")
+          "accelerator.clip_grad_norm_ (unscale + clip) after every micro-batch, not once when gradients sync",
+          fix_acts="gradient")
 
 GRADIENT_ACCUMULATION_STEPS = 4  # mlp's 12 samples a step: 4 equal micro-batches of 3
 MAX_GRAD_NORM = 0.1  # below the global gradient's norm at every step of mlp: the reference clips too

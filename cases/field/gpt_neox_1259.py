@@ -18,7 +18,8 @@ from equivcheck.suites.field import Bug
 from equivcheck_cases.field._tensor import megatron_parallelize, token_step
 
 BUG = Bug("EleutherAI/gpt-neox", "pull", 1259, "tensor",
-          "SP LayerNorm grad hook averaged over the TP group instead of summing: norms stepped 1/TP too little")
+          "SP LayerNorm grad hook averaged over the TP group instead of summing: norms stepped 1/TP too little",
+          fix_acts="communication")
 
 
 _MODEL_PARALLEL_GROUP = None  # mpu's model-parallel (TP) group, set when the model is parallelised

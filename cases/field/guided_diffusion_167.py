@@ -20,7 +20,8 @@ from equivcheck.suites.field import Bug
 from equivcheck_cases.field._checkpointed import train_step_through
 
 BUG = Bug("openai/guided-diffusion", "issue", 167, "checkpointing",
-          "custom checkpoint Function recomputed blocks without restoring the RNG: new dropout masks")
+          "custom checkpoint Function recomputed blocks without restoring the RNG: new dropout masks",
+          fix_acts="backward 5")
 
 
 def checkpoint(func, inputs, params, flag, restores_rng=True):
