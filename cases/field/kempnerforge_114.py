@@ -26,7 +26,7 @@ from equivcheck.suites.field import Bug
 
 BUG = Bug("KempnerInstitute/KempnerForge", "issue", 114, "resume",
           "DCP loaded the fresh optimizer's raw state_dict(), which holds no moments yet: AdamW reset on resume",
-          fixed_by="pull #115")
+          fixed_by="pull #115", fix_acts="state")
 
 ADAMW = ec.register_case(dataclasses.replace(
     ec.get_case("mlp"), name="field_kempnerforge_adamw",

@@ -23,7 +23,7 @@ from equivcheck.suites.field import Bug
 
 BUG = Bug("KempnerInstitute/KempnerForge", "issue", 51, "resume",
           "dataloader never passed to CheckpointManager.save(): every resume replayed the first epoch's batches",
-          fixed_by="pull #52")
+          fixed_by="pull #52", fix_acts="forward")
 
 SAMPLES, BATCH_SIZE, EPOCHS, SEED = 24, 6, 2, 0
 STEPS_PER_EPOCH = SAMPLES // BATCH_SIZE

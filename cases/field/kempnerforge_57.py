@@ -23,7 +23,7 @@ from equivcheck.suites.field import Bug
 
 BUG = Bug("KempnerInstitute/KempnerForge", "issue", 57, "resume",
           "StatefulDataLoader's batch count restarted at 0 after a resume: the second resume skipped too few",
-          fixed_by="pull #58")
+          fixed_by="pull #58", fix_acts="forward")
 
 SAMPLES, BATCH_SIZE, EPOCHS, SEED = 24, 6, 2, 0
 STEPS_PER_EPOCH = SAMPLES // BATCH_SIZE

@@ -25,7 +25,8 @@ import equivcheck as ec
 from equivcheck.suites.field import Bug
 
 BUG = Bug("lightly-ai/lightly-train", "pull", 301, "resume",
-          "LR scheduler left out of TrainTaskState: on resume last_epoch was -1 and the warm-up started again")
+          "LR scheduler left out of TrainTaskState: on resume last_epoch was -1 and the warm-up started again",
+          fix_acts="state")
 
 STEPS, WARMUP_STEPS, WARMUP_START, POWER = 6, 2, 0.1, 0.9
 AT = 3

@@ -22,7 +22,7 @@ from equivcheck_cases.field._lightning import manual_training_step
 
 BUG = Bug("Lightning-AI/pytorch-lightning", "issue", 18086, "ddp",
           "manual optimization with static_graph: the first backward's delayed all-reduce never queued",
-          fixed_by="pull #21251")
+          fixed_by="pull #21251", fix_acts="communication")
 
 
 def two_steps_of_data():

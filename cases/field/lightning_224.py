@@ -19,7 +19,7 @@ from equivcheck.suites.field import Bug
 
 BUG = Bug("Lightning-AI/pytorch-lightning", "issue", 224, "ddp",
           "DistributedSampler.set_epoch never called: every epoch trained on the first epoch's order",
-          fixed_by="pull #225")
+          fixed_by="pull #225", fix_acts="forward")
 
 TWO_EPOCHS = ec.register_case(dataclasses.replace(
     ec.get_case("mlp"), name="field_two_epochs", epochs=2, description="mlp over 2 epochs of 3 steps"))

@@ -19,7 +19,8 @@ from equivcheck.suites.field import Bug
 from equivcheck_cases.field._lightning import manual_training_step
 
 BUG = Bug("Lightning-AI/pytorch-lightning", "pull", 4976, "ddp",
-          "manual optimization: backward ran inside training_step, before DDP readied its all-reduce")
+          "manual optimization: backward ran inside training_step, before DDP readied its all-reduce",
+          fix_acts="communication")
 
 def two_steps_of_data():
     return torch.randn(24, 6), torch.randint(0, 3, (24,))

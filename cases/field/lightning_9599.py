@@ -16,7 +16,8 @@ from equivcheck.suites.field import Bug
 from equivcheck_cases.field._references import clipped_once
 
 BUG = Bug("Lightning-AI/pytorch-lightning", "issue", 9599, "accumulation",
-          "clip_grad_norm_ on gradients still multiplied by the GradScaler's scale", fixed_by="pull #9606")
+          "clip_grad_norm_ on gradients still multiplied by the GradScaler's scale", fixed_by="pull #9606",
+          fix_acts="gradient")
 
 ACCUMULATE_GRAD_BATCHES = 4  # mlp's 12 samples a step: 4 equal micro-batches of 3
 GRADIENT_CLIP_VAL = 0.1  # below the true gradient's norm at every step of mlp: the reference clips too

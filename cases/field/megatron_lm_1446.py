@@ -24,7 +24,8 @@ from equivcheck_cases.field._tensor import megatron_parallelize, token_step
 
 BUG = Bug("NVIDIA/Megatron-LM", "issue", 1446, "tensor",
           "TP + SP: final_layernorm params lacked the sequence_parallel flag, so its grads were never summed",
-          fixed_by="NVIDIA/TransformerEngine pull #1528 (inferred: the thread names no fix)")
+          fixed_by="NVIDIA/TransformerEngine pull #1528 (inferred: the thread names no fix)",
+          fix_acts="communication final_norm")
 
 
 def sequence_parallel(model, mesh):

@@ -22,7 +22,8 @@ from equivcheck.suites.field import Bug
 from equivcheck_cases.field._moe import BALANCE_WEIGHT, IGNORE, PAD, sequence_balance
 
 BUG = Bug("NVIDIA/Megatron-LM", "pull", 2121, "moe",
-          "padding tokens counted in the router's load-balancing loss: its value depends on the padding")
+          "padding tokens counted in the router's load-balancing loss: its value depends on the padding",
+          fix_acts="loss")
 
 MICRO_BATCHES = 6  # the 12 sequences of a global batch in micro-batches of 2, each padded to its own longest
 

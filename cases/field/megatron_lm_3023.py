@@ -21,7 +21,8 @@ from equivcheck.suites.field import Bug
 from equivcheck_cases.field._references import mesh_where
 
 BUG = Bug("NVIDIA/Megatron-LM", "pull", 3023, "fsdp",
-          "1/DP applied to the accumulated grad shard, not the new reduced bucket: the factor compounds")
+          "1/DP applied to the accumulated grad shard, not the new reduced bucket: the factor compounds",
+          fix_acts="gradient")
 
 MICRO_BATCHES = 3  # each rank's 6 samples of block_stack's 12: micro-batches of 2
 

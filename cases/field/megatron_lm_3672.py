@@ -22,7 +22,7 @@ from equivcheck_cases.field._moe import BALANCE_WEIGHT, EXPERTS, TOP_K
 
 BUG = Bug("NVIDIA/Megatron-LM", "issue", 3672, "moe",
           "global_aux_loss: local probs over the global token count squared, then DDP's mean: aux / dp_size",
-          fixed_by="pull #3769 (closed unmerged)")
+          fixed_by="pull #3769 (closed unmerged)", fix_acts="loss")
 
 
 def switch_load_balancing_loss_func(probs, tokens_per_expert, total_num_tokens, topk, num_experts, moe_aux_loss_coeff):

@@ -21,7 +21,8 @@ from equivcheck.suites.field import Bug
 from equivcheck_cases.field._moe import BALANCE_WEIGHT, EXPERTS, TOP_K, group, remember
 
 BUG = Bug("NVIDIA/Megatron-LM", "pull", 5047, "moe",
-          "per-token loss: aux scaled by the rank's token count, not its TP x CP group's: grads / (TP x CP)")
+          "per-token loss: aux scaled by the rank's token count, not its TP x CP group's: grads / (TP x CP)",
+          fix_acts="loss")
 
 
 def parallelize(model, mesh):

@@ -28,7 +28,8 @@ from equivcheck_cases.field._tensor import (
 )
 
 BUG = Bug("NVIDIA/Megatron-LM", "issue", 7452, "tensor",
-          "GDN's shared out_norm weight (heads TP-sharded) summed over TP only when SP was on: copies drift")
+          "GDN's shared out_norm weight (heads TP-sharded) summed over TP only when SP was on: copies drift",
+          fix_acts="communication out_norm")
 
 HEADS, HEAD_DIM = 2, 4
 

@@ -19,7 +19,8 @@ from equivcheck.suites.field import Bug
 from equivcheck_cases.field._tensor import clipped_token_step, megatron_clipped_step, sink_attention_tensor_parallel
 
 BUG = Bug("NVIDIA/Megatron-LM", "pull", 7530, "tensor",
-          "TP-sharded attention sinks not marked tensor-parallel: clip norm counted rank 0's sinks only")
+          "TP-sharded attention sinks not marked tensor-parallel: clip norm counted rank 0's sinks only",
+          fix_acts="gradient")
 
 MAX_NORM = 1.0  # below field_sink_attention's gradient norm at every step (2.2 to 4.0): clipping engages
 

@@ -22,7 +22,8 @@ BUG = Bug("jingyaogong/minimind", "pull", 859, "moe",
                      "field_moe (top-1, LM loss only, one forward of a batch of 12): the router's LM gradient has "
                      "norm 3.9e-18 (rounding) with the normalised gate and 0.0222 without it; accumulation (3 chunks) "
                      "agrees with the full batch both ways. Catching it needs a check of the model against itself "
-                     "(every parameter reached by the loss), not against another regime")
+                     "(every parameter reached by the loss), not against another regime",
+          fix_acts="forward")
 
 top1_normalised = ec.register_case(dataclasses.replace(
     field_moe, name="field_moe_top1_normalised", model=lambda: MoETokens(k=1, normalise=True),

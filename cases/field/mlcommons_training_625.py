@@ -17,7 +17,7 @@ import equivcheck as ec
 from equivcheck.suites.field import Bug
 
 BUG = Bug("mlcommons/training", "pull", 625, "ddp",
-          "DistributedSampler seeded per rank: the shards overlap and some samples are never seen")
+          "DistributedSampler seeded per rank: the shards overlap and some samples are never seen", fix_acts="forward")
 
 SHUFFLING_SEED = 1234
 

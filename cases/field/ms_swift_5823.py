@@ -20,7 +20,8 @@ from equivcheck.suites.field import Bug
 from equivcheck_cases.field._moe import IGNORE, Z_WEIGHT, z_per_token
 
 BUG = Bug("modelscope/ms-swift", "pull", 5823, "moe",
-          "aux loss added whole to each micro-batch's loss over the window's tokens: GA times too heavy")
+          "aux loss added whole to each micro-batch's loss over the window's tokens: GA times too heavy",
+          fix_acts="loss")
 
 GRADIENT_ACCUMULATION_STEPS = 3
 

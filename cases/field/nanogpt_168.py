@@ -13,7 +13,8 @@ import equivcheck as ec
 from equivcheck.suites.field import Bug
 
 BUG = Bug("karpathy/nanoGPT", "issue", 168, "accumulation",
-          "micro-batch mean losses backpropagated without / accumulation steps", fixed_by="commit 553f949")
+          "micro-batch mean losses backpropagated without / accumulation steps", fixed_by="commit 553f949",
+          fix_acts="loss")
 
 ACCUMULATION_STEPS = 4  # mlp's 12 samples a step: 4 equal micro-batches of 3
 
