@@ -18,7 +18,8 @@ from equivcheck.suites.field import Bug
 from equivcheck_cases.field._checkpointed import train_step_through
 
 BUG = Bug("allenai/OLMo-core", "pull", 828, "checkpointing",
-          "checkpointed blocks recomputed with preserve_rng_state=False: dropout drew fresh masks in backward")
+          "checkpointed blocks recomputed with preserve_rng_state=False: dropout drew fresh masks in backward",
+          fix_acts="backward 5")
 
 
 def train_step(model, optimizer, batch, preserve_rng_state=True):

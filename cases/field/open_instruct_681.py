@@ -24,7 +24,8 @@ import equivcheck as ec
 from equivcheck.suites.field import Bug
 
 BUG = Bug("allenai/open-instruct", "pull", 681, "resume",
-          "skip_first_batches(loader, resume_step) in every epoch after a resume, not only the resumed one")
+          "skip_first_batches(loader, resume_step) in every epoch after a resume, not only the resumed one",
+          fix_acts="forward")
 
 SAMPLES, BATCH_SIZE, EPOCHS, SEED = 24, 6, 2, 42
 STEPS_PER_EPOCH = SAMPLES // BATCH_SIZE

@@ -17,7 +17,8 @@ import equivcheck as ec
 from equivcheck.suites.field import Bug
 
 BUG = Bug("OpenNMT/OpenNMT-py", "pull", 1171, "accumulation",
-          "truncated BPTT re-initialised the decoder state at every truncation instead of carrying it")
+          "truncated BPTT re-initialised the decoder state at every truncation instead of carrying it",
+          fix_acts="forward 0")
 
 TRUNC_SIZE = 2  # gru_decoder's 5 target tokens: truncations of 2, 2 and 1
 

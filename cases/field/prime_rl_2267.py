@@ -27,7 +27,8 @@ BUG = Bug("PrimeIntellect-ai/prime-rl", "pull", 2267, "moe",
                      "never moves, on the whole batch as under 3 micro-batches (measured: expert_bias stays 0 after a "
                      "step): the team's step agrees with itself on the whole batch. Held to the fixed step on the "
                      "whole batch instead (a reference that moves the bias) it is caught, margin 2e4; a check that "
-                     "the bias moved at all is a check of the code against itself, not of two runs")
+                     "the bias moved at all is a check of the code against itself, not of two runs",
+          fix_acts="state")
 
 LOAD_BALANCE_COEFF = 1e-3
 GRAD_ACCUM_STEPS = 3

@@ -15,7 +15,7 @@ from equivcheck.suites.field import Bug
 
 BUG = Bug("kohya-ss/sd-scripts", "issue", 924, "ddp",
           "forward and backward through the unwrapped DDP .module: gradients never all-reduced",
-          fixed_by="pull #989")
+          fixed_by="pull #989", fix_acts="communication")
 
 
 def transform_if_model_is_ddp(model):

@@ -30,7 +30,8 @@ from equivcheck_cases.field._tensor import (
 
 BUG = Bug("NovaSky-AI/SkyRL", "pull", 1886, "tensor",
           "latent (SP off): fused LM head's non-contiguous grad into Megatron's _reduce: reduced copy dropped",
-          fixed_by="NVIDIA/Megatron-LM pull #5338 (a Megatron later than SkyRL pinned)")
+          fixed_by="NVIDIA/Megatron-LM pull #5338 (a Megatron later than SkyRL pinned)",
+          fix_acts="communication final_norm")
 
 
 class CopyToTensorParallelRegionFixed(torch.autograd.Function):

@@ -19,7 +19,8 @@ import equivcheck as ec
 from equivcheck.suites.field import Bug
 
 BUG = Bug("tomhosking/torchseq", "issue", 8, "accumulation",
-          "steps only once accumulated samples reach optim_batch_size: the epoch's leftover batches never step")
+          "steps only once accumulated samples reach optim_batch_size: the epoch's leftover batches never step",
+          fix_acts="optimizer")
 
 OPTIM_BATCH_SIZE = 12
 LOADER_BATCH_SIZE = 3  # 30 samples: 10 loader batches; steps after 4 and 8, the last 2 (6 samples) left over

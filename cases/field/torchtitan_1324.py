@@ -21,7 +21,8 @@ from equivcheck.suites.field import Bug
 from equivcheck_cases.field._moe import IGNORE
 
 BUG = Bug("pytorch/torchtitan", "pull", 1324, "moe",
-          "aux-loss-free expert bias updated in a backward hook: once per micro-batch, from its counts")
+          "aux-loss-free expert bias updated in a backward hook: once per micro-batch, from its counts",
+          fix_acts="state")
 
 LOAD_BALANCE_COEFF = 1e-3
 MICRO_BATCHES = 3

@@ -20,7 +20,7 @@ from equivcheck.suites.field import Bug
 
 BUG = Bug("pytorch/torchtitan", "issue", 1733, "pipeline",
           "scale_grads=True with accumulation over step() calls: accumulated grads divided again each call",
-          fixed_by="pull #1732")
+          fixed_by="pull #1732", fix_acts="gradient")
 
 MICRO_BATCHES = 2  # per schedule.step(): block_stack's 12 samples in 2 accumulation steps of 2 micro-batches of 3
 ACCUMULATION_STEPS = 2

@@ -19,7 +19,7 @@ from equivcheck_cases.field._tensor import NoParallel, TensorParallel, moe_tenso
 
 BUG = Bug("pytorch/torchtitan", "issue", 1805, "tensor",
           "MoE experts TP on to_local() shards: routed input's grad a partial sum, never all-reduced",
-          fixed_by="pull #1878")
+          fixed_by="pull #1878", fix_acts="communication moe.experts")
 
 
 def tensor_parallel(model, mesh):
