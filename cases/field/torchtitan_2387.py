@@ -23,7 +23,8 @@ from equivcheck_cases.field._tensor import NoParallel, TensorParallel, moe_tenso
 
 BUG = Bug("pytorch/torchtitan", "issue", 2387, "tensor",
           "MoE router output to_local() without a Partial grad: router grads never reduced, copies diverge",
-          fixed_by="the issue's one-line annotation (as pull #2388); the merged pull #2416 differs")
+          fixed_by="the issue's one-line annotation (as pull #2388); the merged pull #2416 differs",
+          fix_acts="communication moe.router.gate")
 
 
 def tensor_parallel(model, mesh):

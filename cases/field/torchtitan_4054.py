@@ -24,7 +24,8 @@ from equivcheck.suites.field import Bug
 from equivcheck_cases.field._moe import EXPERTS, WIDE, CopyToParallel, ReduceFromParallel, group, remember
 
 BUG = Bug("pytorch/torchtitan", "pull", 4054, "moe",
-          "TP without EP: the experts' input gradients left Replicate, never all-reduced over TP")
+          "TP without EP: the experts' input gradients left Replicate, never all-reduced over TP",
+          fix_acts="communication experts")
 
 
 def parallelize(model, mesh):

@@ -21,7 +21,8 @@ import equivcheck as ec
 from equivcheck.suites.field import Bug
 
 BUG = Bug("pytorch/torchtitan", "pull", 4194, "pipeline",
-          "PP loss divided by global_valid_tokens after the schedule's backward: grads N times too big")
+          "PP loss divided by global_valid_tokens after the schedule's backward: grads N times too big",
+          fix_acts="loss")
 
 MICRO_BATCHES = 4
 IGNORE_INDEX = -100

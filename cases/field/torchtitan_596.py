@@ -20,7 +20,7 @@ from equivcheck_cases.field._references import clipped_once
 
 BUG = Bug("pytorch/torchtitan", "issue", 596, "pipeline",
           "clip_grad_norm_ per pipeline stage: each stage clipped with its own norm, not the global one",
-          fixed_by="pull #649")
+          fixed_by="pull #649", fix_acts="gradient")
 
 MICRO_BATCHES = 4
 MAX_NORM = 0.5  # below the norm of block_stack's whole gradient at every step: clipping engages

@@ -14,7 +14,8 @@ import equivcheck as ec
 from equivcheck.suites.field import Bug
 
 BUG = Bug("meta-pytorch/torchtune", "pull", 2172, "ddp",
-          "gradients scaled by 1 / global token count, missing the world size the all-reduce divides by")
+          "gradients scaled by 1 / global token count, missing the world size the all-reduce divides by",
+          fix_acts="gradient")
 
 IGNORE_INDEX = -100
 

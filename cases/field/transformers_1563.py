@@ -18,7 +18,7 @@ from equivcheck_cases.field._references import clipped_once
 
 BUG = Bug("huggingface/transformers", "issue", 1563, "accumulation",
           "clip_grad_norm_ after every micro-batch's backward: partial sums clipped, not the step's gradient",
-          fixed_by="pull #1580")
+          fixed_by="pull #1580", fix_acts="gradient")
 
 GRADIENT_ACCUMULATION_STEPS = 4  # mlp's 12 samples a step: 4 equal micro-batches of 3
 MAX_GRAD_NORM = 0.1  # below the global gradient's norm at every step of mlp: the clip engages in the reference too

@@ -30,7 +30,7 @@ from equivcheck.suites.field import Bug
 
 BUG = Bug("huggingface/transformers", "issue", 17032, "resume",
           "checkpoint at an epoch end: no batch to skip, so _load_rng_state never ran; dropout drew new masks",
-          fixed_by="pull #17055")
+          fixed_by="pull #17055", fix_acts="state")
 
 SAMPLES, BATCH_SIZE, EPOCHS = 24, 6, 2
 STEPS_PER_EPOCH = SAMPLES // BATCH_SIZE

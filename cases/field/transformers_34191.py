@@ -15,7 +15,8 @@ import equivcheck as ec
 from equivcheck.suites.field import Bug
 
 BUG = Bug("huggingface/transformers", "pull", 34191, "accumulation",
-          "mean of per-micro-batch token means / K instead of the token sum / the window's real tokens")
+          "mean of per-micro-batch token means / K instead of the token sum / the window's real tokens",
+          fix_acts="loss")
 
 GRADIENT_ACCUMULATION_STEPS = 4  # tokens' 12 sequences a step: 4 micro-batches of 3, with unequal real tokens
 IGNORE_INDEX = -100

@@ -18,7 +18,7 @@ from equivcheck.suites.field import Bug
 
 BUG = Bug("huggingface/transformers", "issue", 34242, "ddp",
           "token loss divided by each rank's own token count; DDP then averages the per-rank means",
-          fixed_by="pull #34373")
+          fixed_by="pull #34373", fix_acts="loss")
 
 IGNORE_INDEX = -100
 GRADIENT_ACCUMULATION_STEPS = 2  # each rank's 6 sequences of the tokens case's 12: micro-batches of 3

@@ -22,7 +22,8 @@ import equivcheck as ec
 from equivcheck.suites.field import Bug
 
 BUG = Bug("huggingface/transformers", "pull", 45994, "tensor",
-          "DP x TP: loss scaled by num_processes (DP x TP) instead of the DP size: grads tp_size x too large")
+          "DP x TP: loss scaled by num_processes (DP x TP) instead of the DP size: grads tp_size x too large",
+          fix_acts="loss")
 
 MESH = {"dp": 2, "tp": 2}
 

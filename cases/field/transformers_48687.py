@@ -25,7 +25,7 @@ from equivcheck_cases.field._moe import (IN, CopyToParallel, ReduceFromParallel,
 
 BUG = Bug("huggingface/transformers", "issue", 48687, "moe",
           "EP + batched_mm: sentinel slots' zero routing weight still passed the router a gradient",
-          fixed_by="pull #48689")
+          fixed_by="pull #48689", fix_acts="backward experts")
 
 
 def parallelize(model, mesh):

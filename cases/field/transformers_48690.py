@@ -21,7 +21,7 @@ from equivcheck_cases.field._moe import BALANCE_WEIGHT, IGNORE, PAD, sequence_ba
 
 BUG = Bug("huggingface/transformers", "issue", 48690, "moe",
           "loss times world size under average_tokens_across_devices, the router's aux loss included",
-          fixed_by="pull #48691 (open)")
+          fixed_by="pull #48691 (open)", fix_acts="loss")
 
 ROUTER_AUX_LOSS_COEF = BALANCE_WEIGHT
 

@@ -26,7 +26,7 @@ from equivcheck.suites.field import Bug
 
 BUG = Bug("huggingface/transformers", "issue", 5605, "resume",
           "resume with gradient accumulation skipped global_step batches, not global_step x accumulation steps",
-          fixed_by="pull #8624")
+          fixed_by="pull #8624", fix_acts="forward")
 
 SAMPLES, MICRO_BATCH, ACCUMULATION, EPOCHS = 24, 3, 2, 2
 BATCHES_PER_EPOCH = SAMPLES // MICRO_BATCH  # len(train_dataloader): micro-batches

@@ -22,7 +22,7 @@ from equivcheck_cases.field._references import clipped_once, mesh_where
 
 BUG = Bug("ByteDance-Seed/VeOmni", "issue", 184, "fsdp",
           "HSDP clip norm all-reduced over replicate x shard: norm sqrt(R) too large, over-clipped",
-          fixed_by="pull #862")
+          fixed_by="pull #862", fix_acts="gradient")
 
 REPLICAS = 2
 WORLD_SIZE = 4  # 2 replicas x 2 shards: with 1 shard FSDP2 would all-reduce only, never reduce-scatter

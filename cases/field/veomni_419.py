@@ -25,7 +25,8 @@ from equivcheck.suites.field import Bug
 from equivcheck_cases.field._tensor import CLASSES, FEATURES, token_data, token_loss
 
 BUG = Bug("ByteDance-Seed/VeOmni", "pull", 419, "tensor",
-          "async Ulysses: k-norm backward ran before grad_k's all-to-all was collected: k trained unnormed")
+          "async Ulysses: k-norm backward ran before grad_k's all-to-all was collected: k trained unnormed",
+          fix_acts="backward k_norm")
 
 HEADS, EPS = 2, 1e-6
 HEAD_DIM = FEATURES // HEADS

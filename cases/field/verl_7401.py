@@ -26,7 +26,7 @@ from equivcheck.suites.field import Bug
 
 BUG = Bug("verl-project/verl", "issue", 7401, "resume",
           "epoch-boundary checkpoint: the exhausted loader state fast-forwarded the next epoch to 0 batches",
-          fixed_by="pull #7974 (pull #5725's check)")
+          fixed_by="pull #7974 (pull #5725's check)", fix_acts="forward")
 
 SAMPLES, BATCH_SIZE, EPOCHS, SEED = 24, 6, 2, 0
 STEPS_PER_EPOCH = SAMPLES // BATCH_SIZE
