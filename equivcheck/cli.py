@@ -352,6 +352,9 @@ def _field(args: argparse.Namespace) -> int:
     for row in broken:
         print(f"\n{row.bug.reference} ({row.module}) does not hold: as reported {row.buggy.describe()}; "
               f"as fixed {row.fixed.describe()}")
+    located, declared = field.located_share(rows)
+    if declared:
+        print(f"\nlocated where the fix acts: {located} of the {declared} caught rows that declare where it acts")
     print(f"\n{field.totals(row.bug for row in rows)}; "
           + (f"{len(broken)} rows do not hold" if broken else "every row holds")
           + f" in {time.perf_counter() - started:.1f} s")

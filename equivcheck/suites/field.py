@@ -30,6 +30,7 @@ from types import ModuleType
 
 import torch
 
+from ..diff import PHASES, Location
 from ..judge.verdict import Report, Verdict
 from ..errors import BlindSpotWarning, InvalidArgument
 from ..evaluation import EvalReport
@@ -60,6 +61,9 @@ class Bug:
     known_miss: str = ""
     torch_from: str = ""  # a bug in torch itself: the first version it was measured in
     torch_before: str = ""  # and the first it was measured gone from
+    # Where the fix acted, read from the fixing change: the phase of a step (diff.PHASES) and, where it has one, the
+    # module of the check's model it acts in ("backward blocks.1", "loss"); the caught row's location is held to it.
+    fix_acts: str = ""
 
     def __post_init__(self) -> None:
         if self.repository.count("/") != 1:
@@ -70,10 +74,21 @@ class Bug:
             raise InvalidArgument.value("family", self.family, ", ".join(map(repr, FAMILIES)))
         if self.not_expressible and self.known_miss:
             raise InvalidArgument("a bug is either not expressible or a known miss, not both")
+        if self.fix_acts and self.fix_acts.split()[0] not in PHASES:
+            raise InvalidArgument.value("fix_acts", self.fix_acts, f"a phase ({', '.join(PHASES)}), then the module "
+                                        "it acts in where it has one ('backward blocks.1')")
         for argument in ("torch_from", "torch_before"):
             version = getattr(self, argument)
             if version and not re.fullmatch(r"\d+(\.\d+)*", version):
                 raise InvalidArgument.value(argument, version, "a torch release such as '2.13' or '2.15.0'")
+
+    @property
+    def fix_location(self) -> tuple[str, str] | None:
+        """``fix_acts`` as (phase, module): None where the row declares none."""
+        if not self.fix_acts:
+            return None
+        phase, _, module = self.fix_acts.partition(" ")
+        return phase, module.strip()
 
     @property
     def reference(self) -> str:
@@ -114,6 +129,7 @@ class Finding:
     margin: float | None = None
     by_count: bool = False
     detail: str = ""
+    location: Location | None = None  # where a caught run parts from its reference (judge/locate.py)
 
     def describe(self) -> str:
         if self.state == "caught":
@@ -137,7 +153,8 @@ def finding_of(report: Report | EvalReport) -> Finding:
             continue
         if outcome.verdict in (Verdict.MISMATCH, Verdict.COMMUNICATION):
             margin = outcome.comparison.margin if outcome.comparison is not None else None
-            return Finding("caught", margin, by_count=outcome.verdict is Verdict.COMMUNICATION, detail=outcome.reason)
+            return Finding("caught", margin, by_count=outcome.verdict is Verdict.COMMUNICATION, detail=outcome.reason,
+                           location=outcome.location)
         if outcome.verdict is Verdict.SKIPPED:
             return Finding("skipped", detail=outcome.reason)
         return Finding("error", detail=f"{outcome.verdict.value}: {outcome.reason}")
@@ -162,6 +179,19 @@ class Row:
         if self.bug.expected is None:
             return True
         return (self.buggy.state, self.fixed.state) == self.bug.expected
+
+    @property
+    def located(self) -> bool | None:
+        """Whether the caught run was located where its fix acts (``Bug.fix_acts``): the same phase, and inside the
+        declared module where one is declared. None where the row declares none, or was not caught."""
+        declared = self.bug.fix_location
+        if declared is None or self.buggy is None or self.buggy.state != "caught":
+            return None
+        found = self.buggy.location
+        if found is None or found.phase != declared[0]:
+            return False
+        module = declared[1]
+        return not module or found.module == module or found.module.startswith(f"{module}.")
 
 
 def modules(families: Iterable[str] | None = None) -> list[ModuleType]:
@@ -225,7 +255,7 @@ def totals(bugs: Iterable[Bug]) -> str:
 
 def render(rows: list[Row]) -> str:
     """The table, one line per report; why a report is not expressible, or missed, follows it as a numbered note."""
-    table = [["family", "report", "what went wrong", "as reported", "as fixed", "holds"]]
+    table = [["family", "report", "what went wrong", "as reported", "parts (fix acts)", "as fixed", "holds"]]
     notes = []
     for row in rows:
         why = row.bug.not_expressible or row.bug.known_miss or row.bug.absent
@@ -236,18 +266,39 @@ def render(rows: list[Row]) -> str:
             buggy, fixed = f"not expressible{marker}", "-"
         else:
             buggy, fixed = row.buggy.describe() + marker, row.fixed.describe()
-        table.append([row.bug.family, row.bug.reference, row.bug.summary, buggy, fixed, "yes" if row.holds else "NO"])
+        table.append([row.bug.family, row.bug.reference, row.bug.summary, buggy, _where(row), fixed,
+                      "yes" if row.holds else "NO"])
     return "\n".join([render_columns(table), *([""] + notes if notes else [])])
+
+
+def _where(row: Row) -> str:
+    """The phase and module where the caught run parts, then where its fix acts where they differ: ``backward
+    blocks.1``, ``gradient 0 (fix: communication)``."""
+    found = None if row.buggy is None else row.buggy.location
+    if found is None:
+        return "-" if row.bug.fix_acts == "" or row.buggy is None or row.buggy.state != "caught" else \
+            f"unsaid (fix: {row.bug.fix_acts})"
+    said = " ".join(filter(None, (found.phase, found.module)))
+    return said if row.located in (True, None) else f"{said} (fix: {row.bug.fix_acts})"
+
+
+def located_share(rows: Iterable[Row]) -> tuple[int, int]:
+    """Of the caught rows that declare where their fix acts, how many were located there, and how many there are."""
+    judged = [row.located for row in rows if row.located is not None]
+    return sum(judged), len(judged)
 
 
 def to_rows(rows: list[Row]) -> list[dict]:
     def finding(found: Finding | None) -> dict | None:
         return None if found is None else {"state": found.state, "margin": json_number(found.margin),
-                                           "by_count": found.by_count, "detail": found.detail}
+                                           "by_count": found.by_count, "detail": found.detail,
+                                           "location": None if found.location is None else
+                                           dataclasses.asdict(found.location)}
 
     return [{"module": row.module, "report": row.bug.reference, "url": row.bug.url, "family": row.bug.family,
              "summary": row.bug.summary, "fixed_by": row.bug.fixed_by, "not_expressible": row.bug.not_expressible,
              "known_miss": row.bug.known_miss, "buggy": finding(row.buggy), "fixed": finding(row.fixed),
+             "fix_acts": row.bug.fix_acts, "located": row.located,
              "holds": row.holds, "seconds": round(row.seconds, 3)} for row in rows]
 
 
