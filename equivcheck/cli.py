@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -38,6 +39,7 @@ from .render.progress import Progress
 from .regimes import REGIMES, spec_usage
 from .registry import all_cases, load_cases_from, resolve_case
 from .render.files import check_writable, write_whole
+from .process import torch_output
 
 
 EXIT_CODES = {Status.OK: 0, Status.NOT_AS_EXPECTED: 1, Status.ERROR: 3, Status.NOTHING_CHECKED: 5}
@@ -56,7 +58,8 @@ EXIT_HELP = """exit status:
   141  the reader of the output went away (| head); every results file was written first
 
 Results files are written whole or not at all, before the report: a temporary file beside each, renamed into
-place; the file there before is kept until then.
+place; the file there before is kept until then. Torch's warnings and log lines raised while the checks train (in this
+process, the isolating child or on ranks) go to a file of their own (--warnings), counted in the report's last line.
 """
 
 
@@ -108,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
                            help="only the entries on this case, as pitfall or twin (repeatable; default: every entry)")
     auditing.add_argument("--case", action="append", metavar="NAME", help="a case to audit (repeatable; default: all)")
     auditing.add_argument("--json", metavar="PATH", help="also write the findings as JSON rows to PATH")
+    for sub in (running, catalogue, auditing, fielding):
+        sub.add_argument("--warnings", metavar="PATH",
+                         help="where torch's warnings and log lines raised while the checks trained are written, "
+                              "counted in the last line, not printed between the report's (default: beside the first "
+                              "results file, its name with .warnings.txt, else a new file in the temporary folder "
+                              "where there are any)")
     for sub in (running, catalogue, auditing, fielding):
         sub.add_argument("--device", choices=DEVICES,
                          help=f"where every run trains (default: {DEFAULT_DEVICE}); ranks take a GPU each where there "
@@ -251,21 +260,23 @@ def _run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     plans = plan_all(args.case, args.regime, rtol=args.rtol, atol=args.atol, backend=args.backend,
                      timeout=args.timeout, dtype=args.dtype, threads=args.threads, isolate=args.isolate)
-    _check_outputs(("--json", args.json), ("--html", args.html), ("--markdown", args.markdown))
+    _check_outputs(("--json", args.json), ("--html", args.html), ("--markdown", args.markdown),
+                   ("--warnings", args.warnings))
     runner = isolated(plans)  # one forked child for the whole matrix
     outcomes, interrupted = [], None
     progress = Progress(sum(len(p.specs) for p in plans), "checks")
-    try:
-        for plan in plans:
-            for outcome in iter_outcomes(plan, runner=runner):  # each outcome kept as it arrives
-                outcomes.append(outcome)
-                progress.step(f"{outcome.case} {outcome.regime}")
-    except (KeyboardInterrupt, Interrupted) as stop:  # the pool in flight closed itself; keep what finished
-        interrupted = _signal_name(stop)
-    finally:
-        progress.close()
-        runner.close()
-        launcher.leave_group()
+    with torch_output.gathering() as said:
+        try:
+            for plan in plans:
+                for outcome in iter_outcomes(plan, runner=runner):  # each outcome kept as it arrives
+                    outcomes.append(outcome)
+                    progress.step(f"{outcome.case} {outcome.regime}")
+        except (KeyboardInterrupt, Interrupted) as stop:  # the pool in flight closed itself; keep what finished
+            interrupted = _signal_name(stop)
+        finally:
+            progress.close()
+            runner.close()
+            launcher.leave_group()
     report = Report(tuple(outcomes))
     gated = [Verdict.EQUIVALENT if args.allow_communication and o.verdict is Verdict.COMMUNICATION else o.verdict
              for o in report.outcomes]  # numbers that match pass the gate; the verdict itself is still reported
@@ -273,10 +284,12 @@ def _run(args: argparse.Namespace) -> int:
     if launcher.active() and launcher.rank() != 0:
         return code  # every rank ran the same checks; rank 0 reports them
     rows = to_rows(report)
+    noise = _warnings_path(args, "run", said, args.json, args.html, args.markdown)
     unwritten = _write_results(
         (args.json, lambda: json_document(rows, interrupted)),
         (args.markdown, lambda: render_markdown(rows)),
-        (args.html, lambda: html_report.render_html(rows, _metadata(args, plans), args.plots)))
+        (args.html, lambda: html_report.render_html(rows, _metadata(args, plans), args.plots)),
+        (noise, lambda: torch_output.describe(said, "run")))
     if report.outcomes:
         print(terminal.render_overview(rows, _width(), colour=_colour()) if sys.stdout.isatty()
               else render.render_overview(rows, _width()))
@@ -293,8 +306,41 @@ def _run(args: argparse.Namespace) -> int:
     written = [f"{what} {path}" for what, path in (("JSON", args.json), ("HTML", args.html), ("Markdown", args.markdown))
                if path and path not in failed]
     print("; ".join(([] if args.matrix or not report.ok else ["full matrix: equivcheck run --matrix"])
-                    + (written or ["an HTML report with divergence plots: --html PATH"])))
+                    + (written or ["an HTML report with divergence plots: --html PATH"])
+                    + _warnings_told(said, noise, failed)))
     return _told(unwritten, code)
+
+
+WARNINGS_SUFFIX = ".warnings.txt"
+
+
+def _warnings_path(args: argparse.Namespace, command: str, said: list, *results: str | None) -> str | None:
+    """Where torch's warnings go: --warnings, else beside the first results file asked for (report.html:
+    report.warnings.txt), else, where there are any, a new file in the temporary folder (None: none, nowhere)."""
+    if args.warnings:
+        return args.warnings
+    first = next((path for path in results if path and _exists_but_not_special(path)), None)
+    if first is not None:
+        return os.path.splitext(first)[0] + WARNINGS_SUFFIX
+    if not said:
+        return None
+    descriptor, path = tempfile.mkstemp(prefix=f"equivcheck-{command}-", suffix=WARNINGS_SUFFIX)
+    os.close(descriptor)
+    return path
+
+
+def _exists_but_not_special(path: str) -> bool:
+    """A results path a file can sit beside: not /dev/stdout, a FIFO or another special file."""
+    return not os.path.exists(path) or os.path.isfile(path)
+
+
+def _warnings_told(said: list, path: str | None, failed: set[str]) -> list[str]:
+    """The last line's part about torch's warnings: how many, and the file that holds them."""
+    if not said or path is None:
+        return []
+    if path in failed:
+        return [f"{torch_output.count_words(said)} (not written: see the error below)"]
+    return [f"{torch_output.count_words(said)}, written to {path}"]
 
 
 def _width() -> int:
@@ -313,10 +359,14 @@ def _metadata(args: argparse.Namespace, plans: list) -> dict[str, str]:
 
 def _catalogue(args: argparse.Namespace) -> int:
     started = time.perf_counter()
-    _check_outputs(("--json", args.json))
+    _check_outputs(("--json", args.json), ("--warnings", args.warnings))
     entries = pitfall_catalogue.entries_on(args.case)
-    rows = pitfall_catalogue.run_catalogue(args.dtype or pitfall_catalogue.DEFAULT_DTYPES, entries, isolate=args.isolate)
-    unwritten = _write_results((args.json, lambda: _json_text(pitfall_catalogue.to_rows(rows))))
+    with torch_output.gathering() as said:
+        rows = pitfall_catalogue.run_catalogue(args.dtype or pitfall_catalogue.DEFAULT_DTYPES, entries,
+                                               isolate=args.isolate)
+    noise = _warnings_path(args, "catalogue", said, args.json)
+    unwritten = _write_results((args.json, lambda: _json_text(pitfall_catalogue.to_rows(rows))),
+                               (noise, lambda: torch_output.describe(said, "catalogue")))
     print(pitfall_catalogue.render_catalogue(rows))
     print(pitfall_catalogue.CATALOGUE_LEGEND)
     met = pitfall_catalogue.targets_met(rows)
@@ -325,7 +375,8 @@ def _catalogue(args: argparse.Namespace) -> int:
     pitfalls = len(entries)
     print(f"\n{len(rows)} rows ({pitfalls} pitfalls x {len(rows) // max(pitfalls, 1)} "
           f"precisions); {status}" + (f"; skipped: {', '.join(skipped)}" if skipped else "")
-          + f" in {time.perf_counter() - started:.1f} s")
+          + f" in {time.perf_counter() - started:.1f} s"
+          + "".join(f"; {part}" for part in _warnings_told(said, noise, {e.path for e in unwritten})))
     return _told(unwritten, 0 if met else 1)
 
 
@@ -334,19 +385,28 @@ def _audit(args: argparse.Namespace) -> int:
     names = args.case or list(all_cases())
     for name in names:
         resolve_case(name)  # every name known before anything trains
-    _check_outputs(("--json", args.json))
-    audits = [audit(name, isolate=args.isolate) for name in names]
-    unwritten = _write_results((args.json, lambda: _json_text([row for a in audits for row in a.to_rows()])))
+    _check_outputs(("--json", args.json), ("--warnings", args.warnings))
+    with torch_output.gathering() as said:
+        audits = [audit(name, isolate=args.isolate) for name in names]
+    noise = _warnings_path(args, "audit", said, args.json)
+    unwritten = _write_results((args.json, lambda: _json_text([row for a in audits for row in a.to_rows()])),
+                               (noise, lambda: torch_output.describe(said, "audit")))
     print("\n\n".join(a.describe() for a in audits))
+    told = _warnings_told(said, noise, {e.path for e in unwritten})
+    if told:
+        print("\n" + told[0])
     return _told(unwritten, 0)
 
 
 def _field(args: argparse.Namespace) -> int:
     """Exit 0 where every row holds (the bug caught as reported, equivalent as fixed), else 1."""
     started = time.perf_counter()
-    _check_outputs(("--json", args.json))
-    rows = field.run_field(args.family)
-    unwritten = _write_results((args.json, lambda: _json_text(field.to_rows(rows))))
+    _check_outputs(("--json", args.json), ("--warnings", args.warnings))
+    with torch_output.gathering() as said:
+        rows = field.run_field(args.family)
+    noise = _warnings_path(args, "field", said, args.json)
+    unwritten = _write_results((args.json, lambda: _json_text(field.to_rows(rows))),
+                               (noise, lambda: torch_output.describe(said, "field")))
     print(field.render(rows))
     broken = [row for row in rows if not row.holds]
     for row in broken:
@@ -357,7 +417,8 @@ def _field(args: argparse.Namespace) -> int:
         print(f"\nlocated where the fix acts: {located} of the {declared} caught rows that declare where it acts")
     print(f"\n{field.totals(row.bug for row in rows)}; "
           + (f"{len(broken)} rows do not hold" if broken else "every row holds")
-          + f" in {time.perf_counter() - started:.1f} s")
+          + f" in {time.perf_counter() - started:.1f} s"
+          + "".join(f"; {part}" for part in _warnings_told(said, noise, {e.path for e in unwritten})))
     return _told(unwritten, 1 if broken else 0)
 
 

@@ -38,6 +38,7 @@ import torch
 from ..case import Case
 from ..process import threads as intra_op
 from ..process.forking import fork_is_safe
+from ..process import torch_output
 from ..process.import_paths import is_bound_path
 from ..errors import InvalidArgument, IsolationWarning, RunDied, warn
 from .ranks import pool
@@ -152,17 +153,19 @@ class _Child:
             _serve(runs, requests_in, sending, self._crash_log.fileno(), parent)
         sending.close()
         requests_in.close()
-        self.pid, self._replies, self.alive = pid, receiving, True
+        self.pid, self._replies, self.alive, self._runs = pid, receiving, True, runs
 
     def train(self, index: int, settings: dict) -> RunResult:
         try:
             self._requests.send_bytes(pickle.dumps((index, settings)))
-            status, payload = receive(self._replies)
+            status, payload, said = receive(self._replies)
         except (EOFError, OSError):
             raise self._death() from None
         except BaseException:  # interrupted: the child may still be training, and its reply would answer nothing
             self.kill()
             raise
+        case, regime = self._runs[index]
+        torch_output.deliver(torch_output.from_plain(said), "isolating child", f"{case.name} under {regime}")
         if status == "ok":
             return RunResult.from_plain(payload)
         raise payload
@@ -239,12 +242,13 @@ def _serve(runs: Sequence[tuple[Case, Regime]], requests: Connection, replies: C
                 index, settings = pickle.loads(requests.recv_bytes())
             except EOFError:
                 break
-            try:
-                case, regime = runs[index]
-                reply = ("ok", run_request(RunRequest.rebuilt(case, regime, settings)).to_plain())
-            except Exception as error:
-                reply = ("raised", _portable(error))
-            send(replies, reply)
+            with torch_output.catching() as caught:  # sent home with the reply (the parent gathers or prints them)
+                try:
+                    case, regime = runs[index]
+                    reply = ("ok", run_request(RunRequest.rebuilt(case, regime, settings)).to_plain())
+                except Exception as error:
+                    reply = ("raised", _portable(error))
+            send(replies, (*reply, torch_output.plain(caught)))
     except BaseException:
         traceback.print_exc()
         code = 1

@@ -31,6 +31,7 @@ from .capacity import ensure_room
 from ...process.exit import FRAMES_LIMIT, exit_words, innermost_frame
 from .forker import ForkedRank, forker
 from ...process.import_paths import search_path
+from ...process import torch_output
 from .jobs import Job
 from .shared_reference import REFERENCE_PREFIX
 from .worker import INSIDE_RANK_VARIABLE, stack_file
@@ -142,9 +143,10 @@ class WorkerPool:
                 )
             for rank in sorted({waitables[w] for w in ready}):
                 try:
-                    answered, status, payload = self._conns[rank].recv()
+                    answered, status, payload, said = self._conns[rank].recv()
                 except EOFError:
                     raise self._death(what, rank) from None
+                torch_output.deliver(torch_output.from_plain(said), f"rank {rank}", what)
                 if answered != job:
                     raise WorkerError(f"{what}: rank {rank} answered job {answered} while job {job} was waiting "
                                       "(a protocol error); the pool was torn down")

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ...errors import InvalidArgument
 from ...process import threads as intra_op
+from ...process import torch_output
 from ...process.exit import leave_with_parent
 
 
@@ -38,15 +39,16 @@ def worker_main(rank: int, world_size: int, backend: str, store: str, conn: Conn
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
     intra_op.pin()  # ranks share the cores: every run on the count the pool gives them
-    try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=start_timeout))
-    except Exception:
-        conn.send((0, "error", traceback.format_exc()))
-        return
-    conn.send((0, "ready", None))
+    with torch_output.catching() as caught:
+        try:
+            if backend == "nccl":
+                torch.cuda.set_device(rank % torch.cuda.device_count())
+            dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=start_timeout))
+        except Exception:
+            conn.send((0, "error", traceback.format_exc(), torch_output.plain(caught)))
+            return
+    conn.send((0, "ready", None, torch_output.plain(caught)))
     while True:
         try:
             message = conn.recv()
@@ -62,18 +64,24 @@ def worker_main(rank: int, world_size: int, backend: str, store: str, conn: Conn
 
 
 def reply(conn: Connection, number: int, work: Callable[[], dict]) -> bool:
-    """Send the answer to job ``number``: its result, a usage error or a traceback. False when the parent
-    has stopped listening (Ctrl-C, SIGTERM): the rank then leaves quietly, never printing a traceback of
-    its own broken pipe onto the terminal the parent shares."""
+    """Send the answer to job ``number``: its result, a usage error or a traceback, with torch's warnings and log
+    records raised meanwhile (torch_output: the parent gathers or prints them; they never reach the terminal from
+    here). False when the parent has stopped listening (Ctrl-C, SIGTERM): the rank then leaves quietly, never
+    printing a traceback of its own broken pipe onto the terminal the parent shares."""
     try:
+        with torch_output.catching() as caught:
+            try:
+                answer = (number, "ok", work())
+            except InvalidArgument as error:  # a usage error, wherever it surfaced
+                answer = (number, "usage", str(error))
+            except Exception:
+                answer = (number, "error", traceback.format_exc())
         try:
-            conn.send((number, "ok", work()))
+            conn.send((*answer, torch_output.plain(caught)))
         except (BrokenPipeError, ConnectionResetError):
             raise
-        except InvalidArgument as error:  # a usage error, wherever it surfaced
-            conn.send((number, "usage", str(error)))
-        except Exception:
-            conn.send((number, "error", traceback.format_exc()))
+        except Exception:  # the answer would not cross (it does not pickle): its traceback does
+            conn.send((number, "error", traceback.format_exc(), torch_output.plain(caught)))
     except (BrokenPipeError, ConnectionResetError):
         return False
     return True
