@@ -151,8 +151,8 @@ WHERE_IT_PARTS = {
     ("ddp_compressed_uneven_shards", "ddp_hook_mean_loss:world_size=2,hook=fp16"): ("loss", ""),
     ("ddp_uneven_shards", "ddp_mean_loss:world_size=2"): ("loss", ""),
     ("ddp_mean_loss_uneven_tokens", "ddp_mean_loss:world_size=2"): ("loss", ""),
-    # unsaid: the tail leaves one rank an empty shard, whose records cannot be joined
-    ("ddp_join_uneven_tail", "ddp_join_rank_mean:world_size=2,chunks=3"): None,
+    # ideally loss: the rank that joined trains no tail step, and the other's mean is halved by the join's average
+    ("ddp_join_uneven_tail", "ddp_join_rank_mean:world_size=2,chunks=3"): ("gradient", "0"),
     ("ddp_uneven_shards", "ddp_padded_sampler:world_size=2"): ("forward", ""),
     ("dropout_two_layers", "accumulate:chunks=4"): ("forward", "2"),
     # ideally backward: the forward recomputed inside backward draws the other masks

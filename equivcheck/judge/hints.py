@@ -90,51 +90,62 @@ def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch
         step, ranks, spread = unsynchronised
         some = (f" (at step 0 only {', '.join(sorted(first_grads))} differ from the reference's)"
                 if first_grads and len(first_grads) < len(reference.grads[0]) else "")
+        over_tp = _over_tp(candidate)
         likely = ("a tensor-parallel group's ranks computing what they hold alike differently (other batches, other "
                   "dropout masks), or a replicated gradient not all-reduced over tp (a sequence-parallel norm's)"
-                  if _over_tp(candidate) else
+                  if over_tp else
                   "a module reached around its DDP wrapper (model.module), a backward() inside the wrapped module's "
                   "own forward, or no_sync() still on for the last micro-batch")
-        return Hint(("communication", "gradient"), f"gradients were not all-reduced: at step {step} rank{'s' if len(ranks) > 1 else ''} "
-                f"{', '.join(map(str, ranks))} held gradients up to {spread:.3g} away from rank 0's when the optimizer "
-                f"stepped{some}; likely {likely}")
+        # a TP group computing alike differently parts in the forward; a reduction missed, after backward
+        phases = ("forward", "communication", "gradient") if over_tp else ("communication", "gradient")
+        return Hint(phases, f"gradients were not all-reduced: at step {step} rank{'s' if len(ranks) > 1 else ''} "
+                    f"{', '.join(map(str, ranks))} held gradients up to {spread:.3g} away from rank 0's when the "
+                    f"optimizer stepped{some}; likely {likely}")
     kinds = {m.kind for m in mismatches}
     loss_first = next((m.first_step for m in mismatches if m.kind == "loss"), None)
 
     if reference.optimizer_steps != candidate.optimizer_steps:
-        return Hint(("optimizer",), _step_count(reference.optimizer_steps, candidate.optimizer_steps, candidate.steps_per_batch))
+        return Hint(("optimizer",),
+                _step_count(reference.optimizer_steps, candidate.optimizer_steps, candidate.steps_per_batch))
     if kinds == {"loss"}:
-        return Hint(("loss",), "only the reported losses differ; every gradient and weight matches: the step likely returns a logged "
+        return Hint(("loss",),
+                "only the reported losses differ; every gradient and weight matches: the step likely returns a logged "
                 "or approximate loss (say the last micro-batch's loss x K) instead of the global batch's mean; "
                 "return that mean or None, or check with compare_losses=False")
     factor = common_factor(reference, candidate) if first_grads else None
     if factor is not None and _over_tp(candidate) and _whole_ratio(factor):
         pipeline = (", or on this pipeline by its micro-batch count twice (a mean loss divided by K while the "
                     "schedule's scale_grads divides again)") if _over(candidate, "pp") else ""
-        return Hint(("loss", "communication", "gradient"), f"every gradient is {factor:.6g} x the reference's from step 0 on a tensor-parallel mesh: likely the "
+        return Hint(("loss", "communication", "gradient"),
+                f"every gradient is {factor:.6g} x the reference's from step 0 on a tensor-parallel mesh: likely the "
                 f"loss divided by the TP size (each TP rank counted as a data-parallel one){pipeline}" if factor < 1 else
                 f"every gradient is {factor:.6g} x the reference's from step 0 on a tensor-parallel mesh: likely the "
                 "loss summed over the TP ranks, each of which computes the whole loss")
     if factor is not None:
         clipping = (", or gradient clipping that engages in only one of the two (clip_grad_norm_ scales every "
                     "gradient by one factor below 1): give the reference the same clipping") if factor < 1 else ""
-        return Hint(("loss", "gradient"), f"every gradient is {factor:.6g} x the reference's from step 0: likely loss scaling "
+        return Hint(("loss", "gradient"),
+                f"every gradient is {factor:.6g} x the reference's from step 0: likely loss scaling "
                 f"(sum vs mean, a missing or extra / K, or gradients left scaled by a GradScaler){clipping}")
     if "buffer" in kinds and all(m.name.startswith(SCALER_PREFIX) for m in mismatches if m.kind == "buffer"):
         names = ", ".join(sorted(m.name for m in mismatches if m.kind == "buffer"))
-        return Hint(("state",), f"the GradScaler's state differs ({names}): likely a resume that did not save or restore it, or "
+        return Hint(("state",),
+                f"the GradScaler's state differs ({names}): likely a resume that did not save or restore it, or "
                 "scaler.update() called more or less often than once per optimizer step")
     if "buffer" in kinds:
         names = ", ".join(sorted(m.name for m in mismatches if m.kind == "buffer"))
-        return Hint(("forward", "state"), f"running statistics differ ({names}): likely BatchNorm seeing other batch statistics per "
+        return Hint(("forward", "state"),
+                f"running statistics differ ({names}): likely BatchNorm seeing other batch statistics per "
                 "micro-batch or rank; use a layer without batch statistics, or SyncBatchNorm under DDP (a buffer "
                 "of the model's own, a router's load or bias, updated from a micro-batch's or a rank's counts alone)")
     if loss_first == 0 and _over_tp(candidate):
-        return Hint(("forward", "loss"), "the step-0 loss already differs though every run starts from the same weights, on a tensor-parallel "
+        return Hint(("forward", "loss"),
+                "the step-0 loss already differs though every run starts from the same weights, on a tensor-parallel "
                 "mesh: the forward differs; likely a bias or another replicated term added on every TP rank before "
                 "the reduce (counted TP times), the TP ranks handed other batches or other dropout masks")
     if loss_first == 0:
-        return Hint(("forward", "loss"), "the step-0 loss already differs though every run starts from the same weights: the forward or the "
+        return Hint(("forward", "loss"),
+                "the step-0 loss already differs though every run starts from the same weights: the forward or the "
                 "loss weighting differs; likely micro-batch mean / K with uneven chunks or token counts, dropout "
                 "masks drawn differently per micro-batch, or batch statistics")
     tp_rule = _tensor_parallel(reference, candidate, first_grads) if _over_tp(candidate) else ""
@@ -146,18 +157,21 @@ def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch
                 f"{', '.join(exact)} match: the backward pass was cut upstream; likely a detach between per-token or "
                 "per-chunk backward calls (an RNN hidden state detached = truncated BPTT)", between_modules=True)
     if first_grads and not _losses_compared(reference, candidate):
-        return Hint(("loss", "gradient"), "every gradient differs from step 0 (no losses were reported, so the forward cannot be told apart "
+        return Hint(("loss", "gradient"),
+                "every gradient differs from step 0 (no losses were reported, so the forward cannot be told apart "
                 "from the backward): likely the loss weighting (a mean of micro-batch means over uneven micro-batches "
                 "or token counts), or zero_grad, clipping or GradScaler unscale_ inside the accumulation loop")
     if first_grads:
-        return Hint(("gradient",), "same loss but every gradient differs from step 0: the micro-batch gradients were altered before "
+        return Hint(("gradient",),
+                "same loss but every gradient differs from step 0: the micro-batch gradients were altered before "
                 "being summed; likely zero_grad, gradient clipping or GradScaler unscale_ inside the accumulation loop")
     steps = [m.first_step for m in mismatches if m.first_step is not None]
     tail = _epoch_tail(reference.batch_samples, min(steps)) if steps else ""
     if tail:
         return Hint(("loss", "gradient"), tail)
     if steps:
-        return Hint(("state", "optimizer", "forward", "loss"), f"everything matches at step 0 and diverges from step {min(steps)}: state carried between steps "
+        return Hint(("state", "optimizer", "forward", "loss"),
+                f"everything matches at step 0 and diverges from step {min(steps)}: state carried between steps "
                 "differs, or a difference that clipping hid while the gradient norm stayed above max_norm (a "
                 "missing / K clips to the same gradient); likely the RNG stream (dropout), optimizer state, a "
                 "learning-rate schedule, or a scaling bug under clipping")
@@ -208,7 +222,8 @@ def _tensor_parallel(reference: RunResult, candidate: RunResult, first_grads: se
     if len(first_grads) == len(reference.grads[0]):
         if common_factor(reference, candidate) is not None:
             return ""
-        return Hint(("loss",), "every gradient differs from step 0 on a tensor-parallel mesh, by no one factor: likely the loss "
+        return Hint(("loss",),
+                "every gradient differs from step 0 on a tensor-parallel mesh, by no one factor: likely the loss "
                 "weighting over the data-parallel shards (a shard's own mean averaged over dp where shards hold other "
                 "item counts), or the TP ranks handed other batches")
     factors = {name: _factor(reference.grads[0][name], candidate.grads[0].get(name)) for name in sorted(first_grads)}
@@ -221,7 +236,8 @@ def _tensor_parallel(reference: RunResult, candidate: RunResult, first_grads: se
            f"all-reduced with a mean: 1/{round(1 / factor)})" if factor < 1 else
            f"counted {round(factor)} times: a row bias added on every TP rank before the reduce, or a replicated "
            "gradient all-reduced over tp where every rank held the whole already")
-    return Hint(("communication", "gradient", "backward"), f"at step 0 the gradients of {names} are {factor:.6g} x the reference's and the others match: parameters "
+    return Hint(("communication", "gradient", "backward"),
+            f"at step 0 the gradients of {names} are {factor:.6g} x the reference's and the others match: parameters "
             f"the TP group replicates, {why}")
 
 

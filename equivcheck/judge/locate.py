@@ -24,7 +24,7 @@ never guessed at: the next record decides. Each comparison is judged at the chec
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -35,32 +35,47 @@ from ..precision import Tolerance
 from ..result import RunResult
 from ..trace import ModuleCall, StepTrace
 
-Replay = Callable[[int], tuple[RunResult, RunResult]]
+Replay = Callable[[tuple[int, ...]], tuple[RunResult, RunResult]]
 
 
 def locate(comparison: Comparison, reference: RunResult, candidate: RunResult, replay: Replay) -> Location | None:
-    """Where ``candidate`` first parts from ``reference``, from what the comparison shows and, where a gradient
-    differs, from ``replay(step)``: both runs traced at that step. None where neither says."""
+    """Where ``candidate`` first parts from ``reference``, from what the comparison shows and from ``replay(steps)``:
+    both runs again, those steps traced, once: the first step whose gradients differ and the one before it (whose
+    update may be where it parted), or the last step where only the final state differs. None where neither says."""
     if comparison.ok:
         return None
     counted = _step_count(reference, candidate)
     if counted is not None:
         return counted
     grads = [m for m in comparison.mismatches if m.kind == "grad" and m.first_step is not None]
-    found = _walked(comparison, replay, min(m.first_step for m in grads)) if grads else \
-        _after_the_gradients(comparison, reference, candidate)
+    if grads:
+        step = min(m.first_step for m in grads)
+        traced = _Replayed(comparison, replay, (step - 1, step) if step else (0,))
+        found = traced.walk(step)
+    else:
+        found = _after_the_gradients(comparison, reference, candidate)
+        traced = None if found is None else _Replayed(comparison, replay, (found.step,))
     if found is not None and found.phase == "optimizer":
         # the update parted: with the optimizer's own code, or with what it carried into that step?
-        return _walked(comparison, replay, found.step, state_only=True) or found
+        return traced.walk(found.step, state_only=True) or found
     return found
 
 
-def _walked(comparison: Comparison, replay: Replay, step: int, state_only: bool = False) -> Location | None:
-    traced_reference, traced_candidate = replay(step)
-    if not traced_reference.traces or not traced_candidate.traces:
-        return None
-    walk = _Walk(traced_reference.traces[0], traced_candidate.traces, comparison, step)
-    return walk.carried_into() if state_only else walk.first()
+class _Replayed:
+    """Both runs replayed once with ``steps`` traced (on first use), walked step by step."""
+
+    def __init__(self, comparison: Comparison, replay: Replay, steps: tuple[int, ...]) -> None:
+        self.comparison, self.steps = comparison, steps
+        self._runs = functools.cache(lambda: replay(steps))
+
+    def walk(self, step: int, state_only: bool = False) -> Location | None:
+        reference, candidate = self._runs()
+        theirs = [trace for trace in candidate.traces if trace.step == step]
+        ours = [trace for trace in reference.traces if trace.step == step]
+        if not ours or not theirs:
+            return None
+        walk = _Walk(ours[0], theirs, self.comparison, step)
+        return walk.carried_into() if state_only else walk.first()
 
 
 def _step_count(reference: RunResult, candidate: RunResult) -> Location | None:

@@ -39,7 +39,7 @@ def _row(o: Outcome) -> dict:
         "first_divergent_step": c.first_divergent_step if c else None,
         "location": dataclasses.asdict(o.location) if o.location else None,  # where the run first parts
         "where": o.location.describe() if o.location else "",
-        "hint": c.hint if c else "",
+        "hint": str(c.hint) if c else "",  # plain text: rows cross to xdist's controller
         "reason": o.reason,
         "seconds": round(o.seconds, 6),
         "optimizer_steps": o.result.optimizer_steps if o.result else None,

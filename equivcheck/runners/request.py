@@ -80,7 +80,7 @@ class RunRequest:
     device: str = DEFAULT_DEVICE
     restart: Restart | None = None  # a resume's segment (runners/resume.py): set there, never by a caller
     wide_threads: int = 1  # where nobody chose: what a large model in this process trains on (process/threads.py)
-    trace_step: int | None = None  # a failed check's replay: this optimizer step traced, the run stopped after it
+    trace_steps: tuple[int, ...] = ()  # a failed check's replay: these optimizer steps traced, the run stopped after
 
     @classmethod
     def of(cls, case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED,

@@ -43,18 +43,16 @@ def train_resumed(request: RunRequest, timeout: float, assembled) -> RunResult:
 
 def _segment(request: RunRequest, regime: Regime, restart: Restart, timeout: float, assembled) -> RunResult:
     placed = request.regime.segment_placement(regime, request.device)
-    segment = dataclasses.replace(request, regime=regime, restart=restart, trace_step=_traced_in(request, restart))
+    segment = dataclasses.replace(request, regime=regime, restart=restart, trace_steps=_traced_in(request, restart))
     job = TrainJob.of(segment, importable_source(request.case))
     return assembled(pool.run_in_fresh_ranks(placed.backend, regime.world_size, job, timeout))
 
 
-def _traced_in(request: RunRequest, restart: Restart) -> int | None:
-    """The step of this segment's own count a replay traces: the run's ``trace_step`` where this segment trains it
-    (its steps counted from its first batch), else None."""
-    step = request.trace_step
-    if step is None or step < restart.start or (restart.stop is not None and step >= restart.stop):
-        return None
-    return step - restart.start
+def _traced_in(request: RunRequest, restart: Restart) -> tuple[int, ...]:
+    """The steps of this segment's own count a replay traces: the run's ``trace_steps`` this segment trains (its steps
+    counted from its first batch; its traces are numbered as the whole run's)."""
+    return tuple(step - restart.start for step in request.trace_steps
+                 if step >= restart.start and (restart.stop is None or step < restart.stop))
 
 
 def joined(first: RunResult, rest: RunResult, regime: str) -> RunResult:

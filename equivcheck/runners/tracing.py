@@ -1,11 +1,11 @@
-"""Tracing one optimizer step at its module boundaries, for saying where a failed run parts from its reference.
+"""Tracing optimizer steps at their module boundaries, for saying where a failed run parts from its reference.
 
-A check that failed replays the first step that parts, in the reference and in the candidate, with this tracer on
-(``RunRequest.trace_step``). It opens after the optimizer's previous step and closes at that step: every module
-call in between is recorded (inputs, outputs, and through tensor hooks the gradients of each), with what backward
-delivered to each parameter, the gradients the optimizer read, the weights and the optimizer's state it started
-from. A run in one process then stops: its replay costs the steps up to the one that parts, never the whole training
-again. Ranks train on to the end (a rank that stopped alone inside a join or a pipeline schedule would leave the others
+A check that failed replays the first step that parts and the one before it, in the reference and in the candidate,
+with this tracer on (``RunRequest.trace_steps``). A step's window opens after the optimizer's previous step and
+closes when the optimizer reads the step's gradients: every module call in between is recorded (inputs, outputs, and
+through tensor hooks the gradients of each), with what backward delivered to each parameter, the gradients the
+optimizer read, the weights and the optimizer's state the step started from. A run in one process then stops: its
+replay costs the steps up to the one that parts, never the whole training again. Ranks train on to the end (a rank that stopped alone inside a join or a pipeline schedule would leave the others
 waiting), and read the weights where they are in step with each other: at the optimizer's hooks.
 
 Hooks observe and never change a value: an input is seen through ``view_as`` (an identity view, so that the
@@ -16,7 +16,6 @@ notes why in the trace and lets training go on.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -35,35 +34,41 @@ class TraceComplete(Exception):
 
 
 @contextlib.contextmanager
-def tracing(model: nn.Module, optimizer: Optimizer, regime: Regime, step: int | None) -> Iterator[StepTracer | None]:
-    """While training: ``step`` traced (None: nothing traced, nothing hooked)."""
-    if step is None:
+def tracing(model: nn.Module, optimizer: Optimizer, regime: Regime, steps: tuple[int, ...],
+            offset: int = 0) -> Iterator[StepTracer | None]:
+    """While training: the optimizer steps ``steps`` of this run traced (none: nothing traced, nothing hooked), each
+    trace numbered ``offset`` on (a resume's later segment counts its steps from its first batch)."""
+    if not steps:
         yield None
         return
-    tracer = StepTracer(model, optimizer, regime, step)
+    tracer = StepTracer(model, optimizer, regime, steps, offset)
     with tracer:
         yield tracer
 
 
 class StepTracer:
-    """Records optimizer step ``step`` of a run on ``model`` (the case's model, as the regime trains it)."""
+    """Records optimizer steps ``steps`` of a run on ``model`` (the case's model, as the regime trains it), a
+    :class:`StepTrace` each in :attr:`traces`."""
 
-    def __init__(self, model: nn.Module, optimizer: Optimizer, regime: Regime, step: int) -> None:
+    def __init__(self, model: nn.Module, optimizer: Optimizer, regime: Regime, steps: tuple[int, ...],
+                 offset: int = 0) -> None:
         from .train import case_named  # train.py enters the tracer: imported here, where it is used
 
-        self._model, self._optimizer, self._regime, self.step = model, optimizer, regime, step
+        self._model, self._optimizer, self._regime = model, optimizer, regime
+        self._steps, self._offset = frozenset(steps), offset
         self._modules = case_named(model.named_modules())
         self._parameters = case_named(model.named_parameters())
         self._steps_taken = 0
-        self._open = False
-        self._calls: dict[str, int] = {}
-        self._stack: dict[str, list[ModuleCall]] = {}
-        self._arrived: set[tuple[str, int]] = set()
         ranks = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
-        self._stops = not ranks  # in one process the run stops after the traced step; ranks train on
-        self._done = False
+        self._rank = torch.distributed.get_rank() if ranks else 0
+        self._stops = not ranks  # in one process the run stops after the last traced step; ranks train on
         self._weights_at_first_forward = not ranks  # no collective may run inside one rank's forward
-        self.trace = StepTrace(step, torch.distributed.get_rank() if ranks else 0, [], [], {}, {}, {}, [])
+        self.trace: StepTrace | None = None  # the step being traced, while its window is open
+        self.traces: list[StepTrace] = []
+        self._closed = False  # the optimizer has read the step's gradients: nothing more is recorded
+        self._calls: dict[str, int] = {}  # each module's calls in the step so far
+        self._stack: dict[str, list[ModuleCall]] = {}  # each module's calls entered and not yet left
+        self._arrived: set[tuple[str, int]] = set()  # the calls an input gradient has reached
 
     def __enter__(self) -> StepTracer:
         self._exits = contextlib.ExitStack()
@@ -76,19 +81,24 @@ class StepTracer:
                   if parameter.requires_grad]
         for hook in hooks:
             self._exits.callback(hook.remove)
-        self._exits.enter_context(_loss_scale_seen(self.trace))
-        if self.step == 0:
+        self._exits.enter_context(_loss_scale_seen(self))
+        if 0 in self._steps:
             self._open_window()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._exits.close()
 
+    @property
+    def _open(self) -> bool:
+        return self.trace is not None and not self._closed
+
     def _open_window(self) -> None:
-        """The step begins: recorded from now; its weights and the optimizer's state read now on ranks, else as its
-        first forward starts (whatever the code does after the previous ``optimizer.step()`` is part of what the step
-        starts from)."""
-        self._open = True
+        """A traced step begins: recorded from now; its weights and the optimizer's state read now on ranks, else as
+        its first forward starts (whatever the code does after the previous ``optimizer.step()`` is part of what the
+        step starts from)."""
+        self.trace = StepTrace(self._steps_taken + self._offset, self._rank, [], [], {}, {}, {}, [])
+        self._closed, self._calls, self._stack, self._arrived = False, {}, {}, set()
         if not self._weights_at_first_forward:
             self._read_state()
 
@@ -107,25 +117,28 @@ class StepTracer:
             return snapshot(self._regime.read_back({n: p.detach() for n, p in self._parameters}).items())
 
     def _before_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
-        if not self._open or not self.trace.root_inputs:  # a step with no forward in the window records nothing
+        trace = self.trace
+        if not self._open or not trace.root_inputs:  # a step with no forward in the window records nothing
             return
-        self._open = False
-        self.trace.read = {name: _local(p.grad) for name, p in self._parameters if p.grad is not None}
-        self.trace.hyper = [{key: float(value) for key, value in group.items()
-                             if isinstance(value, (int, float)) and not isinstance(value, bool)}
-                            for group in optimizer.param_groups]
+        self._closed = True
+        trace.read = {name: _local(p.grad) for name, p in self._parameters if p.grad is not None}
+        trace.hyper = [{key: float(value) for key, value in group.items()
+                        if isinstance(value, (int, float)) and not isinstance(value, bool)}
+                       for group in optimizer.param_groups]
 
     def _after_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
         self._steps_taken += 1
-        if self._steps_taken == self.step:
-            self._open_window()
-        elif self._steps_taken == self.step + 1 and not self._done:
-            self._done = True
-            order = self.trace.backward_order
+        trace = self.trace
+        if trace is not None:
+            self.trace = None
             # calls no gradient reached an input of (token ids, data): they finish backward last, latest first
-            order += [(c.module, c.index) for c in reversed(self.trace.calls) if (c.module, c.index) not in self._arrived]
-            if self._stops:
+            trace.backward_order += [(c.module, c.index) for c in reversed(trace.calls)
+                                     if (c.module, c.index) not in self._arrived]
+            self.traces.append(trace)
+            if self._stops and self._steps_taken > max(self._steps):
                 raise TraceComplete
+        if self._steps_taken in self._steps:
+            self._open_window()
 
     def _entering(self, name: str):
         def hook(module: nn.Module, args: tuple, kwargs: dict):
@@ -150,7 +163,7 @@ class StepTracer:
                     call.grad_inputs.append(None)
                     if leaf.requires_grad and not is_dtensor(leaf):
                         seen = leaf.view_as(leaf)
-                        seen.register_hook(self._grad_input(call, len(call.inputs) - 1))
+                        seen.register_hook(self._grad_input(self.trace, call, len(call.inputs) - 1))
                         leaves[leaf_index] = seen
                 self._stack.setdefault(name, []).append(call)
                 return tree_unflatten(leaves, spec)
@@ -177,13 +190,15 @@ class StepTracer:
                 self._broken(name, error)
         return hook
 
-    def _grad_input(self, call: ModuleCall, position: int):
+    def _grad_input(self, trace: StepTrace, call: ModuleCall, position: int):
+        arrived = self._arrived
+
         def hook(grad: Tensor) -> None:
             call.grad_inputs[position] = _added(call.grad_inputs[position], grad)
             key = (call.module, call.index)
-            if key not in self._arrived:
-                self._arrived.add(key)
-                self.trace.backward_order.append(key)
+            if key not in arrived:
+                arrived.add(key)
+                trace.backward_order.append(key)
         return hook
 
     def _grad_output(self, call: ModuleCall, position: int):
@@ -198,21 +213,22 @@ class StepTracer:
         return hook
 
     def _broken(self, name: str, error: Exception) -> None:
-        if not self.trace.broken:
+        if self.trace is not None and not self.trace.broken:
             self.trace.broken = f"module {name!r}: {type(error).__name__}: {error}"
 
 
 @contextlib.contextmanager
-def _loss_scale_seen(trace: StepTrace) -> Iterator[None]:
+def _loss_scale_seen(tracer: StepTracer) -> Iterator[None]:
     """While tracing: the scale a GradScaler (the harness's or one the code made) multiplies a loss by, noted on the
-    trace, which divides it out of the activation gradients and what backward delivered."""
+    step's trace, which divides it out of the activation gradients and what backward delivered."""
     from torch.amp import GradScaler
 
     plain = GradScaler.scale
 
     def scale(scaler, outputs):
         scaled = plain(scaler, outputs)
-        if scaler.is_enabled() and scaler._scale is not None and trace.loss_scale == 1.0:
+        trace = tracer.trace
+        if trace is not None and scaler.is_enabled() and scaler._scale is not None and trace.loss_scale == 1.0:
             trace.loss_scale = float(scaler._scale)
         return scaled
 
@@ -241,5 +257,5 @@ def _added(total: Tensor | None, grad: Tensor) -> Tensor:
 
 
 def traced(tracer: StepTracer | None) -> tuple[StepTrace, ...]:
-    """The trace a run took, where it took one."""
-    return () if tracer is None else (dataclasses.replace(tracer.trace),)
+    """The traces a run took, one per traced step."""
+    return () if tracer is None else tuple(tracer.traces)
