@@ -13,7 +13,7 @@ export OMP_NUM_THREADS ?= 1
 WORKERS ?= 2
 XDIST = -n $(WORKERS) --dist loadfile
 
-.PHONY: install demo demo-full demo-parts test test-dev test-gpu test-frameworks bench bench-speed bench-threads bench-isolation bench-memory bench-scale bench-mesh bench-false-alarms bench-compile bench-suite mutation clean
+.PHONY: install demo demo-full demo-parts test test-dev test-gpu test-frameworks bench bench-speed bench-threads bench-isolation bench-memory bench-scale bench-mesh bench-false-alarms bench-compile bench-locate bench-suite mutation clean
 
 # The developer's venv: an editable install, for make demo, make test-dev and the benchmarks.
 install: $(STAMP)
@@ -137,6 +137,10 @@ bench-false-alarms: install
 
 # A compiled check's cost against torch alone's compiled trainings, quiet and busy; then the drawn configurations
 # compiled by inductor (300), every one of which must be equivalent.
+# What saying where a failed run parts costs at 25M and 124M parameters (bench/README.md#where-a-run-parts).
+bench-locate: install
+	cd bench && env -u OMP_NUM_THREADS ../$(BIN)/python bench_locate.py
+
 bench-compile: install
 	cd bench && ../$(BIN)/python bench_compile.py
 	nice -n 10 $(BIN)/python bench/bench_false_alarms.py --in-process 0 --ddp 0 --pitfalls 0 --attention 0 \

@@ -27,7 +27,7 @@ from .runners.dispatch import DEFAULT_TIMEOUT, Started, start_request
 from .runners.request import RunRequest
 from .judge import rounding, witness
 from .judge.hints import agreeing
-from .judge.locate import Replay, locate
+from .judge.locate import Replay, ReplayDiffers, locate
 from .precision import PRECISIONS, Precision, Tolerance, resolve_precision
 from .regimes import DEFAULT_REGIMES, REGIMES, Regime, parse_regime
 from .registry import all_cases, resolve_case
@@ -400,6 +400,9 @@ def _located(outcome: Outcome, reference: RunResult, result: RunResult, replay: 
         return outcome
     try:
         location = locate(comparison, reference, result, replay)
+    except ReplayDiffers as differs:
+        return dataclasses.replace(outcome, reason="; ".join(filter(None, (outcome.reason, f"where it parts is "
+                                                                           f"unsaid: {differs}"))))
     except Exception as error:
         why = f"where it parts is unsaid: its replay failed ({type(error).__name__}: {error})"
         return dataclasses.replace(outcome, reason="; ".join(filter(None, (outcome.reason, why))))

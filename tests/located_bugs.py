@@ -131,3 +131,19 @@ def head_left_out_of_all_reduce(model, optimizer, batch):
     optimizer.step()
     optimizer.zero_grad()
     return loss.detach()
+
+
+_MEDDLED = []
+
+
+def scales_head_gradient_once_per_process(model, optimizer, batch):
+    """The head's gradient scaled on the first call this process makes, never again: state kept across runs, so a
+    replay of the run trains right where the run did not."""
+    loss = _loss(model, batch)
+    loss.backward()
+    if not _MEDDLED:
+        _MEDDLED.append(True)
+        model.head.weight.grad.mul_(2.0)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.detach()

@@ -95,3 +95,13 @@ def test_the_location_reaches_every_report():
     assert "parts at step 0, backward in" in render_html([row], {})
     with pytest.raises(ec.NotEquivalent, match=r"parts at step 0, backward in `blocks.1`"):
         report.assert_equivalent()
+
+
+def test_a_replay_that_does_not_train_as_the_run_did_says_no_location():
+    """The guard that holds each replay to the run it replays: a step that misbehaves on its first call in the process
+    only is caught, but its replay trains right, so its records cannot say where the run parted."""
+    bugs._MEDDLED.clear()
+    outcome = ec.check_step(bugs.CLEAN, bugs.scales_head_gradient_once_per_process).outcomes[0]
+    assert outcome.verdict is ec.Verdict.MISMATCH and outcome.location is None
+    assert "where it parts is unsaid: replayed with hooks, the run read another gradient of 'head.weight'" in \
+        outcome.reason

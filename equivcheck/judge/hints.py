@@ -226,7 +226,7 @@ def _tensor_parallel(reference: RunResult, candidate: RunResult, first_grads: se
                 "every gradient differs from step 0 on a tensor-parallel mesh, by no one factor: likely the loss "
                 "weighting over the data-parallel shards (a shard's own mean averaged over dp where shards hold other "
                 "item counts), or the TP ranks handed other batches")
-    factors = {name: _factor(reference.grads[0][name], candidate.grads[0].get(name)) for name in sorted(first_grads)}
+    factors = {name: factor_of(reference.grads[0][name], candidate.grads[0].get(name)) for name in sorted(first_grads)}
     found = set(factors.values())
     if len(found) != 1 or None in found or not _whole_ratio(next(iter(found))):
         return ""
@@ -247,7 +247,7 @@ def _whole_ratio(factor: float) -> bool:
     return n >= 1.5 and abs(n - round(n)) < 1e-3
 
 
-def _factor(reference: Tensor, candidate: Tensor | None) -> float | None:
+def factor_of(reference: Tensor, candidate: Tensor | None) -> float | None:
     """The c with candidate == c * reference for one tensor (:func:`_scaled_by`), to 6 digits, or None."""
     if candidate is None:
         return None

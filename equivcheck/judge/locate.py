@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from ..diff import Comparison, Location, ProblemKind, TensorDiff, kind_of
+from .hints import factor_of
 from ..precision import Tolerance
 from ..result import RunResult
 from ..trace import ModuleCall, StepTrace
@@ -50,22 +51,30 @@ def locate(comparison: Comparison, reference: RunResult, candidate: RunResult, r
     grads = [m for m in comparison.mismatches if m.kind == "grad" and m.first_step is not None]
     if grads:
         step = min(m.first_step for m in grads)
-        traced = _Replayed(comparison, replay, (step - 1, step) if step else (0,))
+        traced = _Replayed(comparison, reference, candidate, replay, (step - 1, step) if step else (0,))
         found = traced.walk(step)
     else:
         found = _after_the_gradients(comparison, reference, candidate)
-        traced = None if found is None else _Replayed(comparison, replay, (found.step,))
+        traced = None if found is None else _Replayed(comparison, reference, candidate, replay, (found.step,))
     if found is not None and found.phase == "optimizer":
         # the update parted: with the optimizer's own code, or with what it carried into that step?
         return traced.walk(found.step, state_only=True) or found
     return found
 
 
-class _Replayed:
-    """Both runs replayed once with ``steps`` traced (on first use), walked step by step."""
+class ReplayDiffers(Exception):
+    """A replay did not train as the run it replays did (code whose behaviour the hooks change, a step that keeps
+    state across runs): its records say nothing about that run, so no location is said."""
 
-    def __init__(self, comparison: Comparison, replay: Replay, steps: tuple[int, ...]) -> None:
-        self.comparison, self.steps = comparison, steps
+
+class _Replayed:
+    """Both runs replayed once with ``steps`` traced (on first use), walked step by step; each replay in one process
+    held to the run it replays first: the gradients its optimizer read at the step must be the run's (where the run
+    recorded them)."""
+
+    def __init__(self, comparison: Comparison, reference: RunResult, candidate: RunResult, replay: Replay,
+                 steps: tuple[int, ...]) -> None:
+        self.comparison, self.steps, self.recorded = comparison, steps, (reference, candidate)
         self._runs = functools.cache(lambda: replay(steps))
 
     def walk(self, step: int, state_only: bool = False) -> Location | None:
@@ -74,8 +83,26 @@ class _Replayed:
         ours = [trace for trace in reference.traces if trace.step == step]
         if not ours or not theirs:
             return None
+        for run, traces, which in ((self.recorded[0], ours, "reference"), (self.recorded[1], theirs, "run")):
+            if len(traces) > 1:  # a rank's own read is no whole gradient (a shard, a partial sum): not held to it
+                continue
+            apart = _not_as_recorded(run, traces[0], step, self.comparison.tolerance)
+            if apart:
+                raise ReplayDiffers(f"replayed with hooks, the {which} read another gradient of {apart} at step {step} "
+                                    "than it did: its records would not say where it parted")
         walk = _Walk(ours[0], theirs, self.comparison, step)
         return walk.carried_into() if state_only else walk.first()
+
+
+def _not_as_recorded(run: RunResult, trace: StepTrace, step: int, tol: Tolerance) -> str:
+    """The first parameter whose gradient ``trace`` read at ``step`` is not the one ``run`` recorded there (where it
+    recorded one, whole as the trace holds it), quoted; "" where they agree."""
+    recorded = run.grads[step] if step < len(run.grads) else {}
+    for name, grad in recorded.items():
+        read = trace.read.get(name)
+        if read is not None and read.shape == grad.shape and TensorDiff.of(read, grad, tol).margin > 1:
+            return repr(name)
+    return ""
 
 
 def _step_count(reference: RunResult, candidate: RunResult) -> Location | None:
@@ -142,6 +169,10 @@ class _Walk:
         self.calls = {}
         for call in reference.calls:
             self.calls.setdefault(call.module, []).append(call)
+        # modules whose own parameters a rank holds a part of (tensor parallelism): their outputs and gradients are
+        # shards or partial sums, which no join makes whole
+        self.sharded = {module_of(name) for trace in self.ranks for name, grad in trace.read.items()
+                        if name in reference.read and grad.shape != reference.read[name].shape}
 
     def first(self) -> Location | None:
         for phase in (self._carried, self._forward, self._loss, self._backward, self._after_backward):
@@ -224,7 +255,8 @@ class _Walk:
         """The model called whole in both runs, but with rows that do not make up the global batch's (a sampler that
         pads or drops, ranks handed the same shard): the difference is in what it was fed, before any module."""
         root = self.calls.get("", [None])[0]
-        if root is None or not all(any(c.module == "" for c in trace.calls) for trace in self.distinct):
+        if root is None or "" in self.sharded or \
+                not all(any(c.module == "" for c in trace.calls) for trace in self.distinct):
             return None
         theirs = self._joined_call(root)
         if theirs is not None and self._same_inputs(theirs, root):
@@ -308,12 +340,16 @@ class _Walk:
             name = first.name
             what = f"grad of {name!r} as the optimizer read it"
             apart = self._ranks_read_apart(name)
-            if apart:  # replicas read different gradients: each its own (never reduced), or each changed its own
+            if apart:  # replicas read different gradients: reduced wrong (or never), or each scaled its own after
                 if self._read_as_delivered(name):
                     return Location(self.step, "communication", module_of(name), what, first.diff.margin,
                                     f"{apart}: each rank read what its own backward delivered, never reduced")
-                return Location(self.step, "gradient", module_of(name), what, first.diff.margin,
-                                f"{apart}: each rank changed it after backward on its own")
+                if self._scaled_copies(name):
+                    return Location(self.step, "gradient", module_of(name), what, first.diff.margin,
+                                    f"{apart}: each read the reference's gradient scaled by a factor of its own, after "
+                                    "the reduction")
+                return Location(self.step, "communication", module_of(name), what, first.diff.margin,
+                                f"{apart}: what each read is no reduction of what backward delivered")
             delivered = self._diff(self._delivered(name), self._reference_delivered(name))
             if delivered is None:
                 continue
@@ -339,6 +375,15 @@ class _Walk:
                 return f"rank {rank} read another gradient than rank {held[0][0]}"
         return ""
 
+    def _scaled_copies(self, name: str) -> bool:
+        """Whether every rank read the reference's gradient of ``name`` times a factor of its own (clipped by its own
+        norm, scaled on its own): changed after a reduction that was right."""
+        expected = self.reference.read.get(name)
+        if expected is None:
+            return False
+        return all(factor_of(expected, trace.read[name]) is not None for trace in self.ranks
+                   if trace.read.get(name) is not None and trace.read[name].shape == expected.shape)
+
     def _read_as_delivered(self, name: str) -> bool:
         """Whether every rank read of ``name`` just what its own backward delivered to it (its loss scale divided out):
         a gradient no collective touched."""
@@ -353,6 +398,8 @@ class _Walk:
     def _joined_call(self, call: ModuleCall) -> ModuleCall | None:
         """The candidate's calls that stand for the reference's ``call``: the same call of each micro-batch and of
         each rank with a shard of its own, their records joined (None: they cannot be)."""
+        if call.module in self.sharded:
+            return None
         per_call = len(self.calls[call.module])
         pieces: list[ModuleCall] = []
         for trace in self.distinct:

@@ -183,10 +183,11 @@ class Row:
     @property
     def located(self) -> bool | None:
         """Whether the caught run was located where its fix acts (``Bug.fix_acts``): the same phase, and inside the
-        declared module where one is declared. None where the row declares none, or was not caught."""
+        declared module where one is declared. None where the row declares none, was not caught, or checks a metric
+        (``check_eval``: no training step to locate)."""
         declared = self.bug.fix_location
-        if declared is None or self.buggy is None or self.buggy.state != "caught":
-            return None
+        if declared is None or self.buggy is None or self.buggy.state != "caught" or self.bug.family == "evaluation":
+            return None  # nothing to hold it to (a metric's check trains no step to locate)
         found = self.buggy.location
         if found is None or found.phase != declared[0]:
             return False
@@ -272,14 +273,13 @@ def render(rows: list[Row]) -> str:
 
 
 def _where(row: Row) -> str:
-    """The phase and module where the caught run parts, then where its fix acts where they differ: ``backward
-    blocks.1``, ``gradient 0 (fix: communication)``."""
+    """Where the caught run parts (phase and module, or unsaid), then where its fix acts where they differ:
+    ``backward blocks.1``, ``gradient 0 (fix: communication)``; "-" where nothing is held to it."""
     found = None if row.buggy is None else row.buggy.location
-    if found is None:
-        return "-" if row.bug.fix_acts == "" or row.buggy is None or row.buggy.state != "caught" else \
-            f"unsaid (fix: {row.bug.fix_acts})"
-    said = " ".join(filter(None, (found.phase, found.module)))
-    return said if row.located in (True, None) else f"{said} (fix: {row.bug.fix_acts})"
+    said = "unsaid" if found is None else " ".join(filter(None, (found.phase, found.module)))
+    if row.located is None:
+        return said if found is not None else "-"
+    return said if row.located else f"{said} (fix: {row.bug.fix_acts})"
 
 
 def located_share(rows: Iterable[Row]) -> tuple[int, int]:
