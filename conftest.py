@@ -20,6 +20,25 @@ settings.register_profile("dev", max_examples=300, deadline=None)
 settings.load_profile("ci")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def verdicts_without_locations():
+    """Most tests assert verdicts alone: their failed checks skip the replays that say where a run parts (about a
+    training each). The tests of the localizer, the catalogue's and the field's locations and the reports that print
+    them turn it back on (``locating``); a command or a pytest run started by a test locates, as users get it."""
+    import equivcheck  # noqa: F401 (its module ``check``, whose name the package gives the function)
+
+    sys.modules["equivcheck.check"].LOCATE_BY_DEFAULT = False
+    yield
+
+
+@pytest.fixture
+def locating(monkeypatch):
+    """This test's failed checks say where their runs part (``ec.check``'s default, as users get it)."""
+    import equivcheck  # noqa: F401
+
+    monkeypatch.setattr(sys.modules["equivcheck.check"], "LOCATE_BY_DEFAULT", True)
+
+
 @pytest.fixture
 def isolated_registry(monkeypatch):
     """User cases registered by a test leave the registry of the outer session as it was."""

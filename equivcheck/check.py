@@ -27,7 +27,7 @@ from .runners.dispatch import DEFAULT_TIMEOUT, Started, start_request
 from .runners.request import RunRequest
 from .judge import rounding, witness
 from .judge.hints import agreeing
-from .judge.locate import Replay, ReplayDiffers, locate
+from .judge import locate as localizer
 from .precision import PRECISIONS, Precision, Tolerance, resolve_precision
 from .regimes import DEFAULT_REGIMES, REGIMES, Regime, parse_regime
 from .registry import all_cases, resolve_case
@@ -60,6 +60,7 @@ def check(
     compare_losses: bool = True,
     isolate: bool = False,
     device: str | torch.device | None = None,
+    locate: bool | None = None,
 ) -> Report:
     """Check ``case`` under each regime against ``reference`` (run twice, to prove it deterministic).
 
@@ -76,11 +77,20 @@ def check(
     where every run trains (``'cpu'``, the default, or ``'cuda'``: equivcheck.device), the reference, its
     repeat, the witness and the float64 shadows included; ranks take a GPU each where there are enough, else
     train over gloo on the CPU, the verdict saying so. Without CUDA, ``device='cuda'`` skips every check.
+    ``locate``: a failed check says where its run parts (judge/locate.py: its first step that parts replayed with
+    module hooks; default :data:`LOCATE_BY_DEFAULT`, on); ``False`` spares the replays where the verdict is all a
+    caller reads.
     """
     return Report(tuple(iter_outcomes(plan(case, regimes, reference=reference, rtol=rtol, atol=atol, seed=seed,
                                           backend=backend, timeout=timeout, dtype=dtype, threads=threads,
-                                          compare_losses=compare_losses, isolate=isolate, device=device),
+                                          compare_losses=compare_losses, isolate=isolate, device=device,
+                                          locate=locate),
                                      measure_memory=measure_memory)))
+
+
+# Whether a failed check says where its run parts, where the call leaves ``locate`` out. The replays cost up to a
+# training of the steps up to the one that parts: a test session that asserts verdicts alone may turn it off.
+LOCATE_BY_DEFAULT = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +113,7 @@ class Plan:
     device: str = DEFAULT_DEVICE  # where every run trains (equivcheck.device)
     # a large model may train on torch's own thread count: decided once, so every run of the check takes the same
     wide_threads: int = 1
+    locate: bool = True  # a failed outcome says where its run parts (judge/locate.py)
     runner: IsolatedRunner | None = dataclasses.field(default=None, compare=False, repr=False)  # while it runs
 
     def tolerance(self, spec: Regime, loss_precision: Precision | None = None) -> Tolerance:
@@ -145,7 +156,8 @@ def plan(case: Case | str, regimes: Iterable[str | Regime] | str | Regime | None
          reference: str | Regime = "full_batch", rtol: float | None = None, atol: float | None = None,
          seed: int = DEFAULT_SEED, backend: str | None = None, timeout: float = DEFAULT_TIMEOUT,
          dtype: str | torch.dtype | Precision | None = None, threads: int | None = None,
-         compare_losses: bool = True, isolate: bool = False, device: str | torch.device | None = None) -> Plan:
+         compare_losses: bool = True, isolate: bool = False, device: str | torch.device | None = None,
+         locate: bool | None = None) -> Plan:
     """Validate a check's arguments; every usage error surfaces here, before anything runs."""
     case = resolve_case(case)
     if isinstance(regimes, (str, Regime)):  # one spec where a list was expected: checked as that one spec
@@ -165,13 +177,14 @@ def plan(case: Case | str, regimes: Iterable[str | Regime] | str | Regime | None
     expect_timeout(timeout)
     if threads is not None:
         expect_int("threads", threads)
-    for name, flag in (("compare_losses", compare_losses), ("isolate", isolate)):
+    locate = LOCATE_BY_DEFAULT if locate is None else locate
+    for name, flag in (("compare_losses", compare_losses), ("isolate", isolate), ("locate", locate)):
         if not isinstance(flag, bool):
             raise InvalidArgument.type(name, flag, "bool")
     given = rtol is not None
     rtol, atol = (case.rtol, case.atol) if rtol is None and atol is None else (rtol, atol)
     return Plan(case, specs, reference, precision, rtol, atol, seed, timeout, threads, compare_losses, given, isolate,
-                device=device, wide_threads=intra_op.wide(threads))
+                device=device, wide_threads=intra_op.wide(threads), locate=locate)
 
 
 def iter_outcomes(plan: Plan, *, measure_memory: bool = True, runner: IsolatedRunner | None = None) -> Iterator[Outcome]:
@@ -386,12 +399,13 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
             comparison = witness.judge(comparison, ref, result, witnesses, initial,
                                        cause=lambda: rounding.conditioning(case, seed), levels=levels)
         outcome = judge(case, spec, comparison, time.perf_counter() - started, result, ref, reference)
-        outcome = _located(outcome, ref, result, lambda steps: (
-            traced_reference(steps), plan.run(spec, precision, False, trace_steps=steps)))
+        if plan.locate:
+            outcome = _located(outcome, ref, result, lambda steps: (
+                traced_reference(steps), plan.run(spec, precision, False, trace_steps=steps)))
         yield dataclasses.replace(outcome, reason="; ".join(filter(None, (outcome.reason, loss_note))))
 
 
-def _located(outcome: Outcome, reference: RunResult, result: RunResult, replay: Replay) -> Outcome:
+def _located(outcome: Outcome, reference: RunResult, result: RunResult, replay: localizer.Replay) -> Outcome:
     """A failed outcome with where its run first parts from the reference (judge/locate.py), its hint kept only where
     it agrees. Nothing is replayed for an outcome as equivalent as its reference: an equivalent check costs what it
     did. A replay that fails leaves the outcome as judged, saying why it cannot say where."""
@@ -399,8 +413,8 @@ def _located(outcome: Outcome, reference: RunResult, result: RunResult, replay: 
     if comparison is None or comparison.ok:
         return outcome
     try:
-        location = locate(comparison, reference, result, replay)
-    except ReplayDiffers as differs:
+        location = localizer.locate(comparison, reference, result, replay)
+    except localizer.ReplayDiffers as differs:
         return dataclasses.replace(outcome, reason="; ".join(filter(None, (outcome.reason, f"where it parts is "
                                                                            f"unsaid: {differs}"))))
     except Exception as error:

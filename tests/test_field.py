@@ -56,6 +56,7 @@ NOT_WHERE_THE_FIX_ACTS = {
 }
 
 
+@pytest.mark.usefixtures("locating")
 @pytest.mark.parametrize("module", MODULES, ids=[m.__name__.rsplit(".", 1)[1] for m in MODULES])
 def test_every_report_is_caught_as_reported_and_equivalent_as_fixed(module):
     row = field.check_module(module)
@@ -170,7 +171,7 @@ def test_a_bug_in_torch_itself_is_expected_only_on_the_versions_it_lives_in():
 
 def test_findings_read_every_verdict():
     def report(verdict, margin=None, reason=""):
-        comparison = None if margin is None else types.SimpleNamespace(margin=margin)
+        comparison = None if margin is None else types.SimpleNamespace(margin=margin, location=None)
         return ec.Report((ec.Outcome("c", "r", verdict, comparison=comparison, reason=reason),))
 
     assert field.finding_of(report(ec.Verdict.MISMATCH, 40.0)) == Finding("caught", 40.0)

@@ -11,11 +11,18 @@ from equivcheck.render.rows import to_rows
 
 import located_bugs as bugs
 
+pytestmark = pytest.mark.usefixtures("locating")
+
 
 def where(outcome):
     location = outcome.location
     assert location is not None, outcome.describe()
     return location.step, location.phase, location.module
+
+
+def test_a_check_asked_not_to_locate_replays_nothing():
+    outcome = ec.check(bugs.BACKWARD, ["accumulate:chunks=3"], locate=False).outcomes[0]
+    assert outcome.verdict is ec.Verdict.MISMATCH and outcome.location is None
 
 
 def test_an_equivalent_check_is_not_located_and_replays_nothing(monkeypatch):

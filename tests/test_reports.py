@@ -98,7 +98,7 @@ def test_with_rich_long_cells_wrap_to_the_width_and_what_failed_is_red(failing_r
     assert "\x1b[" not in terminal.render_overview(failing_rows, 120, colour=False)
 
 
-def test_markdown_says_the_status_and_each_failure_with_its_hint(tmp_path, capsys):
+def test_markdown_says_the_status_and_each_failure_with_its_hint(tmp_path, capsys, locating):
     path = tmp_path / "summary.md"
     assert main([*FAILING, "--markdown", str(path)]) == 1
     text = path.read_text()
