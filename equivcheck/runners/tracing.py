@@ -34,30 +34,28 @@ class TraceComplete(Exception):
 
 
 @contextlib.contextmanager
-def tracing(model: nn.Module, optimizer: Optimizer, regime: Regime, steps: tuple[int, ...],
-            offset: int = 0) -> Iterator[StepTracer | None]:
+def tracing(modules: list[tuple[str, nn.Module]], parameters: list[tuple[str, Tensor]], optimizer: Optimizer,
+            regime: Regime, steps: tuple[int, ...], offset: int = 0) -> Iterator[StepTracer | None]:
     """While training: the optimizer steps ``steps`` of this run traced (none: nothing traced, nothing hooked), each
-    trace numbered ``offset`` on (a resume's later segment counts its steps from its first batch)."""
+    trace numbered ``offset`` on (a resume's later segment counts its steps from its first batch). ``modules`` and
+    ``parameters``: the model's, named as the case's model names them."""
     if not steps:
         yield None
         return
-    tracer = StepTracer(model, optimizer, regime, steps, offset)
+    tracer = StepTracer(modules, parameters, optimizer, regime, steps, offset)
     with tracer:
         yield tracer
 
 
 class StepTracer:
-    """Records optimizer steps ``steps`` of a run on ``model`` (the case's model, as the regime trains it), a
-    :class:`StepTrace` each in :attr:`traces`."""
+    """Records optimizer steps ``steps`` of a run over ``modules`` and ``parameters`` (the case's model's, as the
+    regime trains it), a :class:`StepTrace` each in :attr:`traces`."""
 
-    def __init__(self, model: nn.Module, optimizer: Optimizer, regime: Regime, steps: tuple[int, ...],
-                 offset: int = 0) -> None:
-        from .train import case_named  # train.py enters the tracer: imported here, where it is used
-
-        self._model, self._optimizer, self._regime = model, optimizer, regime
+    def __init__(self, modules: list[tuple[str, nn.Module]], parameters: list[tuple[str, Tensor]],
+                 optimizer: Optimizer, regime: Regime, steps: tuple[int, ...], offset: int = 0) -> None:
+        self._optimizer, self._regime = optimizer, regime
         self._steps, self._offset = frozenset(steps), offset
-        self._modules = case_named(model.named_modules())
-        self._parameters = case_named(model.named_parameters())
+        self._modules, self._parameters = modules, parameters
         self._steps_taken = 0
         ranks = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         self._rank = torch.distributed.get_rank() if ranks else 0
@@ -111,10 +109,10 @@ class StepTracer:
             if isinstance(value, Tensor) and (value.is_floating_point() or value.is_complex())}
 
     def _whole_weights(self) -> dict[str, Tensor]:
-        from .train import snapshot
-
+        """The weights whole (the regime's read-back, left out of the counts), as plain CPU copies."""
         with uncounted(), torch.no_grad():
-            return snapshot(self._regime.read_back({n: p.detach() for n, p in self._parameters}).items())
+            whole = self._regime.read_back({n: p.detach() for n, p in self._parameters})
+        return {name: tensor.to("cpu", copy=True) for name, tensor in whole.items()}
 
     def _before_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
         trace = self.trace

@@ -175,8 +175,8 @@ def train_segment(request: RunRequest, assembled: Assembled, against: Expected |
             activation_meter(model, data, enabled=request.measure_memory) as memory, \
             scheduled(optimizer, assembled.scheduler), \
             rescaled_backward(model, backward_scale(request.order)), \
-            tracing(model, optimizer, regime, request.trace_steps,
-                    request.restart.start if request.restart is not None else 0) as tracer:
+            tracing(case_named(model.named_modules()), case_named(model.named_parameters()), optimizer, regime,
+                    request.trace_steps, request.restart.start if request.restart is not None else 0) as tracer:
         watched = StepWatch(batches, recorder)
         with regime.random_streams(model, optimizer, [batch.inputs for batch in batches]):
             try:
