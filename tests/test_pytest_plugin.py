@@ -504,6 +504,8 @@ def test_tp_bug(equivcheck):
     equivcheck.check_step("tp_mlp", mesh_team.train_step_divided_by_tp, mesh={"tp": 2},
                           parallelize=mesh_team.tensor_parallel)
 ''')
-    result = pytester.runpytest("-p", "no:cacheprovider", "--equivcheck-timeout", "0.5")  # an alarm would cut a rank job
+    # Each check takes over 3 s here (ranks started, two jobs, the replays that locate the bug): an alarm of 2 s would
+    # cut it, while the pool's bound of 2 s on each job holds under a busy neighbour (0.5 s did not, once)
+    result = pytester.runpytest("-p", "no:cacheprovider", "--equivcheck-timeout", "2")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*mesh_step:fn=mesh_team:train_step_divided_by_tp,parallelizer=mesh_team:tensor_parallel,tp=2: mismatch*"])
