@@ -35,14 +35,16 @@ class TraceComplete(Exception):
 
 @contextlib.contextmanager
 def tracing(modules: list[tuple[str, nn.Module]], parameters: list[tuple[str, Tensor]], optimizer: Optimizer,
-            regime: Regime, steps: tuple[int, ...], offset: int = 0) -> Iterator[StepTracer | None]:
+            regime: Regime, steps: tuple[int, ...], offset: int = 0, saves: bool = False) -> Iterator[StepTracer | None]:
     """While training: the optimizer steps ``steps`` of this run traced (none: nothing traced, nothing hooked), each
     trace numbered ``offset`` on (a resume's later segment counts its steps from its first batch). ``modules`` and
-    ``parameters``: the model's, named as the case's model names them."""
+    ``parameters``: the model's, named as the case's model names them. A run that ``saves`` a checkpoint for the next
+    segment trains to its end: stopped after its traced step, it would save (or a team's loop would leave) other
+    state than the run it replays, and the next segment would resume from that."""
     if not steps:
         yield None
         return
-    tracer = StepTracer(modules, parameters, optimizer, regime, steps, offset)
+    tracer = StepTracer(modules, parameters, optimizer, regime, steps, offset, stops=not saves)
     with tracer:
         yield tracer
 
@@ -52,14 +54,15 @@ class StepTracer:
     regime trains it), a :class:`StepTrace` each in :attr:`traces`."""
 
     def __init__(self, modules: list[tuple[str, nn.Module]], parameters: list[tuple[str, Tensor]],
-                 optimizer: Optimizer, regime: Regime, steps: tuple[int, ...], offset: int = 0) -> None:
+                 optimizer: Optimizer, regime: Regime, steps: tuple[int, ...], offset: int = 0,
+                 stops: bool = True) -> None:
         self._optimizer, self._regime = optimizer, regime
         self._steps, self._offset = frozenset(steps), offset
         self._modules, self._parameters = modules, parameters
         self._steps_taken = 0
         ranks = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         self._rank = torch.distributed.get_rank() if ranks else 0
-        self._stops = not ranks  # in one process the run stops after the last traced step; ranks train on
+        self._stops = stops and not ranks  # in one process the run stops after the last traced step; ranks train on
         self._weights_at_first_forward = not ranks  # no collective may run inside one rank's forward
         self.trace: StepTrace | None = None  # the step being traced, while its window is open
         self.traces: list[StepTrace] = []
