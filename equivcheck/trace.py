@@ -56,6 +56,9 @@ class StepTrace:
     # the optimizer's state as the step began ("fc.weight/exp_avg"), as this rank holds it
     optimizer_state: dict[str, Tensor] = dataclasses.field(default_factory=dict)
     loss_scale: float = 1.0  # what a GradScaler multiplied the step's loss by: its activation gradients carry it
+    # where each read gradient this rank holds a part of (a DTensor's shard) lies in the whole: (its shape, the part's
+    # offset); the localizer joins the ranks' parts by it
+    placed: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = dataclasses.field(default_factory=dict)
     broken: str = ""
 
     def to_plain(self) -> dict:
@@ -67,6 +70,7 @@ class StepTrace:
         fields = _mapped(plain, np.ndarray, torch.from_numpy)
         fields["calls"] = [ModuleCall(**call) for call in fields["calls"]]
         fields["backward_order"] = [tuple(key) for key in fields["backward_order"]]
+        fields["placed"] = {name: (tuple(shape), tuple(offset)) for name, (shape, offset) in fields["placed"].items()}
         return cls(**fields)
 
 

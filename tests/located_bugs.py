@@ -25,13 +25,22 @@ class TanhWithWrongGradient(torch.autograd.Function):
         return grad * (1 - torch.tanh(x) ** 2) * 1.5
 
 
+class CutScaledLinear(nn.Linear):
+    """A layer with weights of its own whose forward is off by 1% where the rows are not the global batch's: a wrong
+    forward inside a module that holds parameters (which FSDP2 shards, and a tensor-parallel plan would too)."""
+
+    def forward(self, x):
+        return super().forward(x) * (1.01 if x.shape[0] != FULL_BATCH else 1.0)
+
+
 class Block(nn.Module):
     """A residual block whose own code (between its two layers) carries the bug, where the rows are not the global
     batch's: the reference trains right, a regime that cuts the batch does not."""
 
     def __init__(self, bug: str = "") -> None:
         super().__init__()
-        self.fc1, self.fc2, self.bug = nn.Linear(8, 16), nn.Linear(16, 8), bug
+        self.fc1, self.bug = nn.Linear(8, 16), bug
+        self.fc2 = CutScaledLinear(16, 8) if bug == "layer_forward" else nn.Linear(16, 8)
 
     def forward(self, x):
         cut = x.shape[0] != FULL_BATCH
@@ -66,6 +75,7 @@ def _case(bug: str, steps: int = 2) -> ec.Case:
 
 CLEAN = _case("", steps=3)
 FORWARD = _case("forward")
+LAYER_FORWARD = _case("layer_forward")
 BACKWARD = _case("backward")
 
 

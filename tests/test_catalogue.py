@@ -185,8 +185,8 @@ WHERE_IT_PARTS = {
     ("tp_mlp", "tp_different_batches:world_size=2"): ("forward", ""),
     ("tp_mlp", "tp_loss_scaled:world_size=2"): ("loss", ""),
     ("tp_mlp", "fsdp_tp_world_scaled:dp=2,tp=2"): ("loss", ""),
-    # unsaid: a pipeline's stages hold no whole activation, nor any rank every gradient
-    ("tp_blocks", "pp_fsdp_tp_scaled_twice:pp=2,dp=2,tp=2"): None,
+    # the schedule divides every gradient by K after backward: its ranks' shards joined, each the reference's / K
+    ("tp_blocks", "pp_fsdp_tp_scaled_twice:pp=2,dp=2,tp=2"): ("gradient", "0.0"),
     # unsaid: a pipeline's stages hold no whole activation, nor any rank every gradient
     ("tp_blocks", "pp_fsdp_tp_ranks_differ:pp=2,dp=2,tp=2"): None,
     ("tp_mlp_clipped", "tp_clip_local:world_size=2,max_norm=0.05"): ("gradient", "2"),

@@ -23,7 +23,6 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 NOT_WHERE_THE_FIX_ACTS = {
     "opennmt_1171": "located at backward in 0.cell; the fix acts at forward 0",
     "torchtune_2172": "located at loss; the fix acts at gradient",
-    "veomni_184": "unsaid: no record of it could be made whole; the fix acts at gradient",
     "megatron_lm_3023": "unsaid: no record of it could be made whole; the fix acts at gradient",
     "open_instruct_1498": "located at communication in 0; the fix acts at gradient",
     "areal_1273": "unsaid: a pipeline's stages hold no whole record; the fix acts at loss",

@@ -34,7 +34,8 @@ def test_an_equivalent_check_is_not_located_and_replays_nothing(monkeypatch):
     assert report.ok and all(o.location is None for o in report.outcomes) and not traced
 
 
-@pytest.mark.parametrize("regime", ["accumulate:chunks=3", "ddp:world_size=2"])
+# FSDP2's ranks hold shards of every weight, yet each computes whole modules on its own rows: its records join as DDP's
+@pytest.mark.parametrize("regime", ["accumulate:chunks=3", "ddp:world_size=2", "fsdp:world_size=2"])
 def test_a_wrong_forward_in_a_blocks_own_code_is_located_there(regime):
     outcome = ec.check(bugs.FORWARD, [regime]).outcome(bugs.FORWARD.name, regime)
     assert outcome.verdict is ec.Verdict.MISMATCH
@@ -42,7 +43,13 @@ def test_a_wrong_forward_in_a_blocks_own_code_is_located_there(regime):
     assert "its own code" in outcome.location.matched
 
 
-@pytest.mark.parametrize("regime", ["accumulate:chunks=3", "ddp:world_size=2"])
+@pytest.mark.parametrize("regime", ["accumulate:chunks=3", "ddp:world_size=2", "fsdp:world_size=2"])
+def test_a_wrong_forward_in_a_layer_with_weights_of_its_own_is_located_in_that_layer(regime):
+    outcome = ec.check(bugs.LAYER_FORWARD, [regime]).outcome(bugs.LAYER_FORWARD.name, regime)
+    assert where(outcome) == (0, "forward", "blocks.1.fc2")  # FSDP2's shards of its weights are storage alone
+
+
+@pytest.mark.parametrize("regime", ["accumulate:chunks=3", "ddp:world_size=2", "fsdp:world_size=2"])
 def test_a_wrong_backward_in_a_blocks_own_code_is_located_there_not_at_the_embedding(regime):
     outcome = ec.check(bugs.BACKWARD, [regime]).outcome(bugs.BACKWARD.name, regime)
     assert where(outcome) == (0, "backward", "blocks.1")

@@ -25,6 +25,7 @@ never guessed at: the next record decides. Each comparison is judged at the chec
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -169,10 +170,12 @@ class _Walk:
         self.calls = {}
         for call in reference.calls:
             self.calls.setdefault(call.module, []).append(call)
-        # modules whose own parameters a rank holds a part of (tensor parallelism): their outputs and gradients are
-        # shards or partial sums, which no join makes whole
+        # modules whose own parameters ranks fed one batch hold other parts of (tensor parallelism): their outputs and
+        # gradients are shards or partial sums, which no join makes whole. Parts held by ranks each fed data of their
+        # own (FSDP2, ZeRO) are storage only: those ranks compute whole modules, and their records join as DDP's do.
         self.sharded = {module_of(name) for trace in self.ranks for name, grad in trace.read.items()
-                        if name in reference.read and grad.shape != reference.read[name].shape}
+                        if name in reference.read and grad.shape != reference.read[name].shape
+                        and not self._sharded_for_storage(name)}
 
     def first(self) -> Location | None:
         for phase in (self._carried, self._forward, self._loss, self._backward, self._after_backward):
@@ -327,6 +330,29 @@ class _Walk:
         shown = ", ".join(f"`{name}`" for name in children[:4]) + (", ..." if len(children) > 4 else "")
         return f"; its children ({shown}) compute alike from {given}: its own code"
 
+    def _sharded_for_storage(self, name: str) -> bool:
+        """Whether every rank's part of ``name`` has its place in the whole recorded, and no two ranks fed one batch
+        hold different parts (which only tensor parallelism does)."""
+        if not all(name in trace.placed for trace in self.ranks if name in trace.read):
+            return False
+        parts = [(trace.root_inputs, trace.placed[name][1]) for trace in self.ranks if name in trace.placed]
+        return all(offset == other_offset or not _same(batch, other_batch)
+                   for (batch, offset), (other_batch, other_offset) in itertools.combinations(parts, 2))
+
+    def _joined_read(self, name: str) -> Tensor | None:
+        """The gradient of ``name`` the optimizer read, whole: each rank's part put in its place (parts held twice, by
+        replicas, overlap); None where ``name`` is held whole, or its parts leave some of it uncovered."""
+        pieces = [(trace.placed[name], trace.read[name]) for trace in self.ranks
+                  if name in trace.placed and name in trace.read]
+        if not pieces:
+            return None
+        shape = pieces[0][0][0]
+        whole, covered = torch.zeros(shape, dtype=pieces[0][1].dtype), torch.zeros(shape, dtype=torch.bool)
+        for (_, offset), piece in pieces:
+            where = tuple(slice(start, start + size) for start, size in zip(offset, piece.shape))
+            whole[where], covered[where] = piece, True
+        return whole if bool(covered.all()) else None
+
     # -- between backward and the update
     def _after_backward(self) -> Location | None:
         """The first parameter, in model order, whose gradient as the optimizer read it differs while there is
@@ -336,7 +362,9 @@ class _Walk:
         read = [m for m in self.comparison.mismatches if m.kind == "grad" and m.first_step == self.step]
         order = list(self.reference.read)
         counts = [p for p in self.comparison.problems if kind_of(p) is ProblemKind.COMMUNICATION]
-        for first in sorted(read, key=lambda m: order.index(m.name) if m.name in order else len(order)):
+        scaled: dict[str, float] = {}  # parts joined, each the reference's times a factor
+        read.sort(key=lambda m: order.index(m.name) if m.name in order else len(order))
+        for first in read:
             name = first.name
             what = f"grad of {name!r} as the optimizer read it"
             apart = self._ranks_read_apart(name)
@@ -352,6 +380,10 @@ class _Walk:
                                 f"{apart}: what each read is no reduction of what backward delivered")
             delivered = self._diff(self._delivered(name), self._reference_delivered(name))
             if delivered is None:
+                factor = factor_of(self.reference.read[name], self._joined_read(name)) \
+                    if name in self.reference.read else None
+                if factor is not None:
+                    scaled[name] = factor
                 continue
             if delivered.margin > 1:
                 return None  # backward delivered another gradient, and no record above could say where: left unsaid
@@ -361,7 +393,22 @@ class _Walk:
                                 f"{matched}; {counts[0]}")
             return Location(self.step, "gradient", module_of(name), what, first.diff.margin,
                             f"{matched}; it was changed after backward")
-        return None
+        return self._scaled_alike(read, scaled)
+
+    def _scaled_alike(self, read: list, scaled: dict[str, float]) -> Location | None:
+        """Parts joined (FSDP2's shards), no record of backward parting, and every gradient the optimizer read apart
+        is the reference's times one factor: scaled after backward (a clip by a wrong norm, a divide applied twice),
+        where a reduction gone wrong would part each by its own. Else unsaid: nothing delivered says more."""
+        if not read or set(scaled) != {m.name for m in read}:
+            return None
+        factors = sorted(scaled.values())
+        if not _close(factors[0], factors[-1]) or _close(factors[0], 1.0):
+            return None
+        first = read[0]
+        return Location(self.step, "gradient", module_of(first.name), f"grad of {first.name!r} as the optimizer read "
+                        "it (its ranks' shards joined)", first.diff.margin,
+                        f"no module's records part; every gradient read apart is the reference's times "
+                        f"{factors[0]:.6g}: scaled after backward")
 
     def _ranks_read_apart(self, name: str) -> str:
         """Which rank read another gradient of ``name`` than the first rank, among the ranks that hold it whole (the

@@ -123,6 +123,8 @@ class StepTracer:
             return
         self._closed = True
         trace.read = {name: _local(p.grad) for name, p in self._parameters if p.grad is not None}
+        trace.placed = {name: where for name, p in self._parameters if p.grad is not None
+                        and (where := _placement(p.grad)) is not None}
         trace.hyper = [{key: float(value) for key, value in group.items()
                         if isinstance(value, (int, float)) and not isinstance(value, bool)}
                        for group in optimizer.param_groups]
@@ -238,6 +240,17 @@ def _loss_scale_seen(tracer: StepTracer) -> Iterator[None]:
         yield
     finally:
         GradScaler.scale = plain
+
+
+def _placement(tensor: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Where this rank's part of a DTensor lies in the whole: (the whole's shape, the part's offset); None for a
+    plain tensor, or a part that is no slice of the whole (a partial sum still to be reduced)."""
+    if not is_dtensor(tensor) or any(placement.is_partial() for placement in tensor.placements):
+        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # DTensor's own arithmetic
+
+    _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(tensor.shape), tuple(offset)
 
 
 def _local(tensor: Tensor) -> Tensor:
