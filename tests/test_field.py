@@ -36,10 +36,8 @@ NOT_WHERE_THE_FIX_ACTS = {
     "skyrl_1886": "unsaid: no record of it could be made whole; the fix acts at communication final_norm",
     "torchtitan_1805": "located at forward in moe.experts; the fix acts at communication moe.experts",
     "torchtitan_2387": "located at forward in moe.experts; the fix acts at communication moe.router.gate",
-    "open_instruct_681": "located at optimizer; the fix acts at forward",
     "transformers_17032": "located at forward in 2 (the dropout, fed the same input, draws another mask); the fix acts "
                           "at state",
-    "verl_7401": "located at optimizer; the fix acts at forward",
     "pytorch_91468": "unsaid: replayed with module hooks it trains otherwise (compiled); the fix acts at backward 1",
     "pytorch_117265": "unsaid: replayed with module hooks it trains otherwise (compiled); the fix acts at backward 2",
     "pytorch_117758": "unsaid: replayed with module hooks it trains otherwise (compiled); the fix acts at forward 0",

@@ -47,9 +47,10 @@ def locate(comparison: Comparison, reference: RunResult, candidate: RunResult, r
     if comparison.ok:
         return None
     counted = _step_count(reference, candidate)
-    if counted is not None:
-        return counted
-    grads = [m for m in comparison.mismatches if m.kind == "grad" and m.first_step is not None]
+    grads = [m for m in comparison.mismatches if m.kind == "grad" and m.first_step is not None
+             and (counted is None or m.first_step < counted.step)]
+    if counted is not None and not grads:
+        return counted  # else the run parted before its step count did: where, the trace of that step says
     if grads:
         step = min(m.first_step for m in grads)
         traced = _Replayed(comparison, reference, candidate, replay, (step - 1, step) if step else (0,))
@@ -112,9 +113,18 @@ def _step_count(reference: RunResult, candidate: RunResult) -> Location | None:
         return None
     counts = candidate.steps_per_batch or ()
     batch = next((index for index, count in enumerate(counts) if count != 1), 0)
+    if counts and counts[batch] == 0 and _loss_at(candidate, batch) is None and _loss_at(reference, batch) is not None:
+        return Location(batch, "forward", "", "the batch the model was fed", None,
+                        f"it trained on none of global batch {batch} (no loss, no step), the reference on all of it: "
+                        "its data ran out or was skipped")
     taken = f"{counts[batch]} times" if counts else f"{candidate.optimizer_steps} times in all"
     return Location(batch, "optimizer", "", f"the optimizer's step count (it stepped {taken} on global batch {batch}, "
                                             f"the reference once a batch)")
+
+
+def _loss_at(run: RunResult, batch: int) -> float | None:
+    """The loss ``run`` reported for global ``batch``; None where it trained nothing on it (or reported none)."""
+    return run.losses[batch] if batch < len(run.losses) else None
 
 
 def _after_the_gradients(comparison: Comparison, reference: RunResult, candidate: RunResult) -> Location | None:
