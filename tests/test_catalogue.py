@@ -162,8 +162,9 @@ WHERE_IT_PARTS = {
     ("ddp_join_uneven_tail", "ddp_join_rank_mean:world_size=2,chunks=3"): ("gradient", "0"),
     ("ddp_uneven_shards", "ddp_padded_sampler:world_size=2"): ("forward", ""),
     ("dropout_two_layers", "accumulate:chunks=4"): ("forward", "2"),
-    # ideally backward: the forward recomputed inside backward draws the other masks
-    ("checkpoint_dropout", "checkpoint_without_rng_state:chunks=4"): ("forward", ""),
+    # ideally backward: micro-batch 1's forward recomputed inside its backward draws other masks, and moves the stream
+    # micro-batch 2's forward draws from: the walk, which tries every forward before any backward, meets that first
+    ("checkpoint_dropout", "checkpoint_without_rng_state:chunks=4"): ("forward", "2"),
     ("dropout_two_layers", "tp_dropout_rank_seeded:world_size=2"): ("forward", ""),
     ("routed_tokens", "ddp_aux_over_world:world_size=2"): ("loss", ""),
     ("routed_tokens", "ddp_aux_times_world:world_size=2"): ("loss", ""),

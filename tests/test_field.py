@@ -29,7 +29,6 @@ NOT_WHERE_THE_FIX_ACTS = {
     "deepspeed_8152": "unsaid: a pipeline's stages hold no whole record; the fix acts at backward 2",
     "torchtitan_596": "unsaid: a pipeline's stages hold no whole record; the fix acts at gradient",
     "torchtitan_4194": "unsaid: a pipeline's stages hold no whole record; the fix acts at loss",
-    "guided_diffusion_167": "unsaid: no record of it could be made whole; the fix acts at backward 5",
     "bigcode_megatron_lm_35": "located at communication in input_layernorm; the fix acts at communication key_value",
     "veomni_419": "located at loss; the fix acts at backward k_norm",
     "gpt_neox_1259": "unsaid: no record of it could be made whole; the fix acts at communication",

@@ -70,6 +70,7 @@ class StepTracer:
         self._calls: dict[str, int] = {}  # each module's calls in the step so far
         self._stack: dict[str, list[ModuleCall]] = {}  # each module's calls entered and not yet left
         self._arrived: set[tuple[str, int]] = set()  # the calls an input gradient has reached
+        self._recomputed: dict[str, int] = {}  # each module's calls made again inside backward (checkpointing)
 
     def __enter__(self) -> StepTracer:
         self._exits = contextlib.ExitStack()
@@ -99,7 +100,7 @@ class StepTracer:
         its first forward starts (whatever the code does after the previous ``optimizer.step()`` is part of what the
         step starts from)."""
         self.trace = StepTrace(self._steps_taken + self._offset, self._rank, [], [], {}, {}, {}, [])
-        self._closed, self._calls, self._stack, self._arrived = False, {}, {}, set()
+        self._closed, self._calls, self._stack, self._arrived, self._recomputed = False, {}, {}, set(), {}
         if not self._weights_at_first_forward:
             self._read_state()
 
@@ -148,47 +149,76 @@ class StepTracer:
             if not self._open:
                 return None
             try:
+                leaves, spec = tree_flatten((args, kwargs))
+                original = self._recomputing(name)
+                if original is not None:  # its forward run again inside backward: its gradients are the call's
+                    return self._hooked_inputs(original, leaves, spec, record=False)
                 index = self._calls.get(name, 0)
                 self._calls[name] = index + 1
-                leaves, spec = tree_flatten((args, kwargs))
                 call = ModuleCall(name, index, [], [])
                 if not self.trace.root_inputs:  # the first call of the step: what this rank was fed
                     self.trace.root_inputs = [_local(t) for t in leaves if isinstance(t, Tensor)]
                     if self._weights_at_first_forward:
                         self._read_state()
-                for leaf_index, leaf in enumerate(leaves):
-                    if not isinstance(leaf, Tensor):
-                        continue
-                    if not (leaf.is_floating_point() or leaf.is_complex()):
-                        call.integers.append(_local(leaf))
-                        continue
-                    call.inputs.append(_local(leaf))
-                    call.grad_inputs.append(None)
-                    if leaf.requires_grad and not is_dtensor(leaf):
-                        seen = leaf.view_as(leaf)
-                        seen.register_hook(self._grad_input(self.trace, call, len(call.inputs) - 1))
-                        leaves[leaf_index] = seen
-                self._stack.setdefault(name, []).append(call)
-                return tree_unflatten(leaves, spec)
+                return self._hooked_inputs(call, leaves, spec, record=True)
             except Exception as error:  # a record missing is said, never a training stopped
                 self._broken(name, error)
                 return None
         return hook
+
+    def _recomputing(self, name: str) -> ModuleCall | None:
+        """The call of ``name`` that a call made inside backward runs again (activation checkpointing recomputes each
+        forward it left unsaved, in order), where one is left to stand for: its gradients flow through the
+        recomputation, and belong to the forward the loss was computed from. None outside backward."""
+        if torch._C._current_graph_task_id() == -1:
+            return None
+        done = self._recomputed.get(name, 0)
+        calls = [call for call in self.trace.calls if call.module == name]
+        if done >= len(calls):
+            return None
+        self._recomputed[name] = done + 1
+        return calls[done]
+
+    def _hooked_inputs(self, call: ModuleCall, leaves: list, spec, record: bool):
+        """The call's inputs, each floating one that needs a gradient seen through an identity view whose gradient is
+        the call's; recorded (``record``) for a call made now, not for a forward run again inside backward."""
+        position = 0
+        for leaf_index, leaf in enumerate(leaves):
+            if not isinstance(leaf, Tensor):
+                continue
+            if not (leaf.is_floating_point() or leaf.is_complex()):
+                if record:
+                    call.integers.append(_local(leaf))
+                continue
+            if record:
+                call.inputs.append(_local(leaf))
+                call.grad_inputs.append(None)
+            if leaf.requires_grad and not is_dtensor(leaf) and position < len(call.grad_inputs):
+                seen = leaf.view_as(leaf)
+                seen.register_hook(self._grad_input(self.trace, call, position))
+                leaves[leaf_index] = seen
+            position += 1
+        self._stack.setdefault(call.module, []).append((call, record))
+        return tree_unflatten(leaves, spec)
 
     def _leaving(self, name: str):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
             stack = self._stack.get(name)
             if not self._open or not stack:
                 return
-            call = stack.pop()
+            call, record = stack.pop()
             try:
+                position = 0
                 for leaf in tree_flatten(output)[0]:
                     if isinstance(leaf, Tensor) and (leaf.is_floating_point() or leaf.is_complex()):
-                        call.outputs.append(_local(leaf))
-                        call.grad_outputs.append(None)
-                        if leaf.requires_grad:
-                            leaf.register_hook(self._grad_output(call, len(call.outputs) - 1))
-                self.trace.calls.append(call)
+                        if record:
+                            call.outputs.append(_local(leaf))
+                            call.grad_outputs.append(None)
+                        if leaf.requires_grad and position < len(call.grad_outputs):
+                            leaf.register_hook(self._grad_output(call, position))
+                        position += 1
+                if record:
+                    self.trace.calls.append(call)
             except Exception as error:
                 self._broken(name, error)
         return hook
