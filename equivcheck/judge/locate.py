@@ -183,9 +183,9 @@ class _Walk:
         # modules whose own parameters ranks fed one batch hold other parts of (tensor parallelism): their outputs and
         # gradients are shards or partial sums, which no join makes whole. Parts held by ranks each fed data of their
         # own (FSDP2, ZeRO) are storage only: those ranks compute whole modules, and their records join as DDP's do.
-        self.sharded = {module_of(name) for trace in self.ranks for name, grad in trace.read.items()
-                        if name in reference.read and grad.shape != reference.read[name].shape
-                        and not self._sharded_for_storage(name)}
+        held_in_parts = {name for trace in self.ranks for name, grad in trace.read.items()
+                         if name in reference.read and grad.shape != reference.read[name].shape}
+        self.sharded = {module_of(name) for name in held_in_parts if not self._sharded_for_storage(name)}
 
     def first(self) -> Location | None:
         for phase in (self._carried, self._forward, self._loss, self._backward, self._after_backward):
