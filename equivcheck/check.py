@@ -126,19 +126,20 @@ class Plan:
         return spec.tolerance_for(self.case, self.precision, base) or base
 
     def run(self, spec: Regime, dtype: Precision, measure_memory: bool, order: str = "given",
-            against: Expected | None = None, trace_steps: tuple[int, ...] = ()) -> RunResult:
+            against: Expected | None = None, trace_steps: tuple[int, ...] = (), trace_modules: bool = True) -> RunResult:
         """One run of this plan's case under ``spec``, with the plan's seed, timeout and threads; its samples in
         ``order`` (a witness: witness.py); compared as it trains where ``against`` says with what (compare.py); a
-        replay that traces ``trace_steps`` and stops after them (runners/tracing.py)."""
-        return self.start(spec, dtype, measure_memory, order, against, trace_steps).result()
+        replay that traces ``trace_steps`` (its modules' calls too, where ``trace_modules``) and stops after them
+        (runners/tracing.py)."""
+        return self.start(spec, dtype, measure_memory, order, against, trace_steps, trace_modules).result()
 
     def start(self, spec: Regime, dtype: Precision, measure_memory: bool, order: str = "given",
-              against: Expected | None = None, trace_steps: tuple[int, ...] = ()) -> Started:
+              against: Expected | None = None, trace_steps: tuple[int, ...] = (), trace_modules: bool = True) -> Started:
         """That run begun (on its ranks, for a distributed regime); an error starting it is read with its result."""
         # Every argument was checked when the plan was made: the request is trusted from here to the ranks.
         request = RunRequest(self.case, spec, resolve_precision(dtype), self.seed, measure_memory,
                              intra_op.resolve(self.threads), order, self.device,
-                             wide_threads=self.wide_threads, trace_steps=trace_steps)
+                             wide_threads=self.wide_threads, trace_steps=trace_steps, trace_modules=trace_modules)
         try:
             started = start_request(request, timeout=self.timeout, runner=self.runner, against=against)
         except Exception as error:
@@ -346,7 +347,8 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
     levels = None if precision.autocast is None else functools.cache(
         lambda: witness.rounding_levels(plan.run(reference, PRECISIONS["float32"], False)))
     against = (lambda spec: Expected(ref, plan.tolerance(spec, loss_precision))) if streams else (lambda spec: None)
-    traced_reference = functools.cache(lambda steps: plan.run(reference, precision, False, trace_steps=steps))
+    traced_reference = functools.cache(lambda steps, modules: plan.run(reference, precision, False, trace_steps=steps,
+                                                                       trace_modules=modules))
     for index, spec in enumerate(plan.specs):
         if spec == reference:
             yield judge(case, spec, self_check, ref_seconds / 2, rerun, ref, reference)
@@ -400,8 +402,9 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
                                        cause=lambda: rounding.conditioning(case, seed), levels=levels)
         outcome = judge(case, spec, comparison, time.perf_counter() - started, result, ref, reference)
         if plan.locate:
-            outcome = _located(outcome, ref, result, lambda steps: (
-                traced_reference(steps), plan.run(spec, precision, False, trace_steps=steps)))
+            outcome = _located(outcome, ref, result, lambda steps, modules: (
+                traced_reference(steps, modules), plan.run(spec, precision, False, trace_steps=steps,
+                                                           trace_modules=modules)))
         yield dataclasses.replace(outcome, reason="; ".join(filter(None, (outcome.reason, loss_note))))
 
 

@@ -22,32 +22,31 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 # that declares where its fix acts is located there, and these are not (a row that comes right is taken off).
 NOT_WHERE_THE_FIX_ACTS = {
     "opennmt_1171": "located at backward in 0.cell; the fix acts at forward 0",
-    "torchtune_2172": "located at loss; the fix acts at gradient",
-    "megatron_lm_3023": "unsaid: no record of it could be made whole; the fix acts at gradient",
+    "megatron_lm_3023": "unsaid: FSDP2's sharded gradients hold no record of what backward delivered, and the shards "
+                        "joined read no common factor; the fix acts at gradient",
     "open_instruct_1498": "located at communication in 0; the fix acts at gradient",
-    "areal_1273": "unsaid: a pipeline's stages hold no whole record; the fix acts at loss",
-    "deepspeed_8152": "unsaid: a pipeline's stages hold no whole record; the fix acts at backward 2",
-    "torchtitan_596": "unsaid: a pipeline's stages hold no whole record; the fix acts at gradient",
-    "torchtitan_4194": "unsaid: a pipeline's stages hold no whole record; the fix acts at loss",
-    "bigcode_megatron_lm_35": "located at communication in input_layernorm; the fix acts at communication key_value",
     "veomni_419": "located at loss; the fix acts at backward k_norm",
-    "gpt_neox_1259": "unsaid: no record of it could be made whole; the fix acts at communication",
-    "skyrl_1886": "unsaid: no record of it could be made whole; the fix acts at communication final_norm",
-    "torchtitan_1805": "located at forward in moe.experts; the fix acts at communication moe.experts",
-    "torchtitan_2387": "located at forward in moe.experts; the fix acts at communication moe.router.gate",
+    "gpt_neox_1259": "unsaid: a reduction that divides reads like a clip after backward; the fix acts at communication",
+    "skyrl_1886": "unsaid: its activations are laid out [sequence, batch], the reference's [batch, sequence]; the fix "
+                  "acts at communication final_norm",
+    "torchtitan_4054": "located at communication in trunk; the fix acts at communication experts",
     "transformers_17032": "located at forward in 2 (the dropout, fed the same input, draws another mask); the fix acts "
                           "at state",
-    "pytorch_91468": "unsaid: replayed with module hooks it trains otherwise (compiled); the fix acts at backward 1",
-    "pytorch_117265": "unsaid: replayed with module hooks it trains otherwise (compiled); the fix acts at backward 2",
-    "pytorch_117758": "unsaid: replayed with module hooks it trains otherwise (compiled); the fix acts at forward 0",
-    "pytorch_190758": "unsaid: replayed with module hooks it trains otherwise (compiled); the fix acts at backward 2",
-    "pytorch_193279": "unsaid: replayed with module hooks it trains otherwise (compiled); the fix acts at backward 0",
-    "pytorch_198102": "unsaid: no record of it could be made whole; the fix acts at forward 0",
+    "pytorch_91468": "located at backward in 0 (replayed with its parameters hooked alone: module 1 holds none); the "
+                     "fix acts at backward 1",
+    "pytorch_117758": "unsaid: replayed with module hooks it trains otherwise (compiled), and its loss parts; the fix "
+                      "acts at forward 0",
+    "pytorch_190758": "located at backward in 3 (replayed with its parameters hooked alone: the recomputed dropout "
+                      "holds none); the fix acts at backward 2",
+    "pytorch_193279": "unsaid: replayed with module hooks it trains otherwise (compiled), and torch.func.grad's "
+                      "gradients pass no parameter hook; the fix acts at backward 0",
+    "pytorch_198102": "unsaid: module 1's input differs while module 0 computes alike (an in-place change between "
+                      "them, in no module of the model); the fix acts at forward 0",
     "deepspeed_4957": "located at gradient in experts.0.0; the fix acts at communication experts",
     "deepspeed_5618": "located at gradient in experts.0.0; the fix acts at communication experts",
-    "transformers_48687": "unsaid: no record of it could be made whole; the fix acts at backward experts",
+    "transformers_48687": "unsaid: the experts' parts of their input gradient are not told apart from a reduction's; "
+                          "the fix acts at backward experts",
     "megatron_lm_2121": "located at forward; the fix acts at loss",
-    "torchtitan_4054": "located at communication in trunk; the fix acts at communication experts",
 }
 
 

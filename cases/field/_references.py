@@ -4,6 +4,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 
 def clipped_once(max_norm):
@@ -29,3 +30,12 @@ def mesh_where(model, shape=None, names=None):
     the model of a gloo rank away from its batch."""
     return init_device_mesh(next(model.parameters()).device.type, shape or (dist.get_world_size(),),
                             mesh_dim_names=names)
+
+
+def fully_sharded(model):
+    """A team's FSDP2 wrap: every top-level layer with parameters, then the root, over all ranks."""
+    mesh = mesh_where(model)
+    for layer in model.children():
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)

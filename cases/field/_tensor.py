@@ -552,3 +552,86 @@ def megatron_clipped_step(model, optimizer, batch, max_norm):
     """The team's step: the mean token loss, backward, Megatron's clip over the TP group, one step."""
     return token_step(model, optimizer, batch,
                       lambda model: megatron_clip_grad_norm(model.parameters(), max_norm, model.tp_group))
+
+
+# Megatron's vocab-parallel cross entropy (megatron/core/tensor_parallel/cross_entropy.py) and a TinyGPT whose output
+# layer keeps its logits vocab-parallel (``parallel_output=True``): each TP rank returns its own slice of the classes.
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """``_VocabParallelCrossEntropy`` on [sequence or batch, ..., local vocab] logits: the global max, the target's
+    logit and the sum of exponentials all-reduced over ``group``; a custom backward (softmax minus the target) that
+    keeps every shard's softmax gradient. With ``label_smoothing`` the target distribution puts ``1 - alpha`` on the
+    target and ``alpha / (V - 1)`` on every other class. ``global_smoothing=False`` is Megatron as it was (NVIDIA/
+    Megatron-LM#7464): V is the local partition's size and the mean log-probability is the local slice's;
+    ``True`` is the fix of pull #7466, the shifted logits' sum all-reduced and V the whole vocabulary."""
+
+    @staticmethod
+    def forward(ctx, vocab_parallel_logits, target, group, label_smoothing=0.0, global_smoothing=True):
+        logits_max = vocab_parallel_logits.max(dim=-1)[0]
+        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = vocab_parallel_logits - logits_max.unsqueeze(-1)
+        partition_vocab_size = shifted.size(-1)
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        vocab_start = rank * partition_vocab_size
+        target_mask = (target < vocab_start) | (target >= vocab_start + partition_vocab_size)
+        masked_target = (target - vocab_start).masked_fill(target_mask, 0)
+        predicted_logits = shifted.gather(-1, masked_target.unsqueeze(-1)).squeeze(-1).masked_fill(target_mask, 0.0)
+        exp_logits = shifted.exp()
+        sum_exp_logits = exp_logits.sum(dim=-1)
+        dist.all_reduce(predicted_logits, group=group)
+        dist.all_reduce(sum_exp_logits, group=group)
+        loss = sum_exp_logits.log() - predicted_logits
+        softmax = exp_logits / sum_exp_logits.unsqueeze(-1)
+        vocab_size = partition_vocab_size * world if global_smoothing else partition_vocab_size
+        if label_smoothing > 0:
+            smoothing = label_smoothing * vocab_size / (vocab_size - 1)
+            if global_smoothing:  # pull #7466: the global mean log-probability, from the shifted logits' global sum
+                shifted_sum = shifted.sum(dim=-1)
+                dist.all_reduce(shifted_sum, group=group)
+                mean_log_probs = shifted_sum / vocab_size - sum_exp_logits.log()
+            else:  # as reported: the mean of this rank's slice of the log-probabilities
+                mean_log_probs = softmax.log().mean(dim=-1)
+            loss = (1.0 - smoothing) * loss - smoothing * mean_log_probs
+        ctx.label_smoothing, ctx.vocab_size = label_smoothing, vocab_size
+        ctx.save_for_backward(softmax, target_mask, masked_target)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        softmax, target_mask, masked_target = ctx.saved_tensors
+        grad_input = softmax.clone()
+        update = (1.0 - target_mask.to(softmax.dtype)).unsqueeze(-1)
+        one_hot = torch.zeros_like(softmax).scatter_(-1, masked_target.unsqueeze(-1), 1.0)
+        if ctx.label_smoothing > 0:
+            smoothing = ctx.label_smoothing * ctx.vocab_size / (ctx.vocab_size - 1)
+            grad_input -= (1.0 - smoothing) * update * one_hot
+            grad_input -= smoothing / ctx.vocab_size
+        else:
+            grad_input -= update * one_hot
+        return grad_input * grad_output.unsqueeze(-1), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(vocab_parallel_logits, target, group, label_smoothing=0.0, global_smoothing=True):
+    return VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, group, label_smoothing, global_smoothing)
+
+
+class VocabParallelGPT(TinyGPT):
+    """TinyGPT whose Megatron form returns its output layer's logits unsplit from the classes it holds
+    (``parallel_output=True``): [batch, sequence, classes / TP] on each rank; in one process, all the classes."""
+
+    def forward(self, x):
+        if self.tp_group is None:
+            return super().forward(x)
+        hidden = CopyToTensorParallelRegion.apply(self.final_norm(decoder(self, x)), self.tp_group)
+        return F.linear(hidden, local(self.head.weight)).transpose(0, 1)
+
+
+vocab_parallel_gpt = ec.register_case(token_case(
+    "field_vocab_parallel_gpt", VocabParallelGPT,
+    "pre-norm MLP block, final norm and an output layer whose logits stay vocab-parallel under TP, (12, 8, 8) "
+    "tokens, 4 classes per token"))
+
+
+def vocab_parallel(model, mesh):
+    """Megatron's layers on mesh['tp'] without sequence parallelism, the output layer's logits left split."""
+    return megatron_parallelize(model, mesh, sequence_parallel=False)

@@ -5,9 +5,9 @@ micro-batches' losses add up to the global token mean. Megatron-Core's pipeline 
 output loss by ``num_microbatches`` before its backward, for losses that are per-micro-batch means; on AReaL's
 already normalised loss that second division made every gradient, the gradient norm and the update
 ``num_microbatches`` times smaller than one process's on the same global batch. The fix multiplies AReaL's loss by
-``len(mb_list)`` to cancel the schedule's division. Here torch's pipeline schedule with ``scale_grads=True`` (it
-divides the accumulated gradients by the micro-batch count) stands in for Megatron-Core's, on padded sequences of 1
-to 7 real tokens.
+``len(mb_list)`` to cancel the schedule's division. Here torch's pipeline schedule stands in for Megatron-Core's,
+each micro-batch's loss divided by the micro-batch count before the schedule differentiates it (as Megatron-Core's
+``forward_step`` divides its output loss; ``scale_grads=False``), on padded sequences of 1 to 7 real tokens.
 """
 
 import torch
@@ -44,9 +44,9 @@ def token_weighted_loss(multiplier):
 
 
 def pipelined_step(compensates=True):
-    """The team's step, made afresh for every run: its stage and schedule (which always divides by the micro-batch
-    count, as Megatron-Core's does) are built on the first call. The loss reads the global batch's tokens from the
-    step that runs it (torch 2.11's schedule.step() takes no loss_kwargs)."""
+    """The team's step, made afresh for every run: its stage and schedule (whose loss is always divided by the
+    micro-batch count before backward, as Megatron-Core's is) are built on the first call. The loss reads the global
+    batch's tokens from the step that runs it (torch 2.11's schedule.step() takes no loss_kwargs)."""
     schedule = total_tokens = None
     multiplier = MICRO_BATCHES if compensates else 1  # len(mb_list): the fix
     loss_fn = token_weighted_loss(multiplier)
@@ -56,8 +56,8 @@ def pipelined_step(compensates=True):
         inputs, targets = batch
         total_tokens = int((targets != IGNORE).sum())
         if schedule is None:
-            schedule = ScheduleGPipe(build_stage(model), n_microbatches=MICRO_BATCHES, scale_grads=True,
-                                     loss_fn=lambda output, target: loss_fn(output, target, total_tokens))
+            schedule = ScheduleGPipe(build_stage(model), n_microbatches=MICRO_BATCHES, scale_grads=False,
+                                     loss_fn=lambda out, target: loss_fn(out, target, total_tokens) / MICRO_BATCHES)
         losses = []
         if dist.get_rank() == 0:
             schedule.step(inputs)
@@ -65,7 +65,7 @@ def pipelined_step(compensates=True):
             schedule.step(target=targets, losses=losses)
         optimizer.step()
         optimizer.zero_grad()
-        return torch.stack(losses).sum().detach() / multiplier if losses else None
+        return torch.stack(losses).sum().detach() * MICRO_BATCHES / multiplier if losses else None
 
     return step
 

@@ -24,6 +24,7 @@ never guessed at: the next record decides. Each comparison is judged at the chec
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Callable, Sequence
@@ -37,7 +38,8 @@ from ..precision import Tolerance
 from ..result import RunResult
 from ..trace import ModuleCall, StepTrace
 
-Replay = Callable[[tuple[int, ...]], tuple[RunResult, RunResult]]
+# both runs again with steps traced: (steps, whether the modules' calls are recorded too) -> (reference, candidate)
+Replay = Callable[[tuple[int, ...], bool], tuple[RunResult, RunResult]]
 
 
 def locate(comparison: Comparison, reference: RunResult, candidate: RunResult, replay: Replay) -> Location | None:
@@ -72,28 +74,41 @@ class ReplayDiffers(Exception):
 class _Replayed:
     """Both runs replayed once with ``steps`` traced (on first use), walked step by step; each replay in one process
     held to the run it replays first: the gradients its optimizer read at the step must be the run's (where the run
-    recorded them)."""
+    recorded them). Replays whose module hooks change how they train (a compiled step that traces the hooks) are
+    replayed again with the parameters and the optimizer traced alone."""
 
     def __init__(self, comparison: Comparison, reference: RunResult, candidate: RunResult, replay: Replay,
                  steps: tuple[int, ...]) -> None:
         self.comparison, self.steps, self.recorded = comparison, steps, (reference, candidate)
-        self._runs = functools.cache(lambda: replay(steps))
+        self._runs = functools.cache(lambda modules: replay(steps, modules))
 
     def walk(self, step: int, state_only: bool = False) -> Location | None:
-        reference, candidate = self._runs()
-        theirs = [trace for trace in candidate.traces if trace.step == step]
-        ours = [trace for trace in reference.traces if trace.step == step]
+        try:
+            ours, theirs = self._traced(step, modules=True)
+        except ReplayDiffers as hooked:
+            try:
+                ours, theirs = self._traced(step, modules=False)
+            except ReplayDiffers:
+                raise hooked from None  # it trains otherwise however it is replayed: state kept across runs
         if not ours or not theirs:
             return None
+        walk = _Walk(ours[0], theirs, self.comparison, step)
+        return walk.carried_into() if state_only else walk.first()
+
+    def _traced(self, step: int, modules: bool) -> tuple[list[StepTrace], list[StepTrace]]:
+        """The reference's and the candidate's traces of ``step`` (each rank's), from replays held to their runs."""
+        reference, candidate = self._runs(modules)
+        theirs = [trace for trace in candidate.traces if trace.step == step]
+        ours = [trace for trace in reference.traces if trace.step == step]
         for run, traces, which in ((self.recorded[0], ours, "reference"), (self.recorded[1], theirs, "run")):
-            if len(traces) > 1:  # a rank's own read is no whole gradient (a shard, a partial sum): not held to it
+            if len(traces) != 1:  # a rank's own read is no whole gradient (a shard, a partial sum): not held to it
                 continue
             apart = _not_as_recorded(run, traces[0], step, self.comparison.tolerance)
             if apart:
-                raise ReplayDiffers(f"replayed with hooks, the {which} read another gradient of {apart} at step {step} "
+                hooked = "with hooks" if modules else "with its parameters hooked alone"
+                raise ReplayDiffers(f"replayed {hooked}, the {which} read another gradient of {apart} at step {step} "
                                     "than it did: its records would not say where it parted")
-        walk = _Walk(ours[0], theirs, self.comparison, step)
-        return walk.carried_into() if state_only else walk.first()
+        return ours, theirs
 
 
 def _not_as_recorded(run: RunResult, trace: StepTrace, step: int, tol: Tolerance) -> str:
@@ -173,7 +188,11 @@ class _Walk:
         self.tol: Tolerance = comparison.tolerance
         self.ranks = list(ranks)
         self.distinct = _distinct_data(self.ranks)  # the ranks that hold shards of their own, in order
-        self.averaged = len(self.distinct)
+        # a pipeline's stages (every rank one stage where no pipeline cuts the model), each with the modules it ran:
+        # a module's records are joined over the ranks of its own stage, each rank a data-parallel replica there
+        self.stages = _stages(self.distinct)
+        self.staged = [{call.module for trace in stage for call in trace.calls} for stage in self.stages]
+        self.averaged = len(self.stages[0])
         # each run's activation gradients and what backward delivered, divided by its loss scale (a GradScaler's)
         self.scale = self.distinct[0].loss_scale * self.averaged
         self.reference_scale = reference.loss_scale
@@ -279,19 +298,45 @@ class _Walk:
 
     # -- the loss
     def _loss(self) -> Location | None:
+        theirs = next(filter(None, map(self._joined_call, self._model_output_calls())), None)
         root = self.calls.get("", [None])[0]
-        if root is not None:
-            theirs = self._joined_call(root)
-            if theirs is not None:
-                for actual, expected in zip(theirs.grad_outputs, root.grad_outputs):
-                    diff = self._diff(self._averaged(actual), self._unscaled(expected))
-                    if diff is not None and diff.margin > 1:
-                        return Location(self.step, "loss", "", "the gradient of the loss with respect to the model's "
-                                        "output", diff.margin, "the model's outputs match")
+        outputs = [] if theirs is None else [self._diff(a, e) for a, e in zip(theirs.outputs, root.outputs)]
+        if any(outputs) and all(diff is None or diff.margin <= 1 for diff in outputs):  # those that join match
+            pairs = [(self._averaged(actual), self._unscaled(expected))
+                     for actual, expected in zip(theirs.grad_outputs, self.calls[""][0].grad_outputs)]
+            diffs = [self._diff(actual, expected) for actual, expected in pairs]
+            apart = next((diff for diff in diffs if diff is not None and diff.margin > 1), None)
+            if apart is not None:
+                factors = {None if actual is None or expected is None else factor_of(expected, actual)
+                           for actual, expected in pairs if expected is not None}
+                factor = factors.pop() if len(factors) == 1 else None
+                if factor is not None and not self._read_scaled_by(factor):
+                    # a loss scaled by a factor the run divides out of its gradients after backward (a pipeline
+                    # schedule's scale_grads): its activation gradients are read without it, as a GradScaler's are
+                    self.scale *= factor
+                    return None
+                return Location(self.step, "loss", "", "the gradient of the loss with respect to the model's "
+                                "output", apart.margin, "the model's outputs match")
         loss = next((m for m in self.comparison.mismatches if m.kind == "loss" and m.first_step == self.step), None)
         if loss is not None and not self._grads_differ_here():
             return Location(self.step, "loss", "", "the reported loss", loss.diff.margin, "the model's outputs match")
         return None
+
+    def _read_scaled_by(self, factor: float) -> bool:
+        """Whether every gradient the optimizer read whole is the reference's times ``factor``: nothing after backward
+        took the factor out."""
+        read = [(self.ranks[0].read.get(name), expected) for name, expected in self.reference.read.items()]
+        factors = [factor_of(expected, actual) for actual, expected in read
+                   if actual is not None and actual.shape == expected.shape and expected.count_nonzero()]
+        return all(found is not None and _close(found, factor, 1e-4) for found in factors)
+
+    def _model_output_calls(self) -> list[ModuleCall]:
+        """The reference's calls whose outputs are the model's: the model's own, then any module's that returns them
+        (a pipeline's last stage runs its last module, never the whole model)."""
+        root = self.calls.get("", [None])[0]
+        if root is None:
+            return []
+        return [root] + [call for call in self.reference.calls if call.module and _same(call.outputs, root.outputs)]
 
     def _grads_differ_here(self) -> bool:
         return any(m.kind == "grad" and m.first_step == self.step for m in self.comparison.mismatches)
@@ -304,10 +349,17 @@ class _Walk:
             call = next((c for c in self.calls.get(module, ()) if c.index == index), None)
             theirs = None if call is None else self._joined_call(call)
             if theirs is None:
+                found = None if call is None else self._unreduced(call, None, "grad_inputs") or \
+                    self._parts_backward(call)
+                if found is not None:
+                    return found
                 continue
             outputs = [self._diff(self._averaged(a), self._unscaled(e))
                        for a, e in zip(theirs.grad_outputs, call.grad_outputs) if e is not None]
             if any(d is None or d.margin > 1 for d in outputs):
+                unreduced = self._unreduced(call, max((d.margin for d in outputs if d is not None), default=None))
+                if unreduced is not None:
+                    return unreduced
                 continue  # its output gradient differs already: the difference came from after it
             children = self._clean_children(module, "their output gradients")
             matched = "its output gradient matches" + children
@@ -327,7 +379,149 @@ class _Walk:
                 if diff is not None and diff.margin > 1:
                     return Location(self.step, "backward", module, f"the gradient backward delivered to {name!r}",
                                     diff.margin, matched, bool(children))
+        return self._changed_on_its_way() or self._by_parameters()
+
+    def _by_parameters(self) -> Location | None:
+        """A step traced without its modules' calls (their hooks change how it trains), whose loss matches (its
+        forward computed alike): the first parameter, in the order backward delivered to them, whose gradient differs
+        while every one delivered before it matches. Backward parts in the module that holds it."""
+        loss_parts = any(m.kind == "loss" and m.first_step == self.step for m in self.comparison.mismatches)
+        if self.reference.calls or loss_parts:
+            return None
+        for name in self.reference.delivered:
+            diff = self._diff(self._delivered(name), self._reference_delivered(name))
+            if diff is None:
+                return None  # one that cannot be told: what follows it says nothing
+            if diff.margin > 1:
+                return Location(self.step, "backward", module_of(name), f"the gradient backward delivered to {name!r}",
+                                diff.margin, "the loss and every gradient backward delivered before it match (its "
+                                "modules' calls unrecorded: hooked, it trains otherwise)")
         return None
+
+    def _unreduced(self, call: ModuleCall, margin: float | None, sent: str = "grad_outputs") -> Location | None:
+        """Ranks fed one batch (a tensor-parallel group) that ran ``call`` on the same inputs, and alike where ``sent``
+        says which gradients they exchanged: different gradients for its output (``grad_outputs``; its outputs
+        alike too) or sent back for its input (``grad_inputs``; the gradients of its output alike), which add up to
+        the reference's: each rank's partial sum, which no collective added up there. None where the records say
+        otherwise."""
+        alike = ("inputs", "outputs") if sent == "grad_outputs" else ("inputs", "grad_outputs")
+        made = self._over_replicas(call)
+        if made is None or any(made.apart[field] for field in alike) or not made.apart[sent]:
+            return None
+        for summed, first, expected in zip(made.summed[sent], made.first[sent], getattr(call, sent)):
+            diff = self._diff(self._averaged(summed), self._unscaled(expected))
+            if diff is None or diff.margin > 1:
+                return None
+            own = self._diff(self._averaged(first), self._unscaled(expected))
+            margin = max(margin or 0.0, own.margin) if own is not None else margin
+        what, it = ("the output", "its output") if sent == "grad_outputs" else (_nth("input", 0, call.inputs), "it")
+        told = "was sent another gradient for it" if sent == "grad_outputs" else \
+            "sent back another gradient for its input"
+        return Location(self.step, "communication", call.module, f"the gradient of {what} of {_named(call)}", margin,
+                        f"ranks fed one batch computed {it} alike; {made.apart[sent]} {told} than rank {made.rank}, "
+                        "and theirs add up to the reference's: partial sums no collective added up")
+
+    def _parts_backward(self, call: ModuleCall) -> Location | None:
+        """Ranks fed one batch that ran ``call`` on the same inputs, each to a part of its output (they add up to the
+        reference's, as experts held across an expert-parallel group do), and were sent the reference's gradient for
+        it: the parts of its input gradients, added up, must be the reference's too. Where they are not, its backward
+        parts; None where the records say otherwise."""
+        made = self._over_replicas(call)
+        if made is None or made.apart["inputs"] or made.apart["grad_outputs"] or not made.apart["outputs"] or \
+                not made.apart["grad_inputs"]:
+            return None
+        for summed, expected in zip(made.summed["outputs"], call.outputs):
+            if (diff := self._diff(summed, expected)) is None or diff.margin > 1:
+                return None
+        for first, expected in zip(made.first["grad_outputs"], call.grad_outputs):
+            if expected is not None and ((diff := self._diff(self._averaged(first), self._unscaled(expected))) is None
+                                         or diff.margin > 1):
+                return None
+        for position, (summed, expected) in enumerate(zip(made.summed["grad_inputs"], call.grad_inputs)):
+            diff = self._diff(self._averaged(summed), self._unscaled(expected))
+            if expected is not None and diff is not None and diff.margin > 1:
+                return Location(self.step, "backward", call.module, f"the gradient of "
+                                f"{_nth('input', position, call.inputs)} of {_named(call)}", diff.margin,
+                                "ranks fed one batch each computed a part of its output, which add up to the "
+                                "reference's, and were sent its gradient; the parts of its input's gradient add up "
+                                "to another")
+        return None
+
+    def _over_replicas(self, call: ModuleCall) -> _Replicated | None:
+        """``call`` as each rank fed one batch made it, its records joined over micro-batches and data shards; None
+        where some rank's calls cannot stand for it, or no two ranks were fed one batch."""
+        fields = ("inputs", "outputs", "grad_outputs", "grad_inputs")
+        made = _Replicated(apart=dict.fromkeys(fields, ""), first={}, summed={})
+        firsts: dict[str, list] = {field: [] for field in fields}
+        summed: dict[str, list] = {field: [] for field in fields}
+        for shard in self._holders(call.module):
+            replicas = [(trace.rank, self._standing_for(trace, call)) for trace in self._replicas(shard)]
+            if len(replicas) < 2 or any(calls is None for _, calls in replicas):
+                return None
+            made.rank = replicas[0][0]
+            for pieces in zip(*(calls for _, calls in replicas)):
+                for field in fields:
+                    records = [getattr(piece, field) for piece in pieces]
+                    if any(len(record) != len(records[0]) for record in records):
+                        return None
+                    for (rank, _), record in zip(replicas[1:], records[1:]):
+                        if not made.apart[field] and not self._alike(record, records[0]):
+                            made.apart[field] = f"rank {rank}"
+                    firsts[field].append(records[0])
+                    summed[field].append([None if any(part is None for part in parts) else sum(parts[1:], parts[0])
+                                          for parts in zip(*records)])
+        for field in fields:
+            made.first[field] = [_joined([record[i] for record in firsts[field]], like)
+                                 for i, like in enumerate(getattr(call, field))]
+            made.summed[field] = [_joined([record[i] for record in summed[field]], like)
+                                  for i, like in enumerate(getattr(call, field))]
+        return made
+
+    def _alike(self, first: list[Tensor | None], second: list[Tensor | None]) -> bool:
+        """Whether two ranks' records of one call agree within tolerance (an input that is no tensor, alike)."""
+        return all((a is None and b is None) or ((d := self._diff(a, b)) is not None and d.margin <= 1)
+                   for a, b in zip(first, second))
+
+    def _changed_on_its_way(self) -> Location | None:
+        """The first call, in backward order, whose output gradient differs though the modules its output feeds passed
+        back the reference's: the gradient changed between them, where no module of the model is recorded (a hook on
+        the output, a pipeline stage's own code around its modules). A parent recorded whole is found before this,
+        as its own code."""
+        for module, index in self.reference.backward_order:
+            call = next((c for c in self.calls.get(module, ()) if c.index == index), None)
+            theirs = None if call is None else self._joined_call(call)
+            if theirs is None:
+                continue
+            for position, (actual, expected) in enumerate(zip(theirs.grad_outputs, call.grad_outputs)):
+                diff = self._diff(self._averaged(actual), self._unscaled(expected))
+                if diff is None or diff.margin <= 1:
+                    continue
+                consumers = self._passed_back_alike(call, position)
+                if consumers:
+                    return Location(self.step, "backward", module, f"the gradient of "
+                                    f"{_nth('output', position, call.outputs)} of {_named(call)}", diff.margin,
+                                    f"{consumers} passed back the reference's gradient to it: it changed on its way")
+        return None
+
+    def _passed_back_alike(self, call: ModuleCall, position: int) -> str:
+        """The modules (quoted) that output ``position`` of ``call`` feeds, where in both runs the gradients they
+        passed back to it add up to the reference's gradient of that output (so they account for all of it); "" where
+        none does, or they do not."""
+        output, expected = call.outputs[position], self._unscaled(call.grad_outputs[position])
+        fed = [(other, at) for other in self.reference.calls for at, given in enumerate(other.inputs)
+               if given is not None and given.shape == output.shape and torch.equal(given, output)]
+        fed = [(other, at) for other, at in fed if not any(_within(other.module, outer.module) for outer, _ in fed)]
+        if not fed or any(other.grad_inputs[at] is None for other, at in fed):
+            return ""
+        theirs = [(self._joined_call(other), at) for other, at in fed]
+        if any(joined is None or joined.grad_inputs[at] is None for joined, at in theirs):
+            return ""
+        for sent in (sum(self._unscaled(other.grad_inputs[at]) for other, at in fed),
+                     sum(self._averaged(joined.grad_inputs[at]) for joined, at in theirs)):
+            diff = self._diff(sent, expected)
+            if diff is None or diff.margin > 1:
+                return ""
+        return ", ".join(f"`{other.module}`" for other, _ in fed)
 
     def _clean_children(self, module: str, given: str) -> str:
         """Its children, which the walk passed (each computes alike from the same ``given``): the difference is made
@@ -454,32 +648,66 @@ class _Walk:
     # -- records made whole
     def _joined_call(self, call: ModuleCall) -> ModuleCall | None:
         """The candidate's calls that stand for the reference's ``call``: the same call of each micro-batch and of
-        each rank with a shard of its own, their records joined (None: they cannot be)."""
+        each rank with a shard of its own, their records joined (None: they cannot be). A record no rank holds whole
+        is joined from the parts ranks fed one batch hold, in rank order (a vocabulary or sequence split over a
+        tensor-parallel group), where those parts join to the reference's shape along one dimension."""
         if call.module in self.sharded:
             return None
-        per_call = len(self.calls[call.module])
-        pieces: list[ModuleCall] = []
-        for trace in self.distinct:
-            calls = sorted((c for c in trace.calls if c.module == call.module), key=lambda c: c.index)
-            if not calls or len(calls) % per_call:
+        pieces: list[list[ModuleCall]] = []  # each micro-batch's and data shard's call, as each replica made it
+        for trace in self._holders(call.module):
+            replicas = [self._standing_for(replica, call) for replica in self._replicas(trace)]
+            if replicas[0] is None:
                 return None
-            pieces += calls[call.index::per_call]
+            replicas = [calls for calls in replicas if calls is not None and len(calls) == len(replicas[0])]
+            pieces += [list(made) for made in zip(*replicas)]
         joined = ModuleCall(call.module, call.index, [], [])
         for field in ("inputs", "outputs", "integers", "grad_outputs", "grad_inputs"):
             expected = getattr(call, field)
-            if any(len(getattr(piece, field)) != len(expected) for piece in pieces):
+            if any(len(getattr(made, field)) != len(expected) for piece in pieces for made in piece):
                 return None
-            setattr(joined, field, [_joined([getattr(piece, field)[i] for piece in pieces], like)
-                                    for i, like in enumerate(expected)])
+            setattr(joined, field, [_joined_records([[getattr(made, field)[i] for made in piece] for piece in pieces],
+                                                    like) for i, like in enumerate(expected)])
         return joined
+
+    def _standing_for(self, trace: StepTrace, call: ModuleCall) -> list[ModuleCall] | None:
+        """``trace``'s calls that stand for the reference's ``call`` (one a micro-batch), in order; None where its
+        count of calls of that module is no multiple of the reference's."""
+        per_call = len(self.calls[call.module])
+        calls = sorted((c for c in trace.calls if c.module == call.module), key=lambda c: c.index)
+        if not calls or len(calls) % per_call:
+            return None
+        return calls[call.index::per_call]
+
+    def _replicas(self, trace: StepTrace) -> list[StepTrace]:
+        """The ranks fed what ``trace``'s rank was (a tensor-parallel group), in rank order, that rank first."""
+        return [trace] + sorted((t for t in self.ranks if t is not trace and _same(t.root_inputs, trace.root_inputs)),
+                                key=lambda t: t.rank)
+
+    def _holders(self, module: str) -> list[StepTrace]:
+        """The ranks whose records of ``module`` join into the reference's: those of the one pipeline stage that ran
+        it (every rank with data of its own where no pipeline cuts the model)."""
+        held = [stage for stage, modules in zip(self.stages, self.staged) if module in modules]
+        return held[0] if len(held) == 1 else self.distinct
 
     def _delivered(self, name: str) -> Tensor | None:
         """What backward delivered to ``name`` on the ranks with shards of their own that train it, summed, as the
         reference's (a rank it never reached added nothing); None where their parts are no whole tensors."""
-        parts = [trace.delivered[name] for trace in self.distinct if name in trace.delivered]
+        traces = self.distinct
+        if self._split_over_replicas(module_of(name)):  # each rank fed one batch delivered a part of the sum
+            traces = [replica for trace in self.distinct for replica in self._replicas(trace)]
+        parts = [trace.delivered[name] for trace in traces if name in trace.delivered]
         if not parts or len({part.shape for part in parts}) != 1:
             return None
         return self._averaged(sum(parts[1:], parts[0]))
+
+    def _split_over_replicas(self, module: str) -> bool:
+        """Whether ranks fed one batch ran ``module`` on different parts of its input (its heads or its sequence
+        split over a tensor-parallel group), so that each delivered its parameters a part of their gradient."""
+        calls = self.calls.get(module)
+        if not calls:
+            return False
+        replicas = [self._standing_for(trace, calls[0]) for trace in self._replicas(self._holders(module)[0])]
+        return len(replicas) > 1 and all(replicas) and not self._alike(replicas[1][0].inputs, replicas[0][0].inputs)
 
     def _averaged(self, tensor: Tensor | None) -> Tensor | None:
         """A rank's activation gradient as the reference's: a rank whose gradients are averaged over ``averaged``
@@ -500,6 +728,18 @@ class _Walk:
         return TensorDiff.of(actual, expected, self.tol)
 
 
+@dataclasses.dataclass
+class _Replicated:
+    """One call as the ranks fed one batch made it: for each record field, the first rank whose record is not the
+    first rank's (``""`` where all are alike), the first rank's record and the ranks' records added, each joined over
+    micro-batches and data shards."""
+
+    apart: dict[str, str]
+    first: dict[str, list[Tensor | None]]
+    summed: dict[str, list[Tensor | None]]
+    rank: int = 0  # the first rank
+
+
 def _distinct_data(ranks: Sequence[StepTrace]) -> list[StepTrace]:
     """The ranks fed data of their own, in rank order: a rank fed what an earlier one was (a tensor-parallel group's
     ranks see one batch) holds no other rows."""
@@ -508,6 +748,23 @@ def _distinct_data(ranks: Sequence[StepTrace]) -> list[StepTrace]:
         if not any(_same(trace.root_inputs, other.root_inputs) for other in kept):
             kept.append(trace)
     return kept
+
+
+def _stages(ranks: Sequence[StepTrace]) -> list[list[StepTrace]]:
+    """``ranks`` grouped by the pipeline stage each ran, in rank order: a stage is known by its outermost modules
+    called (the whole model, where no pipeline cuts it, on every rank; a tensor- or expert-parallel rank's own
+    modules lie inside those)."""
+    stages: dict[frozenset[str], list[StepTrace]] = {}
+    for trace in ranks:
+        called = {call.module for call in trace.calls}
+        outermost = frozenset(name for name in called if not any(_within(name, other) for other in called))
+        stages.setdefault(outermost, []).append(trace)
+    return list(stages.values())
+
+
+def _within(name: str, outer: str) -> bool:
+    """Whether module ``name`` lies inside module ``outer`` (every module inside the root, ``""``)."""
+    return name != outer and (outer == "" or name.startswith(outer + "."))
 
 
 def _same(first: list[Tensor], second: list[Tensor]) -> bool:
@@ -528,6 +785,24 @@ def _joined(pieces: list[Tensor | None], like: Tensor | None) -> Tensor | None:
     return None
 
 
+def _joined_records(groups: list[list[Tensor | None]], like: Tensor | None) -> Tensor | None:
+    """One record of a call, whole: each group (one micro-batch's or data shard's record, as each rank fed it
+    made it) stands for its first rank's record, joined as :func:`_joined` joins pieces; where those cannot make up
+    ``like``, each group's parts (a tensor-parallel group's, in rank order) joined along one dimension first. None
+    where neither gives ``like``'s shape."""
+    whole = _joined([parts[0] for parts in groups], like)
+    if whole is not None or like is None or \
+            any(len(parts) < 2 or any(part is None for part in parts) for parts in groups):
+        return whole
+    for dim in range(like.dim()):
+        if all(len({(p.dim(),) + tuple(p.shape[d] for d in range(p.dim()) if d != dim) for p in parts}) == 1
+               and parts[0].dim() == like.dim() for parts in groups):
+            joined = _joined([torch.cat(parts, dim) for parts in groups], like)
+            if joined is not None:
+                return joined
+    return None
+
+
 def _owned(delivered: dict[str, Tensor]) -> dict[str, list[str]]:
     """Each module's own parameters (not its children's), by the names backward delivered to."""
     owned: dict[str, list[str]] = {}
@@ -545,5 +820,5 @@ def _named(call: ModuleCall) -> str:
     return f"`{call.module}`" if call.module else "the model"
 
 
-def _close(actual: float, expected: float) -> bool:
-    return abs(actual - expected) <= 1e-12 + 1e-9 * abs(expected)
+def _close(actual: float, expected: float, relative: float = 1e-9) -> bool:
+    return abs(actual - expected) <= 1e-12 + relative * abs(expected)

@@ -81,6 +81,7 @@ class RunRequest:
     restart: Restart | None = None  # a resume's segment (runners/resume.py): set there, never by a caller
     wide_threads: int = 1  # where nobody chose: what a large model in this process trains on (process/threads.py)
     trace_steps: tuple[int, ...] = ()  # a failed check's replay: these optimizer steps traced, the run stopped after
+    trace_modules: bool = True  # and its modules' calls recorded (False: its parameters' gradients alone)
 
     @classmethod
     def of(cls, case: Case | str, regime: Regime | str, *, seed: int = DEFAULT_SEED,

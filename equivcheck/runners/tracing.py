@@ -16,6 +16,8 @@ notes why in the trace and lets training go on.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -35,16 +37,19 @@ class TraceComplete(Exception):
 
 @contextlib.contextmanager
 def tracing(modules: list[tuple[str, nn.Module]], parameters: list[tuple[str, Tensor]], optimizer: Optimizer,
-            regime: Regime, steps: tuple[int, ...], offset: int = 0, saves: bool = False) -> Iterator[StepTracer | None]:
+            regime: Regime, steps: tuple[int, ...], offset: int = 0, saves: bool = False,
+            calls: bool = True) -> Iterator[StepTracer | None]:
     """While training: the optimizer steps ``steps`` of this run traced (none: nothing traced, nothing hooked), each
     trace numbered ``offset`` on (a resume's later segment counts its steps from its first batch). ``modules`` and
     ``parameters``: the model's, named as the case's model names them. A run that ``saves`` a checkpoint for the next
     segment trains to its end: stopped after its traced step, it would save (or a team's loop would leave) other
-    state than the run it replays, and the next segment would resume from that."""
+    state than the run it replays, and the next segment would resume from that. Without ``calls`` no module is
+    hooked, only the parameters and the optimizer: code whose behaviour module hooks change (a compiled step that
+    traces them) trains as it did."""
     if not steps:
         yield None
         return
-    tracer = StepTracer(modules, parameters, optimizer, regime, steps, offset, stops=not saves)
+    tracer = StepTracer(modules if calls else [], parameters, optimizer, regime, steps, offset, stops=not saves)
     with tracer:
         yield tracer
 
@@ -77,7 +82,9 @@ class StepTracer:
         hooks = [self._optimizer.register_step_pre_hook(self._before_step),
                  self._optimizer.register_step_post_hook(self._after_step)]
         for name, module in self._modules:
-            hooks.append(module.register_forward_pre_hook(self._entering(name), with_kwargs=True))
+            # first, before a parallel plan's own input hooks: the gradient caught at an input is the one the module
+            # sends back to its caller, after any collective those hooks put on the way back
+            hooks.append(module.register_forward_pre_hook(self._entering(name), with_kwargs=True, prepend=True))
             hooks.append(module.register_forward_hook(self._leaving(name), with_kwargs=True))
         hooks += [parameter.register_hook(self._delivered(name)) for name, parameter in self._parameters
                   if parameter.requires_grad]
@@ -120,7 +127,7 @@ class StepTracer:
 
     def _before_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
         trace = self.trace
-        if not self._open or not trace.root_inputs:  # a step with no forward in the window records nothing
+        if not self._open or not (trace.root_inputs or trace.delivered):  # no forward, no backward: nothing to record
             return
         self._closed = True
         trace.read = {name: _local(p.grad) for name, p in self._parameters if p.grad is not None}
@@ -146,7 +153,7 @@ class StepTracer:
 
     def _entering(self, name: str):
         def hook(module: nn.Module, args: tuple, kwargs: dict):
-            if not self._open:
+            if not self._open or _inferring_shapes():
                 return None
             try:
                 leaves, spec = tree_flatten((args, kwargs))
@@ -270,6 +277,22 @@ def _loss_scale_seen(tracer: StepTracer) -> Iterator[None]:
         yield
     finally:
         GradScaler.scale = plain
+
+
+# The methods with which torch's pipeline stages run their module once, on stand-in tensors, to learn the shapes
+# their neighbours send (the name changed across torch releases): no call of the training
+_SHAPE_INFERENCE = frozenset({"_shape_inference", "_forward_metadata_inference", "_backward_metadata_inference"})
+
+
+def _inferring_shapes() -> bool:
+    """Whether this call is a pipeline stage's shape inference, not a forward the step trains on."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in _SHAPE_INFERENCE and code.co_filename.endswith(os.path.join("pipelining", "stage.py")):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _placement(tensor: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:

@@ -177,7 +177,8 @@ def train_segment(request: RunRequest, assembled: Assembled, against: Expected |
             rescaled_backward(model, backward_scale(request.order)), \
             tracing(case_named(model.named_modules()), case_named(model.named_parameters()), optimizer, regime,
                     request.trace_steps, request.restart.start if request.restart is not None else 0,
-                    saves=request.restart is not None and request.restart.save_to is not None) as tracer:
+                    saves=request.restart is not None and request.restart.save_to is not None,
+                    calls=request.trace_modules) as tracer:
         watched = StepWatch(batches, recorder)
         with regime.random_streams(model, optimizer, [batch.inputs for batch in batches]):
             try:
