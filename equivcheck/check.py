@@ -126,7 +126,8 @@ class Plan:
         return spec.tolerance_for(self.case, self.precision, base) or base
 
     def run(self, spec: Regime, dtype: Precision, measure_memory: bool, order: str = "given",
-            against: Expected | None = None, trace_steps: tuple[int, ...] = (), trace_modules: bool = True) -> RunResult:
+            against: Expected | None = None, trace_steps: tuple[int, ...] = (),
+            trace_modules: bool = True) -> RunResult:
         """One run of this plan's case under ``spec``, with the plan's seed, timeout and threads; its samples in
         ``order`` (a witness: witness.py); compared as it trains where ``against`` says with what (compare.py); a
         replay that traces ``trace_steps`` (its modules' calls too, where ``trace_modules``) and stops after them
@@ -134,7 +135,8 @@ class Plan:
         return self.start(spec, dtype, measure_memory, order, against, trace_steps, trace_modules).result()
 
     def start(self, spec: Regime, dtype: Precision, measure_memory: bool, order: str = "given",
-              against: Expected | None = None, trace_steps: tuple[int, ...] = (), trace_modules: bool = True) -> Started:
+              against: Expected | None = None, trace_steps: tuple[int, ...] = (),
+              trace_modules: bool = True) -> Started:
         """That run begun (on its ranks, for a distributed regime); an error starting it is read with its result."""
         # Every argument was checked when the plan was made: the request is trusted from here to the ranks.
         request = RunRequest(self.case, spec, resolve_precision(dtype), self.seed, measure_memory,

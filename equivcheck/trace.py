@@ -59,6 +59,9 @@ class StepTrace:
     # where each read gradient this rank holds a part of (a DTensor's shard) lies in the whole: (its shape, the part's
     # offset); the localizer joins the ranks' parts by it
     placed: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = dataclasses.field(default_factory=dict)
+    # what the collectives of a sharded parameter (a DTensor's: FSDP2's reduce-scatter) left in its gradient, summed
+    # over the step, as this rank holds it: what the optimizer read should be this, unless the step changed it after
+    reduced: dict[str, Tensor] = dataclasses.field(default_factory=dict)
     broken: str = ""
 
     def to_plain(self) -> dict:

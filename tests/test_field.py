@@ -22,14 +22,12 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 # that declares where its fix acts is located there, and these are not (a row that comes right is taken off).
 NOT_WHERE_THE_FIX_ACTS = {
     "opennmt_1171": "located at backward in 0.cell; the fix acts at forward 0",
-    "megatron_lm_3023": "unsaid: FSDP2's sharded gradients hold no record of what backward delivered, and the shards "
-                        "joined read no common factor; the fix acts at gradient",
     "open_instruct_1498": "located at communication in 0; the fix acts at gradient",
-    "veomni_419": "located at loss; the fix acts at backward k_norm",
+    "veomni_419": "unsaid: one autograd function runs the q/k/v projections, their norms and all-to-alls, so k_norm "
+                  "is never called as a module; the fix acts at backward k_norm",
     "gpt_neox_1259": "unsaid: a reduction that divides reads like a clip after backward; the fix acts at communication",
     "skyrl_1886": "unsaid: its activations are laid out [sequence, batch], the reference's [batch, sequence]; the fix "
                   "acts at communication final_norm",
-    "torchtitan_4054": "located at communication in trunk; the fix acts at communication experts",
     "transformers_17032": "located at forward in 2 (the dropout, fed the same input, draws another mask); the fix acts "
                           "at state",
     "pytorch_91468": "located at backward in 0 (replayed with its parameters hooked alone: module 1 holds none); the "

@@ -24,6 +24,17 @@ def clipped_once(max_norm):
     return clipped_full_batch
 
 
+def mean_loss_step(model, optimizer, batch):
+    """A plain step: the mean loss over the batch it is handed (a rank's equal shard, whose gradients DDP or FSDP2
+    averages), one backward, one optimizer step."""
+    inputs, targets = batch
+    loss = F.cross_entropy(model(inputs), targets)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.detach()
+
+
 def mesh_where(model, shape=None, names=None):
     """The device mesh a team builds for ``model`` where the model lives (its ranks' device: the CPU under gloo), over
     every rank unless ``shape`` says otherwise: FSDP2's own default picks CUDA wherever CUDA exists, and would move

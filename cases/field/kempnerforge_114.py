@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 
 import equivcheck as ec
 from equivcheck.suites.field import Bug
+from equivcheck_cases.field._references import mean_loss_step
 
 BUG = Bug("KempnerInstitute/KempnerForge", "issue", 114, "resume",
           "DCP loaded the fresh optimizer's raw state_dict(), which holds no moments yet: AdamW reset on resume",
@@ -34,14 +35,7 @@ ADAMW = ec.register_case(dataclasses.replace(
     description="mlp trained with AdamW (lazily created moments), resumed after its first global batch"))
 
 
-def train_step(model, optimizer, batch):
-    """Each rank's mean loss over its equal shard; DDP averages the gradients over the ranks."""
-    inputs, targets = batch
-    loss = torch.nn.functional.cross_entropy(model(inputs), targets)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss.detach()
+train_step = mean_loss_step  # each rank's mean loss over its equal shard; DDP averages the gradients over the ranks.
 
 
 def _folder(folder):

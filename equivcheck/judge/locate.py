@@ -202,9 +202,9 @@ class _Walk:
         # modules whose own parameters ranks fed one batch hold other parts of (tensor parallelism): their outputs and
         # gradients are shards or partial sums, which no join makes whole. Parts held by ranks each fed data of their
         # own (FSDP2, ZeRO) are storage only: those ranks compute whole modules, and their records join as DDP's do.
-        held_in_parts = {name for trace in self.ranks for name, grad in trace.read.items()
-                         if name in reference.read and grad.shape != reference.read[name].shape}
-        self.sharded = {module_of(name) for name in held_in_parts if not self._sharded_for_storage(name)}
+        self.held_in_parts = {name for trace in self.ranks for name, grad in trace.read.items()
+                              if name in reference.read and grad.shape != reference.read[name].shape}
+        self.sharded = {module_of(name) for name in self.held_in_parts if not self._sharded_for_storage(name)}
 
     def first(self) -> Location | None:
         for phase in (self._carried, self._forward, self._loss, self._backward, self._after_backward):
@@ -256,6 +256,11 @@ class _Walk:
                 name = key.rpartition("/")[0]
                 return Location(self.step, "state", module_of(name), f"the optimizer's state {key!r}",
                                 None if diff is None else diff.margin, f"the weights step {self.step} began from match")
+        for key, actual in theirs.items():  # state the reference has not made yet (a step taken before training)
+            if key not in self.reference.optimizer_state and actual.count_nonzero():
+                return Location(self.step, "state", module_of(key.rpartition("/")[0]), f"the optimizer's state "
+                                f"{key!r}", None, f"the weights step {self.step} began from match; the reference "
+                                "held no such state then")
         return None
 
     # -- the forward
@@ -348,11 +353,11 @@ class _Walk:
         for module, index in self.reference.backward_order:
             call = next((c for c in self.calls.get(module, ()) if c.index == index), None)
             theirs = None if call is None else self._joined_call(call)
-            if theirs is None:
-                found = None if call is None else self._unreduced(call, None, "grad_inputs") or \
-                    self._parts_backward(call)
+            if call is not None and (theirs is None or module in self.sharded):
+                found = self._unreduced(call, None, "grad_inputs")
                 if found is not None:
                     return found
+            if theirs is None:
                 continue
             outputs = [self._diff(self._averaged(a), self._unscaled(e))
                        for a, e in zip(theirs.grad_outputs, call.grad_outputs) if e is not None]
@@ -375,11 +380,13 @@ class _Walk:
                 continue
             judged.add(module)
             for name in owned.get(module, ()):
+                if module in self.sharded and name not in self.held_in_parts:
+                    continue  # whole-shaped beside parts (a row-parallel bias): each rank's may be a partial sum
                 diff = self._diff(self._delivered(name), self._reference_delivered(name))
                 if diff is not None and diff.margin > 1:
                     return Location(self.step, "backward", module, f"the gradient backward delivered to {name!r}",
                                     diff.margin, matched, bool(children))
-        return self._changed_on_its_way() or self._by_parameters()
+        return self._changed_on_its_way() or self._never_summed() or self._by_parameters()
 
     def _by_parameters(self) -> Location | None:
         """A step traced without its modules' calls (their hooks change how it trains), whose loss matches (its
@@ -421,32 +428,6 @@ class _Walk:
                         f"ranks fed one batch computed {it} alike; {made.apart[sent]} {told} than rank {made.rank}, "
                         "and theirs add up to the reference's: partial sums no collective added up")
 
-    def _parts_backward(self, call: ModuleCall) -> Location | None:
-        """Ranks fed one batch that ran ``call`` on the same inputs, each to a part of its output (they add up to the
-        reference's, as experts held across an expert-parallel group do), and were sent the reference's gradient for
-        it: the parts of its input gradients, added up, must be the reference's too. Where they are not, its backward
-        parts; None where the records say otherwise."""
-        made = self._over_replicas(call)
-        if made is None or made.apart["inputs"] or made.apart["grad_outputs"] or not made.apart["outputs"] or \
-                not made.apart["grad_inputs"]:
-            return None
-        for summed, expected in zip(made.summed["outputs"], call.outputs):
-            if (diff := self._diff(summed, expected)) is None or diff.margin > 1:
-                return None
-        for first, expected in zip(made.first["grad_outputs"], call.grad_outputs):
-            if expected is not None and ((diff := self._diff(self._averaged(first), self._unscaled(expected))) is None
-                                         or diff.margin > 1):
-                return None
-        for position, (summed, expected) in enumerate(zip(made.summed["grad_inputs"], call.grad_inputs)):
-            diff = self._diff(self._averaged(summed), self._unscaled(expected))
-            if expected is not None and diff is not None and diff.margin > 1:
-                return Location(self.step, "backward", call.module, f"the gradient of "
-                                f"{_nth('input', position, call.inputs)} of {_named(call)}", diff.margin,
-                                "ranks fed one batch each computed a part of its output, which add up to the "
-                                "reference's, and were sent its gradient; the parts of its input's gradient add up "
-                                "to another")
-        return None
-
     def _over_replicas(self, call: ModuleCall) -> _Replicated | None:
         """``call`` as each rank fed one batch made it, its records joined over micro-batches and data shards; None
         where some rank's calls cannot stand for it, or no two ranks were fed one batch."""
@@ -478,9 +459,35 @@ class _Walk:
         return made
 
     def _alike(self, first: list[Tensor | None], second: list[Tensor | None]) -> bool:
-        """Whether two ranks' records of one call agree within tolerance (an input that is no tensor, alike)."""
-        return all((a is None and b is None) or ((d := self._diff(a, b)) is not None and d.margin <= 1)
-                   for a, b in zip(first, second))
+        """Whether two ranks' records of one call agree (an input that is no tensor, alike)."""
+        return all((a is None and b is None) or self._alike_parts([b, a]) for a, b in zip(first, second))
+
+    def _never_summed(self) -> Location | None:
+        """The first call, in backward order, that ranks fed one batch ran on the same inputs, each sending back its
+        own part of its input's gradient (the parts add up to the reference's), where a call that backward reaches
+        after it was sent different gradients on those ranks from the same inputs: the parts went on unsummed. (Parts
+        its caller's code sums, as Megatron's regions do, leave every call after it sent alike.)"""
+        calls = [next((c for c in self.calls.get(module, ()) if c.index == index), None)
+                 for module, index in self.reference.backward_order]
+        made = [None if call is None else self._over_replicas(call) for call in calls]
+        for position, (call, replicas) in enumerate(zip(calls, made)):
+            if replicas is None or replicas.apart["inputs"] or not replicas.apart["grad_inputs"]:
+                continue
+            if not any(later is not None and not later.apart["inputs"] and later.apart["grad_outputs"]
+                       for later in made[position + 1:]):
+                continue  # nothing after it was sent parts: what it sent back was summed on its way
+            for at, (summed, first, expected) in enumerate(zip(replicas.summed["grad_inputs"],
+                                                               replicas.first["grad_inputs"], call.grad_inputs)):
+                diff = self._diff(self._averaged(summed), self._unscaled(expected))
+                own = self._diff(self._averaged(first), self._unscaled(expected))
+                if diff is not None and diff.margin <= 1 and own is not None and own.margin > 1:
+                    return Location(self.step, "communication", call.module, f"the gradient of "
+                                    f"{_nth('input', at, call.inputs)} of {_named(call)}", own.margin,
+                                    f"ranks fed one batch ran it on the same inputs; {replicas.apart['grad_inputs']} "
+                                    f"sent back another part of its input's gradient than rank {replicas.rank}, the "
+                                    "parts add up to the reference's, and what backward reached after it was sent "
+                                    "parts too: never summed")
+        return None
 
     def _changed_on_its_way(self) -> Location | None:
         """The first call, in backward order, whose output gradient differs though the modules its output feeds passed
@@ -543,11 +550,12 @@ class _Walk:
         return all(offset == other_offset or not _same(batch, other_batch)
                    for (batch, offset), (other_batch, other_offset) in itertools.combinations(parts, 2))
 
-    def _joined_read(self, name: str) -> Tensor | None:
-        """The gradient of ``name`` the optimizer read, whole: each rank's part put in its place (parts held twice, by
-        replicas, overlap); None where ``name`` is held whole, or its parts leave some of it uncovered."""
-        pieces = [(trace.placed[name], trace.read[name]) for trace in self.ranks
-                  if name in trace.placed and name in trace.read]
+    def _joined_read(self, name: str, record: str = "read") -> Tensor | None:
+        """The gradient of ``name`` the optimizer read (or another ``record`` of its parts), whole: each rank's part
+        put in its place (parts held twice, by replicas, overlap); None where ``name`` is held whole, or its parts
+        leave some of it uncovered."""
+        pieces = [(trace.placed[name], getattr(trace, record)[name]) for trace in self.ranks
+                  if name in trace.placed and name in getattr(trace, record)]
         if not pieces:
             return None
         shape = pieces[0][0][0]
@@ -583,6 +591,9 @@ class _Walk:
                 return Location(self.step, "communication", module_of(name), what, first.diff.margin,
                                 f"{apart}: what each read is no reduction of what backward delivered")
             delivered = self._diff(self._delivered(name), self._reference_delivered(name))
+            changed = self._changed_after_reduction(name) if delivered is None else ""
+            if changed:
+                return Location(self.step, "gradient", module_of(name), what, first.diff.margin, changed)
             if delivered is None:
                 factor = factor_of(self.reference.read[name], self._joined_read(name)) \
                     if name in self.reference.read else None
@@ -598,6 +609,22 @@ class _Walk:
             return Location(self.step, "gradient", module_of(name), what, first.diff.margin,
                             f"{matched}; it was changed after backward")
         return self._scaled_alike(read, scaled)
+
+    def _changed_after_reduction(self, name: str) -> str:
+        """Why the gradient of a sharded parameter (FSDP2's) was changed after its collectives: what they left in it
+        over the step, its parts joined, is the reference's backward's times one factor (the reduction was right, up
+        to its average), and some rank's optimizer read another; "" where the records do not show it."""
+        reduced, expected = self._joined_read(name, "reduced"), self._reference_delivered(name)
+        if reduced is None or expected is None or reduced.shape != expected.shape or \
+                factor_of(expected, reduced) is None:
+            return ""
+        for trace in self.ranks:
+            left, read = trace.reduced.get(name), trace.read.get(name)
+            if left is not None and read is not None and left.shape == read.shape and \
+                    TensorDiff.of(read, left, self.tol).margin > 1:
+                return (f"its reductions left the reference's gradient (times {factor_of(expected, reduced):.6g}); "
+                        f"rank {trace.rank} read another than its reductions left: it was changed after them")
+        return ""
 
     def _scaled_alike(self, read: list, scaled: dict[str, float]) -> Location | None:
         """Parts joined (FSDP2's shards), no record of backward parting, and every gradient the optimizer read apart
@@ -650,9 +677,10 @@ class _Walk:
         """The candidate's calls that stand for the reference's ``call``: the same call of each micro-batch and of
         each rank with a shard of its own, their records joined (None: they cannot be). A record no rank holds whole
         is joined from the parts ranks fed one batch hold, in rank order (a vocabulary or sequence split over a
-        tensor-parallel group), where those parts join to the reference's shape along one dimension."""
-        if call.module in self.sharded:
-            return None
+        tensor-parallel group), where those parts join to the reference's shape along one dimension. Of a module
+        whose parameters those ranks hold parts of, only the records they all hold alike are whole (an output its
+        own collective reduced, the input they were all fed); the others are unknown (None)."""
+        sharded = call.module in self.sharded
         pieces: list[list[ModuleCall]] = []  # each micro-batch's and data shard's call, as each replica made it
         for trace in self._holders(call.module):
             replicas = [self._standing_for(replica, call) for replica in self._replicas(trace)]
@@ -660,14 +688,28 @@ class _Walk:
                 return None
             replicas = [calls for calls in replicas if calls is not None and len(calls) == len(replicas[0])]
             pieces += [list(made) for made in zip(*replicas)]
+        if sharded and any(len(piece) < 2 for piece in pieces):
+            return None  # parts no two ranks fed one batch hold: none can be told whole
         joined = ModuleCall(call.module, call.index, [], [])
         for field in ("inputs", "outputs", "integers", "grad_outputs", "grad_inputs"):
             expected = getattr(call, field)
             if any(len(getattr(made, field)) != len(expected) for piece in pieces for made in piece):
                 return None
-            setattr(joined, field, [_joined_records([[getattr(made, field)[i] for made in piece] for piece in pieces],
-                                                    like) for i, like in enumerate(expected)])
+            records = [[[getattr(made, field)[i] for made in piece] for piece in pieces] for i in range(len(expected))]
+            setattr(joined, field, [
+                (_joined([parts[0] for parts in groups], like) if all(self._alike_parts(parts) for parts in groups)
+                 else None) if sharded else _joined_records(groups, like)
+                for groups, like in zip(records, expected)])
         return joined
+
+    def _alike_parts(self, parts: list[Tensor | None]) -> bool:
+        """Whether every rank's record is the first rank's (within tolerance; token ids exactly)."""
+        first = parts[0]
+        if first is None or any(part is None or part.shape != first.shape for part in parts):
+            return False
+        if not (first.is_floating_point() or first.is_complex()):
+            return all(torch.equal(part, first) for part in parts[1:])
+        return all(TensorDiff.of(part, first, self.tol).margin <= 1 for part in parts[1:])
 
     def _standing_for(self, trace: StepTrace, call: ModuleCall) -> list[ModuleCall] | None:
         """``trace``'s calls that stand for the reference's ``call`` (one a micro-batch), in order; None where its
@@ -698,7 +740,23 @@ class _Walk:
         parts = [trace.delivered[name] for trace in traces if name in trace.delivered]
         if not parts or len({part.shape for part in parts}) != 1:
             return None
+        whole = self.reference.delivered.get(name)
+        if whole is not None and parts[0].shape != whole.shape:
+            return self._delivered_in_parts(name)
         return self._averaged(sum(parts[1:], parts[0]))
+
+    def _delivered_in_parts(self, name: str) -> Tensor | None:
+        """What backward delivered to a parameter each rank holds a part of, whole: the parts put at their places,
+        where each rank's optimizer read just what its backward delivered (and no loss scale or average stands
+        between the two); None where not."""
+        if self.scale != 1:
+            return None
+        for trace in self.ranks:
+            delivered, read = trace.delivered.get(name), trace.read.get(name)
+            if (delivered is None) != (read is None) or (delivered is not None and (
+                    delivered.shape != read.shape or TensorDiff.of(read, delivered, self.tol).margin > 1)):
+                return None
+        return self._joined_read(name)
 
     def _split_over_replicas(self, module: str) -> bool:
         """Whether ranks fed one batch ran ``module`` on different parts of its input (its heads or its sequence

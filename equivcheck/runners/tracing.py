@@ -88,6 +88,9 @@ class StepTracer:
             hooks.append(module.register_forward_hook(self._leaving(name), with_kwargs=True))
         hooks += [parameter.register_hook(self._delivered(name)) for name, parameter in self._parameters
                   if parameter.requires_grad]
+        # a DTensor parameter's gradient as its collectives leave it (FSDP2 calls these after its reduce-scatter)
+        hooks += [parameter.register_post_accumulate_grad_hook(self._reduced(name))
+                  for name, parameter in self._parameters if parameter.requires_grad and is_dtensor(parameter)]
         for hook in hooks:
             self._exits.callback(hook.remove)
         self._exits.enter_context(_loss_scale_seen(self))
@@ -250,6 +253,19 @@ class StepTracer:
         def hook(grad: Tensor) -> None:
             if self._open:
                 self.trace.delivered[name] = _added(self.trace.delivered.get(name), grad)
+        return hook
+
+    def _reduced(self, name: str):
+        last: dict[str, object] = {}  # the gradient tensor seen last, and what it held then
+
+        def hook(parameter: Tensor) -> None:
+            if not self._open or parameter.grad is None:
+                return
+            held = _local(parameter.grad)
+            same = last.get("grad") is parameter.grad and last.get("trace") is self.trace
+            added = held - last["held"] if same else held  # accumulated in place: what this reduction added
+            last.update(grad=parameter.grad, held=held, trace=self.trace)
+            self.trace.reduced[name] = _added(self.trace.reduced.get(name), added)
         return hook
 
     def _broken(self, name: str, error: Exception) -> None:
