@@ -26,8 +26,6 @@ NOT_WHERE_THE_FIX_ACTS = {
     "veomni_419": "unsaid: one autograd function runs the q/k/v projections, their norms and all-to-alls, so k_norm "
                   "is never called as a module; the fix acts at backward k_norm",
     "gpt_neox_1259": "unsaid: a reduction that divides reads like a clip after backward; the fix acts at communication",
-    "skyrl_1886": "unsaid: its activations are laid out [sequence, batch], the reference's [batch, sequence]; the fix "
-                  "acts at communication final_norm",
     "transformers_17032": "located at forward in 2 (the dropout, fed the same input, draws another mask); the fix acts "
                           "at state",
     "pytorch_91468": "located at backward in 0 (replayed with its parameters hooked alone: module 1 holds none); the "

@@ -205,6 +205,7 @@ class _Walk:
         self.held_in_parts = {name for trace in self.ranks for name, grad in trace.read.items()
                               if name in reference.read and grad.shape != reference.read[name].shape}
         self.sharded = {module_of(name) for name in self.held_in_parts if not self._sharded_for_storage(name)}
+        self.layout = self._layout()
 
     def first(self) -> Location | None:
         for phase in (self._carried, self._forward, self._loss, self._backward, self._after_backward):
@@ -452,9 +453,9 @@ class _Walk:
                     summed[field].append([None if any(part is None for part in parts) else sum(parts[1:], parts[0])
                                           for parts in zip(*records)])
         for field in fields:
-            made.first[field] = [_joined([record[i] for record in firsts[field]], like)
+            made.first[field] = [_joined([self._laid_out(record[i], like) for record in firsts[field]], like)
                                  for i, like in enumerate(getattr(call, field))]
-            made.summed[field] = [_joined([record[i] for record in summed[field]], like)
+            made.summed[field] = [_joined([self._laid_out(record[i], like) for record in summed[field]], like)
                                   for i, like in enumerate(getattr(call, field))]
         return made
 
@@ -695,12 +696,39 @@ class _Walk:
             expected = getattr(call, field)
             if any(len(getattr(made, field)) != len(expected) for piece in pieces for made in piece):
                 return None
-            records = [[[getattr(made, field)[i] for made in piece] for piece in pieces] for i in range(len(expected))]
+            records = [[[self._laid_out(getattr(made, field)[i], like) for made in piece] for piece in pieces]
+                       for i, like in enumerate(expected)]
             setattr(joined, field, [
                 (_joined([parts[0] for parts in groups], like) if all(self._alike_parts(parts) for parts in groups)
                  else None) if sharded else _joined_records(groups, like)
                 for groups, like in zip(records, expected)])
         return joined
+
+    def _layout(self) -> tuple[int, ...] | None:
+        """The order the candidate lays out its activations' dimensions in, where it is not the reference's: the
+        permutation that turns the input of the first module both ran into the reference's exactly (a [sequence,
+        batch] layout where the reference runs [batch, sequence]); None where they agree or none does."""
+        theirs = {call.module: call for call in reversed(self.distinct[0].calls)}  # each module's first call
+        first = next((call for call in self.reference.calls if call.module in theirs), None)
+        if first is None:
+            return None
+        for actual, expected in zip(theirs[first.module].inputs, first.inputs):
+            if actual is None or expected is None or actual.shape == expected.shape or actual.dim() != expected.dim():
+                continue
+            for order in itertools.permutations(range(actual.dim())):
+                if tuple(actual.shape[d] for d in order) == expected.shape and torch.equal(actual.permute(order),
+                                                                                         expected):
+                    return order
+        return None
+
+    def _laid_out(self, record: Tensor | None, like: Tensor | None) -> Tensor | None:
+        """A candidate's record in the reference's layout, where the run lays its activations out otherwise (and that
+        layout brings the record's shape nearer the reference's: a record made in the reference's layout stays)."""
+        if self.layout is None or record is None or like is None or record.dim() != len(self.layout):
+            return record
+        permuted = record.permute(self.layout)
+        apart = [sum(size != other for size, other in zip(shape, like.shape)) for shape in (record.shape, permuted.shape)]
+        return permuted if apart[1] < apart[0] else record
 
     def _alike_parts(self, parts: list[Tensor | None]) -> bool:
         """Whether every rank's record is the first rank's (within tolerance; token ids exactly)."""
