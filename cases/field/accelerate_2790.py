@@ -12,11 +12,10 @@ to those two flags around FSDP2's ``set_requires_gradient_sync``.
 
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.fsdp import fully_shard
 
 import equivcheck as ec
 from equivcheck.suites.field import Bug
-from equivcheck_cases.field._references import mesh_where
+from equivcheck_cases.field._references import fully_sharded
 
 BUG = Bug("huggingface/accelerate", "pull", 2790, "fsdp",
           "sync_each_batch set sync_gradients, which also gates the optimizer: a step every micro-batch",
@@ -25,13 +24,7 @@ BUG = Bug("huggingface/accelerate", "pull", 2790, "fsdp",
 ACCUMULATION_STEPS = 3  # each rank's 6 samples of block_stack's 12: micro-batches of 2
 
 
-def shard_every_block(model):
-    """The team's FSDP2 wrap: every top-level block, then the root, on a mesh where the model lives."""
-    mesh = mesh_where(model)
-    for block in model.children():
-        if any(True for _ in block.parameters()):
-            fully_shard(block, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+shard_every_block = fully_sharded  # the team's FSDP2 wrap: every top-level block, then the root
 
 
 class Accelerator:

@@ -23,11 +23,10 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
-from torch.distributed.fsdp import fully_shard
 
 import equivcheck as ec
 from equivcheck.suites.field import Bug
-from equivcheck_cases.field._references import mesh_where
+from equivcheck_cases.field._references import fully_sharded
 
 BUG = Bug("huggingface/accelerate", "issue", 4289, "resume",
           "FSDP2 + fp16 load_state: DCP's dummy optimizer step went through the wrapper and stepped the scaler",
@@ -42,13 +41,7 @@ BUG = Bug("huggingface/accelerate", "issue", 4289, "resume",
 SCALER = {"init_scale": 1024.0, "growth_interval": 2}
 
 
-def shard_every_layer(model):
-    """FSDP2: each layer with parameters, then the root."""
-    mesh = mesh_where(model)
-    for layer in model:
-        if any(True for _ in layer.parameters()):
-            fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+shard_every_layer = fully_sharded  # FSDP2: each layer with parameters, then the root
 
 
 class AcceleratedOptimizer(torch.optim.Optimizer):

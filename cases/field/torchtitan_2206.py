@@ -14,11 +14,11 @@ process taking the global batch's token mean.
 
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule
 
 import equivcheck as ec
 from equivcheck.suites.field import Bug
-from equivcheck_cases.field._references import mesh_where
+from equivcheck_cases.field._references import fully_sharded
 
 BUG = Bug("pytorch/torchtitan", "pull", 2206, "accumulation",
           "token loss averaged per micro-batch / GA steps and per rank, not over the global valid tokens",
@@ -30,11 +30,7 @@ GRADIENT_ACCUMULATION_STEPS = 2  # each rank's 6 sequences: micro-batches of 3
 
 def fsdp(model, divide=True):
     """The team's FSDP2 wrap; the fix (``disable_fsdp_gradient_division``) sets every divide factor to 1."""
-    mesh = mesh_where(model)
-    for layer in model.children():
-        if any(True for _ in layer.parameters()):
-            fully_shard(layer, mesh=mesh)
-    model = fully_shard(model, mesh=mesh)
+    model = fully_sharded(model)
     if not divide:
         for module in model.modules():
             if isinstance(module, FSDPModule):
