@@ -30,6 +30,9 @@ class ModuleCall:
     integers: list[Tensor] = dataclasses.field(default_factory=list)
     grad_outputs: list[Tensor | None] = dataclasses.field(default_factory=list)
     grad_inputs: list[Tensor | None] = dataclasses.field(default_factory=list)
+    # the random generator's state as the call began, where the call drew from it (dropout): a call fed the same
+    # input draws another mask only from another state
+    random_state: Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -59,6 +62,9 @@ class StepTrace:
     # where each read gradient this rank holds a part of (a DTensor's shard) lies in the whole: (its shape, the part's
     # offset); the localizer joins the ranks' parts by it
     placed: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = dataclasses.field(default_factory=dict)
+    # what the last backward pass that reached each parameter delivered to it, as this rank holds it: where the
+    # optimizer read this alone, the passes before it were dropped (an accumulator reset between micro-batches)
+    last_pass: dict[str, Tensor] = dataclasses.field(default_factory=dict)
     # what the collectives of a sharded parameter (a DTensor's: FSDP2's reduce-scatter) left in its gradient, summed
     # over the step, as this rank holds it: what the optimizer read should be this, unless the step changed it after
     reduced: dict[str, Tensor] = dataclasses.field(default_factory=dict)

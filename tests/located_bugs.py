@@ -157,3 +157,15 @@ def scales_head_gradient_once_per_process(model, optimizer, batch):
     optimizer.step()
     optimizer.zero_grad()
     return loss.detach()
+
+
+def restarts_the_random_stream(model, optimizer, batch):
+    """A seed set inside the loop: every step's dropout draws from a stream restarted, the reference's runs on."""
+    torch.manual_seed(7)
+    return right_step(model, optimizer, batch)
+
+
+def drops_a_quarter(model, optimizer, batch):
+    """The dropout's rate read wrong (0.25 for 0.5): the same stream, other masks."""
+    model[2].p = 0.25
+    return right_step(model, optimizer, batch)

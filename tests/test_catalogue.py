@@ -163,19 +163,19 @@ WHERE_IT_PARTS = {
     # ideally backward: micro-batch 1's forward recomputed inside its backward draws other masks, and moves the stream
     # micro-batch 2's forward draws from: the walk, which tries every forward before any backward, meets that first
     ("checkpoint_dropout", "checkpoint_without_rng_state:chunks=4"): ("forward", "2"),
-    ("dropout_two_layers", "tp_dropout_rank_seeded:world_size=2"): ("forward", "2"),
+    # the masks drawn from a stream seeded otherwise: the random state the dropout began from
+    ("dropout_two_layers", "tp_dropout_rank_seeded:world_size=2"): ("state", ""),
     ("routed_tokens", "ddp_aux_over_world:world_size=2"): ("loss", ""),
     ("routed_tokens", "ddp_aux_times_world:world_size=2"): ("loss", ""),
     ("routed_bias_per_micro_batch", "accumulate:chunks=4"): ("forward", ""),
-    # ideally communication: the experts' reduction divides by the world, read as the gradient changed after backward
-    ("routed_tokens", "ep_experts_averaged:world_size=2"): ("gradient", "experts.0.0"),
-    # ideally communication: the experts' reduction over their replicas
-    ("routed_tokens", "fsdp_ep_experts_over_dp:dp=2,ep=2"): ("gradient", "experts.0.0"),
+    # the experts' own reduction divides by the world; over their replicas: read by a whole count, the rest right
+    ("routed_tokens", "ep_experts_averaged:world_size=2"): ("communication", "experts"),
+    ("routed_tokens", "fsdp_ep_experts_over_dp:dp=2,ep=2"): ("communication", "experts"),
     ("gru_detached_hidden", "per_token:detach=1"): ("backward", "0.cell"),
     ("resume_tokens", "resume_without_optimizer:at=1"): ("state", "0"),
     ("resume_tokens", "resume_from_the_start:at=1"): ("forward", ""),
     ("resume_schedule", "resume_without_scheduler:at=1"): ("state", ""),
-    ("resume_dropout", "resume_without_rng:at=1"): ("forward", "2"),
+    ("resume_dropout", "resume_without_rng:at=1"): ("state", ""),
     # ideally state: a sharded optimizer's state is not compared
     ("resume_tokens", "fsdp:world_size=2>resume_optimizer_of_rank_zero:at=1"): ("optimizer", "0"),
     ("seed000_ddp", "ddp_detached_partial_bypass:world_size=2,chunks=3"): ("communication", "0.0"),

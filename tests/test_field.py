@@ -21,13 +21,8 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 # The caught rows not located where their fix acts (issue 56), each with what it was located as: every other caught row
 # that declares where its fix acts is located there, and these are not (a row that comes right is taken off).
 NOT_WHERE_THE_FIX_ACTS = {
-    "opennmt_1171": "located at backward in 0.cell; the fix acts at forward 0",
-    "open_instruct_1498": "located at communication in 0; the fix acts at gradient",
     "veomni_419": "unsaid: one autograd function runs the q/k/v projections, their norms and all-to-alls, so k_norm "
                   "is never called as a module; the fix acts at backward k_norm",
-    "gpt_neox_1259": "unsaid: a reduction that divides reads like a clip after backward; the fix acts at communication",
-    "transformers_17032": "located at forward in 2 (the dropout, fed the same input, draws another mask); the fix acts "
-                          "at state",
     "pytorch_91468": "located at backward in 0 (replayed with its parameters hooked alone: module 1 holds none); the "
                      "fix acts at backward 1",
     "pytorch_117758": "unsaid: replayed with module hooks it trains otherwise (compiled), and its loss parts; the fix "
@@ -36,10 +31,9 @@ NOT_WHERE_THE_FIX_ACTS = {
                       "holds none); the fix acts at backward 2",
     "pytorch_193279": "unsaid: replayed with module hooks it trains otherwise (compiled), and torch.func.grad's "
                       "gradients pass no parameter hook; the fix acts at backward 0",
-    "pytorch_198102": "unsaid: module 1's input differs while module 0 computes alike (an in-place change between "
-                      "them, in no module of the model); the fix acts at forward 0",
-    "deepspeed_4957": "located at gradient in experts.0.0; the fix acts at communication experts",
-    "deepspeed_5618": "located at gradient in experts.0.0; the fix acts at communication experts",
+    "pytorch_198102": "located at forward in the code that calls module 1 (its input differs while module 0 computes "
+                      "alike: an in-place change to 0's output, made in the team's wrapper, no module of the model); "
+                      "the fix acts at forward 0",
     "transformers_48687": "unsaid: the experts' parts of their input gradient are not told apart from a reduction's; "
                           "the fix acts at backward experts",
     "megatron_lm_2121": "located at forward; the fix acts at loss",

@@ -82,6 +82,15 @@ def test_a_teams_step_is_located(step, expected):
     assert outcome.verdict is ec.Verdict.MISMATCH and where(outcome) == expected
 
 
+@pytest.mark.parametrize(("step", "expected"), [
+    (bugs.restarts_the_random_stream, (0, "state", "")),  # the same input, masks drawn from another state
+    (bugs.drops_a_quarter, (0, "forward", "2")),  # the same state, another rate
+])
+def test_a_dropout_that_draws_other_masks_is_told_from_one_computed_otherwise(step, expected):
+    outcome = ec.check_step("dropout_one_layer", step).outcomes[0]
+    assert outcome.verdict is ec.Verdict.MISMATCH and where(outcome) == expected
+
+
 def test_a_layer_left_out_of_the_all_reduce_is_a_communication_fault_in_that_layer():
     outcome = ec.check_step(bugs.CLEAN, bugs.head_left_out_of_all_reduce, world_size=2).outcomes[0]
     assert outcome.verdict is ec.Verdict.MISMATCH

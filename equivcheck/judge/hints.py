@@ -96,8 +96,9 @@ def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch
                   if over_tp else
                   "a module reached around its DDP wrapper (model.module), a backward() inside the wrapped module's "
                   "own forward, or no_sync() still on for the last micro-batch")
-        # a TP group computing alike differently parts in the forward; a reduction missed, after backward
-        phases = ("forward", "communication", "gradient") if over_tp else ("communication", "gradient")
+        # a TP group computing alike differently parts in the forward (or in the random stream its masks are drawn
+        # from); a reduction missed, after backward
+        phases = ("forward", "state", "communication", "gradient") if over_tp else ("communication", "gradient")
         return Hint(phases, f"gradients were not all-reduced: at step {step} rank{'s' if len(ranks) > 1 else ''} "
                     f"{', '.join(map(str, ranks))} held gradients up to {spread:.3g} away from rank 0's when the "
                     f"optimizer stepped{some}; likely {likely}")
@@ -138,13 +139,13 @@ def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch
                 f"running statistics differ ({names}): likely BatchNorm seeing other batch statistics per "
                 "micro-batch or rank; use a layer without batch statistics, or SyncBatchNorm under DDP (a buffer "
                 "of the model's own, a router's load or bias, updated from a micro-batch's or a rank's counts alone)")
-    if loss_first == 0 and _over_tp(candidate):
-        return Hint(("forward", "loss"),
+    if loss_first == 0 and _over_tp(candidate):  # dropout masks drawn otherwise: the random stream (``state``)
+        return Hint(("forward", "loss", "state"),
                 "the step-0 loss already differs though every run starts from the same weights, on a tensor-parallel "
                 "mesh: the forward differs; likely a bias or another replicated term added on every TP rank before "
                 "the reduce (counted TP times), the TP ranks handed other batches or other dropout masks")
     if loss_first == 0:
-        return Hint(("forward", "loss"),
+        return Hint(("forward", "loss", "state"),
                 "the step-0 loss already differs though every run starts from the same weights: the forward or the "
                 "loss weighting differs; likely micro-batch mean / K with uneven chunks or token counts, dropout "
                 "masks drawn differently per micro-batch, or batch statistics")

@@ -269,18 +269,45 @@ class _Walk:
         fed = self._fed_otherwise()
         if fed is not None:
             return fed
+        fed_apart: tuple[ModuleCall, ModuleCall] | None = None  # the first call fed otherwise after clean ones
+        clean = True  # every call so far told whole, and computed alike from the same inputs
         for call in self.reference.calls:
             theirs = self._joined_call(call)
             if theirs is None:
+                clean = False
                 continue
             if not self._same_inputs(theirs, call):
+                if clean:
+                    fed_apart = (call, theirs)
+                clean = False
                 continue  # its inputs differ already (or cannot be told): a module before it parted
             for position, (actual, expected) in enumerate(zip(theirs.outputs, call.outputs)):
                 diff = self._diff(actual, expected)
+                clean = clean and diff is not None  # an output that cannot be told may differ
                 if diff is not None and diff.margin > 1:
+                    if _drew_otherwise(theirs, call):
+                        return Location(self.step, "state", "", f"the random state {_named(call)} drew from", None,
+                                        f"its inputs match; the random generator's state it began from is not the "
+                                        f"reference's: the random stream carried into step {self.step} differs")
                     children = self._clean_children(call.module, "their inputs")
                     return Location(self.step, "forward", call.module, f"{_nth('output', position, call.outputs)} of "
                                     f"{_named(call)}", diff.margin, "its inputs match" + children, bool(children))
+        return None if fed_apart is None else self._fed_by_its_caller(*fed_apart)
+
+    def _fed_by_its_caller(self, call: ModuleCall, theirs: ModuleCall) -> Location | None:
+        """A call whose input differs while every call before it computed alike from the same inputs: the input was
+        made between modules, in the code that calls it: its nearest ancestor the step ran (else its parent, whose
+        methods call it; the team's step where that is the root)."""
+        for position, (actual, expected) in enumerate(zip(theirs.inputs, call.inputs)):
+            diff = self._diff(actual, expected)
+            if diff is None or diff.margin <= 1:
+                continue
+            parent = call.module.rpartition(".")[0]
+            caller = next((name for name in _ancestors(call.module) if name in self.calls), parent)
+            code = f"`{caller}`'s own code" if caller else "the code that calls it (the model's or the team's step)"
+            return Location(self.step, "forward", caller, f"{_nth('input', position, call.inputs)} of "
+                            f"{_named(call)}", diff.margin, f"every module that ran before it computes alike from "
+                            f"the same inputs: its input is made in {code}", bool(caller))
         return None
 
     def _same_inputs(self, theirs: ModuleCall, call: ModuleCall) -> bool:
@@ -604,12 +631,57 @@ class _Walk:
             if delivered.margin > 1:
                 return None  # backward delivered another gradient, and no record above could say where: left unsaid
             matched = "backward delivered the reference's gradient to it"
+            if self._last_pass_alone(name):
+                return Location(self.step, "gradient", module_of(name), what, first.diff.margin,
+                                f"{matched} over its backward passes; the optimizer read what the last pass alone "
+                                "delivered: the passes before it were dropped (an accumulator reset)")
             if counts:
                 return Location(self.step, "communication", module_of(name), what, first.diff.margin,
                                 f"{matched}; {counts[0]}")
+            reduced_apart = self._reduced_apart(read)
+            if reduced_apart is not None:
+                return reduced_apart
             return Location(self.step, "gradient", module_of(name), what, first.diff.margin,
                             f"{matched}; it was changed after backward")
         return self._scaled_alike(read, scaled)
+
+    def _last_pass_alone(self, name: str) -> bool:
+        """Whether the optimizer read, of ``name``, what the last backward pass alone delivered to it (made whole as
+        what every pass delivered is), where the passes before it delivered something."""
+        last, every = self._delivered(name, "last_pass"), self._delivered(name)
+        read, earlier = self._diff(self.ranks[0].read.get(name), last), self._diff(last, every)
+        return read is not None and read.margin <= 1 and earlier is not None and earlier.margin > 1
+
+    def _reduced_apart(self, read: list) -> Location | None:
+        """Ranks whose backward delivered the reference's gradients, whose optimizer read some of them (not all) as
+        the reference's times one whole count ``k`` or ``1/k``, for ``k`` at most the count of ranks, and the others
+        as the reference's: those parameters' own collective (an experts' group, a hook on the norms) averaged over
+        another count of ranks. A change after backward (a clip, a scale) acts on every gradient or by no count."""
+        if len(self.ranks) < 2 or not read or any(m.name not in self.reference.read for m in read):
+            return None
+        apart = {m.name for m in read}
+        if not any(name not in apart for name in self.reference.read):
+            return None  # every gradient parts: nothing tells a collective from a change to them all
+        factors: list[float] = []
+        for mismatch in read:
+            expected = self.reference.read[mismatch.name]
+            actual = next((trace.read[mismatch.name] for trace in self.ranks if mismatch.name in trace.delivered
+                           and mismatch.name in trace.read), None)  # as a rank that trains it read it
+            delivered = self._diff(self._delivered(mismatch.name), self._reference_delivered(mismatch.name))
+            factor = None if actual is None or actual.shape != expected.shape else factor_of(expected, actual)
+            if delivered is None or delivered.margin > 1 or factor is None:
+                return None
+            factors.append(factor)
+        factors.sort()
+        count = round(max(factors[0], 1 / factors[0]), 3)
+        if not _close(factors[0], factors[-1], 1e-4) or count != int(count) or not 2 <= count <= len(self.ranks):
+            return None
+        first, module = read[0], _common_module(sorted(apart))
+        held = f"`{module}`'s" if module else "those"
+        return Location(self.step, "communication", module, f"grad of {first.name!r} as the optimizer read it",
+                        first.diff.margin, f"backward delivered the reference's gradient to every parameter; the "
+                        f"optimizer read {held} parameters' as the reference's times {factors[0]:.6g} and every other "
+                        f"as the reference's: their own collective averaged over another count of ranks")
 
     def _changed_after_reduction(self, name: str) -> str:
         """Why the gradient of a sharded parameter (FSDP2's) was changed after its collectives: what they left in it
@@ -691,7 +763,7 @@ class _Walk:
             pieces += [list(made) for made in zip(*replicas)]
         if sharded and any(len(piece) < 2 for piece in pieces):
             return None  # parts no two ranks fed one batch hold: none can be told whole
-        joined = ModuleCall(call.module, call.index, [], [])
+        joined = ModuleCall(call.module, call.index, [], [], random_state=pieces[0][0].random_state)
         for field in ("inputs", "outputs", "integers", "grad_outputs", "grad_inputs"):
             expected = getattr(call, field)
             if any(len(getattr(made, field)) != len(expected) for piece in pieces for made in piece):
@@ -759,18 +831,19 @@ class _Walk:
         held = [stage for stage, modules in zip(self.stages, self.staged) if module in modules]
         return held[0] if len(held) == 1 else self.distinct
 
-    def _delivered(self, name: str) -> Tensor | None:
+    def _delivered(self, name: str, record: str = "delivered") -> Tensor | None:
         """What backward delivered to ``name`` on the ranks with shards of their own that train it, summed, as the
-        reference's (a rank it never reached added nothing); None where their parts are no whole tensors."""
+        reference's (a rank it never reached added nothing); None where their parts are no whole tensors. ``record``
+        ``"last_pass"``: what the last backward pass that reached it delivered."""
         traces = self.distinct
         if self._split_over_replicas(module_of(name)):  # each rank fed one batch delivered a part of the sum
             traces = [replica for trace in self.distinct for replica in self._replicas(trace)]
-        parts = [trace.delivered[name] for trace in traces if name in trace.delivered]
+        parts = [getattr(trace, record)[name] for trace in traces if name in getattr(trace, record)]
         if not parts or len({part.shape for part in parts}) != 1:
             return None
         whole = self.reference.delivered.get(name)
         if whole is not None and parts[0].shape != whole.shape:
-            return self._delivered_in_parts(name)
+            return self._delivered_in_parts(name) if record == "delivered" else None
         return self._averaged(sum(parts[1:], parts[0]))
 
     def _delivered_in_parts(self, name: str) -> Tensor | None:
@@ -846,6 +919,29 @@ def _stages(ranks: Sequence[StepTrace]) -> list[list[StepTrace]]:
         outermost = frozenset(name for name in called if not any(_within(name, other) for other in called))
         stages.setdefault(outermost, []).append(trace)
     return list(stages.values())
+
+
+def _ancestors(name: str) -> list[str]:
+    """The modules that hold module ``name``, nearest first, the root last."""
+    parts = name.split(".") if name else []
+    return [".".join(parts[:end]) for end in range(len(parts) - 1, -1, -1)]
+
+
+def _common_module(names: list[str]) -> str:
+    """The innermost module that holds every parameter in ``names``."""
+    paths = [module_of(name).split(".") for name in names]
+    common = []
+    for parts in zip(*paths):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    return ".".join(part for part in common if part)
+
+
+def _drew_otherwise(theirs: ModuleCall, call: ModuleCall) -> bool:
+    """Whether both calls drew from the random generator, from other states."""
+    ours, other = call.random_state, theirs.random_state
+    return ours is not None and other is not None and (ours.shape != other.shape or not torch.equal(ours, other))
 
 
 def _within(name: str, outer: str) -> bool:

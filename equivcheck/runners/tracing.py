@@ -76,6 +76,7 @@ class StepTracer:
         self._stack: dict[str, list[ModuleCall]] = {}  # each module's calls entered and not yet left
         self._arrived: set[tuple[str, int]] = set()  # the calls an input gradient has reached
         self._recomputed: dict[str, int] = {}  # each module's calls made again inside backward (checkpointing)
+        self._last_pass: dict[str, int] = {}  # the backward pass (graph task) that last delivered to each parameter
 
     def __enter__(self) -> StepTracer:
         self._exits = contextlib.ExitStack()
@@ -111,6 +112,7 @@ class StepTracer:
         step starts from)."""
         self.trace = StepTrace(self._steps_taken + self._offset, self._rank, [], [], {}, {}, {}, [])
         self._closed, self._calls, self._stack, self._arrived, self._recomputed = False, {}, {}, set(), {}
+        self._last_pass = {}
         if not self._weights_at_first_forward:
             self._read_state()
 
@@ -208,7 +210,7 @@ class StepTracer:
                 seen.register_hook(self._grad_input(self.trace, call, position))
                 leaves[leaf_index] = seen
             position += 1
-        self._stack.setdefault(call.module, []).append((call, record))
+        self._stack.setdefault(call.module, []).append((call, record, _random_state(leaves) if record else None))
         return tree_unflatten(leaves, spec)
 
     def _leaving(self, name: str):
@@ -216,8 +218,11 @@ class StepTracer:
             stack = self._stack.get(name)
             if not self._open or not stack:
                 return
-            call, record = stack.pop()
+            call, record, random_state = stack.pop()
             try:
+                after = None if random_state is None else _random_state(tree_flatten((args, kwargs))[0])
+                if after is not None and not torch.equal(random_state, after):
+                    call.random_state = random_state  # it drew from the generator
                 position = 0
                 for leaf in tree_flatten(output)[0]:
                     if isinstance(leaf, Tensor) and (leaf.is_floating_point() or leaf.is_complex()):
@@ -251,8 +256,14 @@ class StepTracer:
 
     def _delivered(self, name: str):
         def hook(grad: Tensor) -> None:
-            if self._open:
-                self.trace.delivered[name] = _added(self.trace.delivered.get(name), grad)
+            if not self._open:
+                return
+            trace, task = self.trace, torch._C._current_graph_task_id()
+            trace.delivered[name] = _added(trace.delivered.get(name), grad)
+            if self._last_pass.get(name) != task:  # a pass that had not reached it yet
+                self._last_pass[name] = task
+                trace.last_pass.pop(name, None)
+            trace.last_pass[name] = _added(trace.last_pass.get(name), grad)
         return hook
 
     def _reduced(self, name: str):
@@ -309,6 +320,15 @@ def _inferring_shapes() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def _random_state(leaves: list) -> Tensor | None:
+    """The state of the random generator a call's tensors draw from (their device's; the CPU's where they have
+    none), as a CPU tensor."""
+    device = next((leaf.device for leaf in leaves if isinstance(leaf, Tensor)), torch.device("cpu"))
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.get_rng_state() if device.type == "cpu" else None
 
 
 def _placement(tensor: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
