@@ -12,11 +12,12 @@ each regime (``accumulate:chunks=4`` in process, ``ddp:world_size=2`` on ranks),
   pool's ranks): its time and its peak RSS, of the checking process and of each rank.
 
 Printed as ratios, check over torch alone. Then rows for the GPT-2-shaped transformers checked in one process, at
-6.5M and 124M parameters (the larger one's RSS against a 16 GB runner). One intra-op thread on both sides, as
+6.5M and 124M parameters (the larger one's RSS against a 16 GB runner), and for an LM shaped outside the project
+(``nn.TransformerEncoderLayer``, a tied head) at 25M and 124M. One intra-op thread on both sides, as
 equivcheck trains by default.
 
     python bench/bench_scale.py [--sizes [1m 25m 100m]] [--regimes accumulate:chunks=4 ddp:world_size=2] [--gpt [6m 124m]]
-                                [--busy] [--repeats N] [--dtype float32|bf16-autocast]
+                                [--outside [25m 124m]] [--busy] [--repeats N] [--dtype float32|bf16-autocast]
 
 ``--dtype bf16-autocast`` checks every row under bf16 autocast (float32 weights), and torch alone trains its forward
 and loss under the same autocast.
@@ -39,7 +40,7 @@ import torch.multiprocessing as mp
 
 import equivcheck as ec
 from bench_threads import busy_neighbour
-from scale_cases import CASES, MLP_SIZES, train_alone
+from scale_cases import CASES, MLP_SIZES, OUTSIDE_SIZES, train_alone
 from timing import markdown_table, peak_resident_kib
 
 TRAININGS = 3  # a self-checked check trains the reference twice and the regime once
@@ -212,6 +213,8 @@ def main() -> None:
     parser.add_argument("--regimes", nargs="+", default=[IN_PROCESS, DDP], choices=[IN_PROCESS, DDP])
     parser.add_argument("--gpt", nargs="*", default=list(GPT_CASES), choices=list(GPT_CASES),
                         help="the transformers' rows (none: no transformer row)")
+    parser.add_argument("--outside", nargs="*", default=list(OUTSIDE_SIZES), choices=list(OUTSIDE_SIZES),
+                        help="the rows of the LM built from torch's TransformerEncoderLayer (none: no such row)")
     parser.add_argument("--busy", action="store_true", help="beside a busy neighbour: a loop on every core")
     parser.add_argument("--repeats", type=int, default=1,
                         help="each side of a row in this many fresh processes, in turn: medians of the times")
@@ -232,7 +235,8 @@ def main() -> None:
           "largest rank\n", flush=True)
     header = ("case", "parameters", "regime", "verdict", "time", "peak RSS, checking process", "peak RSS, ranks")
     rows, notes = [header], []
-    cases = [f"scale_mlp_{size}" for size in args.sizes] + [GPT_CASES[size] for size in args.gpt]
+    cases = [f"scale_mlp_{size}" for size in args.sizes] + [GPT_CASES[size] for size in args.gpt] + [
+        f"outside_lm_{size}" for size in args.outside]
     with busy_neighbour(args.busy):
         for case in cases:
             for regime in args.regimes if case.startswith("scale_mlp") else [IN_PROCESS]:

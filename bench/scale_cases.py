@@ -3,7 +3,8 @@
 A GELU MLP in float32 with AdamW, 3 steps of 16 samples, at about 1M, 25M and 100M parameters, and a
 GPT-2-shaped transformer of about 124M parameters (12 pre-norm blocks of 768 features, 12 heads, a head tied
 to the 50,257-token embedding; block 64, batch 8, 2 steps), and the same shape at 6.5M parameters (128 features,
-2 blocks, 4 steps). Registered at import, so DDP ranks find them.
+2 blocks, 4 steps); the LM a team outside the project builds from ``nn.TransformerEncoderLayer`` with a tied head,
+at 25M (4 x 384) and 124M (12 x 768), 4 x 64 tokens, 2 steps. Registered at import, so DDP ranks find them.
 ``train_alone`` is the floor: what a team's own loop does with the same model, data and optimizer.
 """
 
@@ -21,6 +22,7 @@ SAMPLES, STEPS, CLASSES = 16, 3, 10
 MLP_SIZES = {"1m": (256, 2), "25m": (1024, 3), "100m": (2048, 3)}  # width, blocks: about 8 * width^2 per block
 VOCAB, EMBED, LAYERS, HEADS, BLOCK, GPT_BATCH, GPT_STEPS = 50257, 768, 12, 12, 64, 8, 2
 GPU_BATCH, GPU_STEPS, GPU_BLOCK = 8, 4, 256
+OUTSIDE_SIZES, OUTSIDE_BATCH = {"25m": (384, 4, 6), "124m": (EMBED, LAYERS, HEADS)}, 4  # embed, layers, heads
 
 
 def mlp(width: int, blocks: int) -> nn.Module:
@@ -63,6 +65,25 @@ class GPT(nn.Module):
         return self.norm(self.blocks(x)) @ self.tokens.weight.T  # the head tied to the embedding
 
 
+class OutsideLM(nn.Module):
+    """A causal LM as a team outside the project builds one from torch's own layers: ``nn.TransformerEncoderLayer``
+    (pre-norm, GELU, no dropout) under a causal mask, the head tied to the token embedding."""
+
+    def __init__(self, embed: int = EMBED, layers: int = LAYERS, heads: int = HEADS) -> None:
+        super().__init__()
+        self.embed, self.positions = nn.Embedding(VOCAB, embed), nn.Parameter(torch.zeros(1024, embed))
+        layer = nn.TransformerEncoderLayer(embed, heads, 4 * embed, dropout=0.0, activation="gelu",
+                                           batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, norm=nn.LayerNorm(embed), enable_nested_tensor=False)
+        self.head = nn.Linear(embed, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1], device=ids.device)
+        x = self.embed(ids) + self.positions[: ids.shape[1]]
+        return self.head(self.encoder(x, mask=mask, is_causal=True))
+
+
 def gpt_data(batch: int = GPT_BATCH, steps: int = GPT_STEPS, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.randint(0, VOCAB, (batch * steps, block + 1))
     return ids[:, :-1], ids[:, 1:]
@@ -87,6 +108,13 @@ CASES = {
         name="scale_gpt2_124m", model=GPT, data=gpt_data, loss=token_losses, items=lambda t: t.numel(),
         optimizer=adamw, batch_size=GPT_BATCH, steps=GPT_STEPS, dtype=torch.float32,
         description="bench only: a GPT-2-shaped transformer (124M parameters), block 64")),
+    # Shaped by a team outside the project (torch's TransformerEncoderLayer, a tied head): 4 x 64 tokens, 2 steps.
+    **{f"outside_lm_{size}": ec.register_case(ec.Case(
+        name=f"outside_lm_{size}", model=partial(OutsideLM, embed, layers, heads),
+        data=partial(gpt_data, OUTSIDE_BATCH, GPT_STEPS), loss=token_losses, items=lambda t: t.numel(),
+        optimizer=adamw, batch_size=OUTSIDE_BATCH, steps=GPT_STEPS, dtype=torch.float32,
+        description=f"bench only: an LM of torch's TransformerEncoderLayer, {layers} x {embed}, tied head"))
+       for size, (embed, layers, heads) in OUTSIDE_SIZES.items()},
     # The GPU's: the sequence a team trains at, batches a GPU spends its time on (bench_gpu.py).
     "gpu_gpt2_124m": ec.register_case(ec.Case(
         name="gpu_gpt2_124m", model=GPT, data=partial(gpt_data, GPU_BATCH, GPU_STEPS, GPU_BLOCK), loss=token_losses,
