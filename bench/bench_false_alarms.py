@@ -15,6 +15,9 @@ each segment on fresh ranks (``equivcheck.regimes.resume``).
 or none, a sequence-wise balance and a router z-loss at drawn weights or left out; float64 or float32) under
 accumulation, one sample at a time, DDP (with no_sync), FSDP2, expert parallelism and a dp x ep mesh.
 
+``--anchored`` judges every float32 or autocast in-process check step by step from the reference's state
+(``runners/anchors.py``), as a large model's check is, however small the drawn case.
+
 ``--tensor N`` draws N MLPs and attention LMs (projections of their own, heads local per rank) made shardable over 2
 ranks under ``tp`` and ``fsdp_tp`` (2 and 2 x 2 ranks), and ``--tensor-pitfalls N`` the tensor-parallel pitfalls on
 such models.
@@ -281,7 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=sorted(PRECISIONS), help="one precision mode for every check "
                         "(default: each drawn case's dtype)")
+    parser.add_argument("--anchored", action="store_true", help="every lower-precision in-process check judged step "
+                        "by step from the reference's state, however small its case (check.ANCHOR_STEPS_FROM = 0)")
     args = parser.parse_args(argv)
+    if args.anchored:
+        sys.modules["equivcheck.check"].ANCHOR_STEPS_FROM = 0
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the ranks' DDP warnings (find_unused_parameters)
     print(f"torch {__import__('torch').__version__}; seed {args.seed}; in-process regimes {IN_PROCESS}; "
           f"DDP regimes {DISTRIBUTED}; dtype {args.dtype or 'per drawn case'}", flush=True)

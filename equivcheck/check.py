@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -127,21 +129,22 @@ class Plan:
 
     def run(self, spec: Regime, dtype: Precision, measure_memory: bool, order: str = "given",
             against: Expected | None = None, trace_steps: tuple[int, ...] = (),
-            trace_modules: bool = True) -> RunResult:
+            trace_modules: bool = True, anchor_to: str = "") -> RunResult:
         """One run of this plan's case under ``spec``, with the plan's seed, timeout and threads; its samples in
         ``order`` (a witness: witness.py); compared as it trains where ``against`` says with what (compare.py); a
         replay that traces ``trace_steps`` (its modules' calls too, where ``trace_modules``) and stops after them
-        (runners/tracing.py)."""
-        return self.start(spec, dtype, measure_memory, order, against, trace_steps, trace_modules).result()
+        (runners/tracing.py); saving the state each step starts from to ``anchor_to`` (runners/anchors.py)."""
+        return self.start(spec, dtype, measure_memory, order, against, trace_steps, trace_modules, anchor_to).result()
 
     def start(self, spec: Regime, dtype: Precision, measure_memory: bool, order: str = "given",
               against: Expected | None = None, trace_steps: tuple[int, ...] = (),
-              trace_modules: bool = True) -> Started:
+              trace_modules: bool = True, anchor_to: str = "") -> Started:
         """That run begun (on its ranks, for a distributed regime); an error starting it is read with its result."""
         # Every argument was checked when the plan was made: the request is trusted from here to the ranks.
         request = RunRequest(self.case, spec, resolve_precision(dtype), self.seed, measure_memory,
                              intra_op.resolve(self.threads), order, self.device,
-                             wide_threads=self.wide_threads, trace_steps=trace_steps, trace_modules=trace_modules)
+                             wide_threads=self.wide_threads, trace_steps=trace_steps, trace_modules=trace_modules,
+                             anchor_to=anchor_to)
         try:
             started = start_request(request, timeout=self.timeout, runner=self.runner, against=against)
         except Exception as error:
@@ -233,14 +236,32 @@ def iter_outcomes(plan: Plan, *, measure_memory: bool = True, runner: IsolatedRu
     streams = any(spec.distributed for spec in plan.specs) and \
         (_recording_bytes(plan, precision) or 0) >= COMPARE_AS_IT_TRAINS_FROM
     ahead = {} if streams else _ahead(plan, -1, precision, measure_memory, lambda spec: None)
+    anchors = tempfile.TemporaryDirectory(prefix="equivcheck-anchors-") if _anchors_each_step(plan, precision) \
+        else contextlib.nullcontext("")
     try:
-        for outcome in _outcomes(plan, precision, measure_memory, ahead, streams):
-            yield dataclasses.replace(outcome, reason="; ".join(filter(None, (outcome.reason, note))))
+        with anchors as folder:
+            for outcome in _outcomes(plan, precision, measure_memory, ahead, streams, folder):
+                yield dataclasses.replace(outcome, reason="; ".join(filter(None, (outcome.reason, note))))
     finally:  # a consumer that stops early (Ctrl-C in the CLI) leaves no job unread on a pool, and no child
         for started in ahead.values():
             started.abandon()
         if own_runner:
             runner.close()
+
+
+def _anchors_each_step(plan: Plan, precision: Precision) -> bool:
+    """Whether a large check in a lower precision judges its in-process regimes step by step from the reference's
+    own state (runners/anchors.py), where free-running runs part by compounding rounding that only float64 shadows
+    could tell from a fault. float64 checks, small ones and a GradScaler's stay free-running: cheap, or exact."""
+    return (precision.dtype != torch.float64 and not precision.grad_scaler and plan.reference.anchorable
+            and any(spec.anchorable and spec != plan.reference for spec in plan.specs)
+            and (_recording_bytes(plan, precision) or 0) >= ANCHOR_STEPS_FROM)
+
+
+# What an anchored verdict says: which judgement decided it.
+ANCHORED = ("judged step by step from the reference's state: each step's gradients from the weights and optimizer "
+            "state the reference began it with, each update against the reference's optimizer applied to this run's "
+            "gradients (no float64 shadow trained)")
 
 
 def _trains_on_cpu_instead(spec: Regime, device: str) -> bool:
@@ -293,9 +314,9 @@ def _ahead(plan: Plan, after: int, precision: Precision, measure_memory: bool,
 def _recording_bytes(plan: Plan, precision: Precision) -> int | None:
     """What the reference's recording will hold (every optimizer step's gradients and the final weights), from the
     case's model built on the meta device: no memory, no time, except that its initialisers import torch's compiler
-    once (a second, which training imports anyway: the warm pool's forker starts first, to overlap it). None where
-    the model cannot be built there."""
-    if not launcher.active():
+    once (a second, which training imports anyway: where a run goes to ranks, the warm pool's forker starts first, to
+    overlap it). None where the model cannot be built there."""
+    if any(spec.distributed for spec in plan.specs) and not launcher.active():
         pool.start_forker()
     with seeded(plan.seed), default_dtype(precision.draw_dtype or precision.dtype):
         model = plan.case.skeleton()
@@ -306,12 +327,12 @@ def _recording_bytes(plan: Plan, precision: Precision) -> int | None:
 
 
 def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dict[int, Started],
-              streams: bool) -> Iterator[Outcome]:
+              streams: bool, anchors: str = "") -> Iterator[Outcome]:
     case, reference, seed = plan.case, plan.reference, plan.seed
     started = time.perf_counter()
     try:
-        ref = plan.run(reference, precision, measure_memory)
-        streams = streams or ref.recorded_bytes >= COMPARE_AS_IT_TRAINS_FROM
+        ref = plan.run(reference, precision, measure_memory, anchor_to=anchors)
+        streams = streams or bool(anchors) or ref.recorded_bytes >= COMPARE_AS_IT_TRAINS_FROM
         self_tolerance = tolerance_of(ref, plan.rtol, plan.atol)
         rerun = plan.run(reference, precision, measure_memory, against=Expected(ref, self_tolerance) if streams else None)
     except InvalidArgument:
@@ -360,10 +381,13 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
         started = time.perf_counter()
         tolerance = plan.tolerance(spec, loss_precision)
         try:
-            result = (ahead.pop(index) if index in ahead else
-                      plan.start(spec, precision, measure_memory, against=against(spec))).result()
-            comparison = witness.by_the_reference(compare(ref, result, tolerance=tolerance), ref, result, initial,
-                                                  cause=lambda: rounding.conditioning(case, seed), levels=levels)
+            result, comparison = _anchored(plan, spec, precision, measure_memory, ref, tolerance, anchors)
+            if comparison is None:  # free-running: as it trained, then the reference's rounding and its witnesses
+                result = (ahead.pop(index) if index in ahead else
+                          plan.start(spec, precision, measure_memory, against=against(spec))).result()
+                comparison = witness.by_the_reference(compare(ref, result, tolerance=tolerance), ref, result,
+                                                      initial, cause=lambda: rounding.conditioning(case, seed),
+                                                      levels=levels)
             if not comparison.ok and result.measured is not None:  # the breakdown reads the run's own tensors
                 settled = witness.end_weights_as_it_trained(
                     comparison, ref, result, lambda: witness_run(witness.ORDERS[0], tolerance), initial,
@@ -410,6 +434,26 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
         yield dataclasses.replace(outcome, reason="; ".join(filter(None, (outcome.reason, loss_note))))
 
 
+def _anchored(plan: Plan, spec: Regime, precision: Precision, measure_memory: bool, reference: RunResult,
+              tolerance: Tolerance, anchors: str) -> tuple[RunResult | None, Comparison | None]:
+    """``spec`` trained with each step started from the reference's state in ``anchors`` and judged so, where it can
+    be and it matches: (its run, its comparison, saying so). (None, None) where it cannot be anchored, or anchored it
+    does not match: a mismatch is then judged free-running, as it trains, with everything that reads such a run
+    (the hints, the witnesses, the localizer)."""
+    if not anchors or not spec.anchorable or spec.distributed:
+        return None, None
+    try:
+        result = plan.run(spec, precision, measure_memory, against=Expected(reference, tolerance, anchors))
+    except (InvalidArgument, Unavailable):
+        raise
+    except Exception:  # a crash is the free-running run's to report: it trains the regime alone
+        return None, None
+    comparison = compare(reference, result, tolerance=tolerance)
+    if not comparison.ok or result.measured.unanchored:
+        return None, None
+    return result, dataclasses.replace(comparison, note=ANCHORED)
+
+
 def _located(outcome: Outcome, reference: RunResult, result: RunResult, replay: localizer.Replay) -> Outcome:
     """A failed outcome with where its run first parts from the reference (judge/locate.py), its hint kept only where
     it agrees. Nothing is replayed for an outcome as equivalent as its reference: an equivalent check costs what it
@@ -448,6 +492,9 @@ def _recorded(plan: Plan, spec: Regime, precision: Precision, measure_memory: bo
 # then holds one recording, not three or more. Below it, runs are recorded whole, which the breakdown of a mismatch
 # reads, and which costs nothing there.
 COMPARE_AS_IT_TRAINS_FROM = 64 * 2**20
+# A lower-precision check whose reference records at least this many bytes judges its in-process regimes step by step
+# from the reference's state (_anchors_each_step): below it, free-running runs and their float64 shadows cost little.
+ANCHOR_STEPS_FROM = 64 * 2**20
 
 # The precision mode whose rounding a loss computed in this dtype carries (Tensor.dtype, as RunResult names it).
 LOSS_DTYPE_MODES = {"torch.float32": "float32", "torch.bfloat16": "bf16-autocast", "torch.float16": "fp16-autocast"}

@@ -231,7 +231,7 @@ class Comparison:
     max_rel: float
     margin: float
     hint: str = ""  # the likely pitfall, where the pattern of mismatches is recognisable: set by hints.diagnose
-    note: str = ""  # what float64 shadow runs showed of a low-precision run (rounding.py)
+    note: str = ""  # how a low-precision run was judged: what float64 shadows showed (rounding.py), or anchored
     location: Location | None = None  # where the run first parts from the reference (judge/locate.py)
 
     @property
@@ -324,6 +324,7 @@ class Measurement:
         self.broken: dict[tuple[str, str], Problem] = {}
         self.names: list[Problem] = []  # weight or buffer names that differ
         self.strayed: dict[str, Tensor] = {}  # the final weights beyond the tolerance, as plain CPU copies
+        self.unanchored = ""  # a run meant to start each step from the reference's state that did not: why
 
     def __getstate__(self) -> dict:
         """Crossing processes (a rank's, the isolating child's), the kept weights go as numpy arrays: a tensor would

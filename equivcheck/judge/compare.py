@@ -87,7 +87,10 @@ def _small_and_within(reference: RunResult, candidate: RunResult, tol: Tolerance
 
 @dataclasses.dataclass(frozen=True)
 class Expected:
-    """What a run is compared with as it trains (``train(against=...)``): the reference's recording, at a tolerance."""
+    """What a run is compared with as it trains (``train(against=...)``): the reference's recording, at a tolerance,
+    each step started from the reference's own state where ``anchors`` names where it saved them."""
 
     reference: RunResult
     tolerance: Tolerance
+    # a folder of the reference's step starts (runners/anchors.py): the run starts each step from them, "" not
+    anchors: str = ""

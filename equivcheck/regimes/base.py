@@ -106,6 +106,9 @@ class Regime:
     # Steps through the objective's GradScaler, whose state (scale, growth tracker) is then part of what the run
     # produced; a team's own code keeps a scaler of its own, which the harness does not see.
     harness_scaler: ClassVar[bool] = True
+    # Its steps may start from the reference's own state (runners/anchors.py): it trains in this process on the
+    # case's optimizer, through the model's own forward, with no checkpoint or scaler state between its steps.
+    anchorable: ClassVar[bool] = False
 
     @property
     def joins(self) -> tuple[Regime, Regime | None] | None:
@@ -297,6 +300,7 @@ class CommunicationCounter(Protocol):
 class Chunked(Regime):
     """A regime that cuts the global batch into ``chunks`` micro-batches (possibly uneven)."""
 
+    anchorable: ClassVar[bool] = True
     chunks: int
 
     def __post_init__(self) -> None:

@@ -22,6 +22,7 @@ class FullBatch(Regime):
     name = "full_batch"
     summary = "one forward and one backward on the global batch (the reference); max_norm=M clips before the step"
     releases_gradients = True
+    anchorable = True
 
     def __post_init__(self) -> None:
         expect_max_norm(self.max_norm)
@@ -39,6 +40,7 @@ class FullBatch(Regime):
 @dataclasses.dataclass(frozen=True)
 class SampleBySample(Regime):
     name = "sample_by_sample"
+    anchorable = True
     summary = "one forward and backward per sample, each weighted by 1/items of the global batch"
 
     def train_step(self, model, optimizer, batch, objective):

@@ -119,6 +119,7 @@ def scaled(objective: Objective, model: nn.Module) -> Objective:
 @dataclasses.dataclass(frozen=True)
 class ScalerAccumulate(Chunked):
     name = "scaler_accumulate"
+    anchorable = False  # the scaler's state between steps is not in an anchor
     summary = "GradScaler done right: scale(loss).backward() per micro-batch, unscale_ + step + update once"
 
     def train_step(self, model, optimizer, batch, objective):
@@ -134,6 +135,7 @@ class ScalerAccumulate(Chunked):
 @dataclasses.dataclass(frozen=True)
 class ScalerUnscalePerMicroBatch(Chunked):
     name = "scaler_unscale_per_micro_batch"
+    anchorable = False  # the scaler's state between steps is not in an anchor
     summary = "PITFALL: GradScaler.unscale_ (+ update, to be allowed again) per micro-batch: earlier parts unscaled twice"
     pitfall = Pitfall("GradScaler unscale_ per micro-batch", twin="scaler_accumulate")
 
@@ -152,6 +154,7 @@ class ScalerUnscalePerMicroBatch(Chunked):
 @dataclasses.dataclass(frozen=True)
 class ScalerStepPerMicroBatch(StepPerMicroBatch):
     name = "scaler_step_per_micro_batch"
+    anchorable = False  # the scaler's state between steps is not in an anchor
     summary = "PITFALL: GradScaler.step + update after every micro-batch: K small steps instead of one"
     pitfall = Pitfall("optimizer.step per micro-batch", twin="scaler_accumulate")
 

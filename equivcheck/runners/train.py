@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ..case import Batch, Case, Objective
-from . import checkpoints
+from . import anchors, checkpoints
 from .request import RunRequest
 from .closure import evaluate_closure
 from .tracing import TraceComplete, traced, tracing
@@ -178,7 +178,8 @@ def train_segment(request: RunRequest, assembled: Assembled, against: Expected |
             tracing(case_named(model.named_modules()), case_named(model.named_parameters()), optimizer, regime,
                     request.trace_steps, request.restart.start if request.restart is not None else 0,
                     saves=request.restart is not None and request.restart.save_to is not None,
-                    calls=request.trace_modules) as tracer:
+                    calls=request.trace_modules) as tracer, \
+            anchored(request, assembled, recorder):
         watched = StepWatch(batches, recorder)
         with regime.random_streams(model, optimizer, [batch.inputs for batch in batches]):
             try:
@@ -189,6 +190,25 @@ def train_segment(request: RunRequest, assembled: Assembled, against: Expected |
             except TraceComplete:  # a replay stops after the step it traced: its losses are not read
                 losses = ()
     return Segment(losses, recorder, memory, watched, traced(tracer))
+
+
+@contextlib.contextmanager
+def anchored(request: RunRequest, assembled: Assembled, recorder: GradRecorder) -> Iterator[None]:
+    """While training: the state each step starts from saved (``request.anchor_to``: the reference), or each step
+    started from the reference's saved state (``against.anchors``: the candidate, the recorder comparing each update);
+    neither, nothing."""
+    model, optimizer = assembled.model, assembled.optimizer
+    parameters, buffers = case_named(model.named_parameters()), case_named(model.named_buffers())
+    if request.anchor_to:
+        with anchors.saving(request.anchor_to, parameters, buffers, model, optimizer):
+            yield
+    elif recorder.anchors:
+        with anchors.Anchoring(recorder.anchors, parameters, buffers, model, optimizer, recorder.measurement,
+                               recorder.against.reference.optimizer_steps) as anchoring:
+            recorder.anchoring = anchoring
+            yield
+    else:
+        yield
 
 
 @contextlib.contextmanager
@@ -450,6 +470,7 @@ class GradRecorder:
         self._optimizer = optimizer
         self._counter = counter
         self._against, self._norms, self._keeps = against, norms, keeps
+        self.anchoring: anchors.Anchoring | None = None  # each step started from the reference's (anchored())
         self._kept: list[tuple[Tensor, int]] = []  # each gradient kept, with its version when its step used it
         self.measurement = None if against is None else Measurement(against.tolerance)
         self.grad_norms: list[float] = []
@@ -496,6 +517,16 @@ class GradRecorder:
         self._kept += [(g, g._version) for g in grads.values()]
         return grads
 
+    @property
+    def against(self) -> Expected | None:
+        """What this run is compared with as it trains (None: it is recorded)."""
+        return self._against
+
+    @property
+    def anchors(self) -> str:
+        """The folder of the reference's step starts this run is anchored to, "" where it is not."""
+        return "" if self._against is None else self._against.anchors
+
     def intact(self) -> bool:
         """Whether every gradient kept without a copy still holds what its step used."""
         return all(g._version == version for g, version in self._kept)
@@ -514,7 +545,8 @@ class GradRecorder:
         """The final weights and buffers compared with the reference's (a run compared as it trains), and, on ranks,
         how far each rank's weights ended from rank 0's."""
         weights = self._regime.read_back({n: t.detach() for n, t in parameters})
-        self._measure("weight", None, weights)
+        if self.anchoring is None or not self.anchoring.compared_final:
+            self._measure("weight", None, weights)  # anchored, the last update was compared as the final weights
         self._measure("buffer", None, {n: self._regime.full_tensor(t.detach(), n) for n, t in buffers})
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self.rank_spread, self.rank_drift = rank_spread(weights)

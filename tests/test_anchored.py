@@ -1,0 +1,134 @@
+"""Each step judged from the reference's state (runners/anchors.py): a large lower-precision check (forced here by
+ANCHOR_STEPS_FROM = 0) is equivalent where only compounding rounding parts its runs, with no float64 shadow trained,
+and still catches a fault at the step where it acts. Each guard of the anchored judgement, planted out, lets a fault
+pass as equivalent: the test says so."""
+
+import dataclasses
+import sys
+
+import pytest
+import torch
+
+import equivcheck as ec
+from equivcheck import Verdict
+from equivcheck.precision import SHADOW
+from equivcheck.regimes.local import Accumulate
+from equivcheck.runners import anchors
+
+from test_rounding import ILL, SEED, counting_shadows
+
+CHECK = sys.modules["equivcheck.check"]  # the package's ``check`` is the function
+
+
+@pytest.fixture
+def anchored(monkeypatch):
+    monkeypatch.setattr(CHECK, "ANCHOR_STEPS_FROM", 0)
+
+
+def _after_first_step(optimizer) -> bool:
+    """True once, after the optimizer's first step: a fault that acts there and nowhere else."""
+    state = optimizer.__dict__.setdefault("_anchored_test_steps", [0])
+    state[0] += 1
+    return state[0] == 1
+
+
+# Faults of a team's own between steps, each acting after the first step alone.
+FAULTS = {
+    "decays": lambda model, optimizer: [p.mul_(0.9) for p in model.parameters()],  # a weight decay of its own
+    "forgets_moments": lambda model, optimizer: optimizer.state.clear(),  # a resumed optimizer that lost its state
+    "halves_rate": lambda model, optimizer: [group.update(lr=group["lr"] / 2) for group in optimizer.param_groups],
+    "resets_statistics": lambda model, optimizer: [m.reset_running_stats() for m in model.modules()
+                                                   if isinstance(m, torch.nn.BatchNorm2d)],  # running stats lost
+    "nudges_weights": lambda model, optimizer: [p.add_(1e-3) for p in model.parameters()],  # a start of its own
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultAfterTheFirstStep(Accumulate):
+    """Accumulation, then one of :data:`FAULTS` after the first optimizer step and never again (``at_start``:
+    before the first forward instead)."""
+
+    name = "fault_after_first_step"
+    fault: str = "decays"
+    at_start: bool = False
+
+    def train_step(self, model, optimizer, batch, objective):
+        if self.at_start and not getattr(optimizer, "_anchored_test_started", False):
+            optimizer._anchored_test_started = True
+            with torch.no_grad():
+                FAULTS[self.fault](model, optimizer)
+        loss = super().train_step(model, optimizer, batch, objective)
+        if not self.at_start and _after_first_step(optimizer):
+            with torch.no_grad():
+                FAULTS[self.fault](model, optimizer)
+        return loss
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardUnhooked(Accumulate):
+    """Accumulation whose model is run through ``forward`` itself: no module hook sees its steps begin."""
+
+    name = "forward_unhooked"
+
+    def train_step(self, model, optimizer, batch, objective):
+        class Direct(torch.nn.Module):
+            def forward(self, inputs):
+                return model.forward(inputs)
+        return super().train_step(Direct(), optimizer, batch, objective)
+
+
+def test_rounding_that_compounds_passes_anchored_with_no_shadow(anchored, monkeypatch):
+    """The ill-conditioned case, whose float32 runs part free-running (test_rounding): anchored, each step's
+    gradients and update match the reference's from the same state; three runs, all float32."""
+    calls = counting_shadows(monkeypatch)
+    (outcome,) = ec.check(ILL, ["accumulate:chunks=5"], seed=SEED).outcomes
+    assert outcome.verdict is Verdict.EQUIVALENT and outcome.comparison.ok, outcome.describe()
+    assert outcome.comparison.note == CHECK.ANCHORED and "judged step by step" in outcome.describe()
+    assert SHADOW not in calls and calls == ["float32"] * 3  # the reference, its repeat, the candidate
+
+
+@pytest.mark.parametrize("regime", ["zero_grad_inside:chunks=5", "naive_accumulate:chunks=5",
+                                    "clip_per_micro_batch:chunks=5,max_norm=0.01", "step_per_micro_batch:chunks=5"])
+def test_the_pitfalls_are_caught_anchored(anchored, regime):
+    (outcome,) = ec.check(ILL, [regime], seed=SEED).outcomes
+    assert outcome.verdict is Verdict.MISMATCH, outcome.describe()
+    assert outcome.comparison.note != CHECK.ANCHORED  # a mismatch is judged free-running, with its hints
+
+
+@pytest.mark.parametrize(("case", "regime", "guard"), [
+    # a weight written after the step took it
+    (ILL, FaultAfterTheFirstStep(chunks=3, fault="decays"), "_written_since_the_step"),
+    # the optimizer's state replaced after the step
+    (ILL, FaultAfterTheFirstStep(chunks=3, fault="forgets_moments"), "_written_since_the_step"),
+    # the settings it carries into the next step
+    (ILL, FaultAfterTheFirstStep(chunks=3, fault="halves_rate"), "_compare_settings"),
+    # the running statistics it carries (one micro-batch: BatchNorm sees the whole batch, as the reference does)
+    ("batchnorm_cnn", FaultAfterTheFirstStep(chunks=1, fault="resets_statistics"), "_compare_buffers"),
+    # weights of its own before the first step begins
+    (ILL, FaultAfterTheFirstStep(chunks=3, fault="nudges_weights", at_start=True), "_began_elsewhere"),
+], ids=["decays", "forgets_moments", "halves_rate", "resets_statistics", "nudges_weights"])
+def test_a_fault_between_steps_is_caught_anchored_and_passes_with_its_guard_planted_out(anchored, monkeypatch, case,
+                                                                                         regime, guard):
+    (outcome,) = ec.check(case, [regime], seed=SEED, dtype="float32").outcomes
+    assert outcome.verdict is Verdict.MISMATCH, outcome.describe()
+    monkeypatch.setattr(anchors.Anchoring, guard, lambda self, *args: None)
+    (planted,) = ec.check(case, [regime], seed=SEED, dtype="float32").outcomes
+    assert planted.verdict is Verdict.EQUIVALENT and planted.comparison.note == CHECK.ANCHORED  # the fault passes
+
+
+def test_a_run_whose_steps_no_hook_saw_begin_is_judged_free_running(anchored, monkeypatch):
+    """No anchor was loaded: the verdict must not claim the anchored judgement (with the guard planted out, it does)."""
+    (outcome,) = ec.check("mlp", [ForwardUnhooked(chunks=3)], dtype="float32").outcomes
+    assert outcome.verdict is Verdict.EQUIVALENT and outcome.comparison.note != CHECK.ANCHORED
+    monkeypatch.setattr(anchors.Anchoring, "__exit__", lambda self, *exc: self._starts.__exit__(*exc))  # says nothing
+    (planted,) = ec.check("mlp", [ForwardUnhooked(chunks=3)], dtype="float32").outcomes
+    assert planted.comparison.note == CHECK.ANCHORED
+
+
+def test_a_small_or_float64_check_stays_free_running(monkeypatch):
+    calls = counting_shadows(monkeypatch)
+    (outcome,) = ec.check(ILL, ["accumulate:chunks=5"], seed=SEED).outcomes  # 64 MiB of recording and more only
+    assert outcome.comparison.note != CHECK.ANCHORED and SHADOW in calls
+    monkeypatch.setattr(CHECK, "ANCHOR_STEPS_FROM", 0)
+    (outcome,) = ec.check("mlp", ["accumulate:chunks=3"]).outcomes  # float64: exact enough free-running
+    assert outcome.verdict is Verdict.EQUIVALENT and outcome.comparison.note != CHECK.ANCHORED
