@@ -125,6 +125,21 @@ def test_a_run_whose_steps_no_hook_saw_begin_is_judged_free_running(anchored, mo
     assert planted.comparison.note == CHECK.ANCHORED
 
 
+ANCHORABLE = sorted(name for name, cls in ec.REGIMES.items() if cls.anchorable and not cls.pitfall)
+
+
+@pytest.mark.parametrize("name", ANCHORABLE)
+def test_every_anchorable_faithful_regime_is_judged_anchored(anchored, name):
+    """A regime that declares itself anchorable begins each step through the whole model's forward: a large check
+    of it is decided anchored, never by an anchored run thrown away (drawn checks of a regime that ran its parts
+    apart all fell back, one training wasted each)."""
+    fields = {field.name for field in dataclasses.fields(ec.REGIMES[name])}
+    spec = f"{name}:chunks=3" if "chunks" in fields else name
+    (outcome,) = ec.check("mlp", [spec], dtype="float32", reference="full_batch").outcomes
+    if spec != "full_batch":
+        assert outcome.verdict is Verdict.EQUIVALENT and outcome.comparison.note == CHECK.ANCHORED, outcome.describe()
+
+
 def test_a_small_or_float64_check_stays_free_running(monkeypatch):
     calls = counting_shadows(monkeypatch)
     (outcome,) = ec.check(ILL, ["accumulate:chunks=5"], seed=SEED).outcomes  # 64 MiB of recording and more only

@@ -279,6 +279,7 @@ class DataParallel(OnEveryGpu, FullBatch):
 
     name = "data_parallel"
     summary = "torch.nn.DataParallel over every visible GPU (needs 2 or more; skipped, never emulated, otherwise)"
+    anchorable = False  # its replicas run forward on every GPU: not measured anchored (no two GPUs here)
 
     def wrap(self, model: nn.Module, objective: Objective) -> nn.Module:
         return nn.DataParallel(model)

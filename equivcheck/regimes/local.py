@@ -86,6 +86,7 @@ class DetachedPartial(Chunked):
     name = "detached_partial"
     summary = "trunk forward once, head accumulated per chunk on its detached output, trunk backward once"
     needs_split = True
+    anchorable = False  # it runs the trunk and the head apart: no forward of the whole model begins its steps
 
     def train_step(self, model, optimizer, batch, objective):
         trunk, head = self.parts(model, objective)
