@@ -233,11 +233,11 @@ def iter_outcomes(plan: Plan, *, measure_memory: bool = True, runner: IsolatedRu
     # The first distributed run trains on its ranks while the reference runs here: one job in flight at a time. Not
     # where runs are compared with the reference as they train (judged from the model's size before the reference
     # exists): that one could only come back recorded whole.
-    streams = any(spec.distributed for spec in plan.specs) and \
-        (_recording_bytes(plan, precision) or 0) >= COMPARE_AS_IT_TRAINS_FROM
+    recording = functools.cache(lambda: _recording_bytes(plan, precision) or 0)  # a skeleton built once, if asked
+    streams = any(spec.distributed for spec in plan.specs) and recording() >= COMPARE_AS_IT_TRAINS_FROM
     ahead = {} if streams else _ahead(plan, -1, precision, measure_memory, lambda spec: None)
-    anchors = tempfile.TemporaryDirectory(prefix="equivcheck-anchors-") if _anchors_each_step(plan, precision) \
-        else contextlib.nullcontext("")
+    anchors = tempfile.TemporaryDirectory(prefix="equivcheck-anchors-") if _anchors_each_step(
+        plan, precision, recording) else contextlib.nullcontext("")
     try:
         with anchors as folder:
             for outcome in _outcomes(plan, precision, measure_memory, ahead, streams, folder):
@@ -249,13 +249,14 @@ def iter_outcomes(plan: Plan, *, measure_memory: bool = True, runner: IsolatedRu
             runner.close()
 
 
-def _anchors_each_step(plan: Plan, precision: Precision) -> bool:
-    """Whether a large check in a lower precision judges its in-process regimes step by step from the reference's
-    own state (runners/anchors.py), where free-running runs part by compounding rounding that only float64 shadows
-    could tell from a fault. float64 checks, small ones and a GradScaler's stay free-running: cheap, or exact."""
+def _anchors_each_step(plan: Plan, precision: Precision, recording: Callable[[], int]) -> bool:
+    """Whether a large check (``recording()``: the reference's bytes) in a lower precision judges its in-process
+    regimes step by step from the reference's own state (runners/anchors.py), where free-running runs part by
+    compounding rounding that only float64 shadows could tell from a fault. float64 checks, small ones and a
+    GradScaler's stay free-running: cheap, or exact."""
     return (precision.dtype != torch.float64 and not precision.grad_scaler and plan.reference.anchorable
             and any(spec.anchorable and spec != plan.reference for spec in plan.specs)
-            and (_recording_bytes(plan, precision) or 0) >= ANCHOR_STEPS_FROM)
+            and recording() >= ANCHOR_STEPS_FROM)
 
 
 # What an anchored verdict says: which judgement decided it.

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ..diff import Measurement
+from .tracing import numeric_settings
 
 
 def _folder(folder: str, step: int) -> str:
@@ -204,9 +205,8 @@ class Anchoring:
         """The optimizer's numeric settings the run carries into ``step`` (a schedule's learning rate) against the
         reference's, before the reference's replace them."""
         def settings(groups: list[dict]) -> dict[str, Tensor]:
-            return {f"group {index}/{key}": torch.tensor(float(value), dtype=torch.float64)
-                    for index, group in enumerate(groups) for key, value in group.items()
-                    if isinstance(value, (int, float)) and not isinstance(value, bool)}
+            return {f"group {index}/{key}": torch.tensor(value, dtype=torch.float64)
+                    for index, group in enumerate(numeric_settings(groups)) for key, value in group.items()}
         self._measurement.add("optimizer", step, settings(self._optimizer.param_groups), settings(reference))
 
 

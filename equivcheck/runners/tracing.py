@@ -138,9 +138,7 @@ class StepTracer:
         trace.read = {name: _local(p.grad) for name, p in self._parameters if p.grad is not None}
         trace.placed = {name: where for name, p in self._parameters if p.grad is not None
                         and (where := _placement(p.grad)) is not None}
-        trace.hyper = [{key: float(value) for key, value in group.items()
-                        if isinstance(value, (int, float)) and not isinstance(value, bool)}
-                       for group in optimizer.param_groups]
+        trace.hyper = numeric_settings(optimizer.param_groups)
 
     def _after_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
         self._steps_taken += 1
@@ -320,6 +318,12 @@ def _inferring_shapes() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def numeric_settings(groups: list[dict]) -> list[dict[str, float]]:
+    """Each parameter group's numeric settings (its learning rate, betas' neighbours, weight decay), as floats."""
+    return [{key: float(value) for key, value in group.items()
+             if isinstance(value, (int, float)) and not isinstance(value, bool)} for group in groups]
 
 
 def _random_state(leaves: list) -> Tensor | None:

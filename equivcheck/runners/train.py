@@ -202,8 +202,8 @@ def anchored(request: RunRequest, assembled: Assembled, recorder: GradRecorder) 
     if request.anchor_to:
         with anchors.saving(request.anchor_to, parameters, buffers, model, optimizer):
             yield
-    elif recorder.anchors:
-        with anchors.Anchoring(recorder.anchors, parameters, buffers, model, optimizer, recorder.measurement,
+    elif recorder.against is not None and recorder.against.anchors:
+        with anchors.Anchoring(recorder.against.anchors, parameters, buffers, model, optimizer, recorder.measurement,
                                recorder.against.reference.optimizer_steps) as anchoring:
             recorder.anchoring = anchoring
             yield
@@ -521,11 +521,6 @@ class GradRecorder:
     def against(self) -> Expected | None:
         """What this run is compared with as it trains (None: it is recorded)."""
         return self._against
-
-    @property
-    def anchors(self) -> str:
-        """The folder of the reference's step starts this run is anchored to, "" where it is not."""
-        return "" if self._against is None else self._against.anchors
 
     def intact(self) -> bool:
         """Whether every gradient kept without a copy still holds what its step used."""
