@@ -18,6 +18,7 @@ equivcheck trains by default.
 
     python bench/bench_scale.py [--sizes [1m 25m 100m]] [--regimes accumulate:chunks=4 ddp:world_size=2] [--gpt [6m 124m]]
                                 [--outside [25m 124m]] [--busy] [--repeats N] [--dtype float32|bf16-autocast]
+                                [--no-floors]
 
 ``--dtype bf16-autocast`` checks every row under bf16 autocast (float32 weights), and torch alone trains its forward
 and loss under the same autocast.
@@ -148,11 +149,13 @@ def ddp_child(case: str, world_size: int, dtype: str) -> dict:
             "rank_peaks_kib": sorted((peak for _, _, peak in ranks), reverse=True)}
 
 
-def alone_figures(case: str, world_size: int, dtype: str) -> dict:
+def alone_figures(case: str, world_size: int, dtype: str, floors: bool = True) -> dict:
     """Torch alone's figures for a row: three trainings (on ranks under DDP); in process, also the regime's floor
-    and that floor holding a recording, each in a fresh process."""
+    and that floor holding a recording, each in a fresh process, where ``floors``."""
     if world_size > 1:
         return in_fresh_process("ddp", case, str(world_size), dtype)
+    if not floors:
+        return in_fresh_process("floor", case, "trainings", dtype)
     trainings, regime, held = (in_fresh_process("floor", case, work, dtype) for work in FLOORS)
     return {**trainings, "regime_seconds": regime["seconds"], "held_seconds": held["seconds"]}
 
@@ -186,10 +189,10 @@ def combined(runs: list[dict]) -> dict:
     return merged
 
 
-def row(case: str, regime: str, notes: list[str], repeats: int, dtype: str) -> tuple[str, ...]:
+def row(case: str, regime: str, notes: list[str], repeats: int, dtype: str, floors: bool = True) -> tuple[str, ...]:
     """One table row; with ``repeats``, each side in that many fresh processes, in turn."""
     world_size = 2 if regime == DDP else 1
-    pairs = [(alone_figures(case, world_size, dtype), in_fresh_process("check", case, regime, dtype))
+    pairs = [(alone_figures(case, world_size, dtype, floors), in_fresh_process("check", case, regime, dtype))
              for _ in range(repeats)]
     alone, check = (combined([pair[side] for pair in pairs]) for side in (0, 1))
     notes += [f"{case} under {regime}: {note}" for note in check["notes"]]
@@ -219,6 +222,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1,
                         help="each side of a row in this many fresh processes, in turn: medians of the times")
     parser.add_argument("--dtype", default="float32", choices=list(AUTOCAST), help="the precision mode of every row")
+    parser.add_argument("--no-floors", dest="floors", action="store_false",
+                        help="torch alone's three trainings only, not the regime's floors (a slow row's hour halved)")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -240,7 +245,7 @@ def main() -> None:
     with busy_neighbour(args.busy):
         for case in cases:
             for regime in args.regimes if case.startswith("scale_mlp") else [IN_PROCESS]:
-                rows.append(row(case, regime, notes, args.repeats, args.dtype))
+                rows.append(row(case, regime, notes, args.repeats, args.dtype, args.floors))
                 print("  ".join(rows[-1]), flush=True)
     print("\n" + markdown_table(rows) + "".join(f"\n- {note}" for note in notes))
 

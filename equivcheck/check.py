@@ -14,13 +14,14 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import torch
 
 from .case import Case
-from .device import DEFAULT_DEVICE, NONDETERMINISTIC_KERNELS, device_for, is_nondeterministic_kernel
+from .device import DEFAULT_DEVICE, HOST, NONDETERMINISTIC_KERNELS, device_for, is_nondeterministic_kernel
 from .device import missing as missing_device
 from .diff import Comparison, Problem, ProblemKind
 from .judge.compare import Expected, compare, tolerance_of
 from .measure.activation import TRANSFORMS_REFUSE_HOOKS
 from .errors import (InvalidArgument, PrecisionWarning, Unavailable, WorkerError, expect_int, expect_seed,
                      expect_timeout, warn)
+from .runners.anchors import release as release_anchors
 from .runners.ranks import launcher, pool
 from .runners.isolation import IsolatedRunner
 from .process.kernels import decisions
@@ -240,8 +241,11 @@ def iter_outcomes(plan: Plan, *, measure_memory: bool = True, runner: IsolatedRu
         plan, precision, recording) else contextlib.nullcontext("")
     try:
         with anchors as folder:
-            for outcome in _outcomes(plan, precision, measure_memory, ahead, streams, folder):
-                yield dataclasses.replace(outcome, reason="; ".join(filter(None, (outcome.reason, note))))
+            try:
+                for outcome in _outcomes(plan, precision, measure_memory, ahead, streams, folder):
+                    yield dataclasses.replace(outcome, reason="; ".join(filter(None, (outcome.reason, note))))
+            finally:
+                release_anchors(folder)  # what the reference held in its GPU's memory
     finally:  # a consumer that stops early (Ctrl-C in the CLI) leaves no job unread on a pool, and no child
         for started in ahead.values():
             started.abandon()
@@ -384,6 +388,7 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
         try:
             result, comparison = _anchored(plan, spec, precision, measure_memory, ref, tolerance, anchors)
             if comparison is None:  # free-running: as it trained, then the reference's rounding and its witnesses
+                ref = ref.to(HOST)  # what reads it whole reads it there (an anchored reference kept it on its GPU)
                 result = (ahead.pop(index) if index in ahead else
                           plan.start(spec, precision, measure_memory, against=against(spec))).result()
                 comparison = witness.by_the_reference(compare(ref, result, tolerance=tolerance), ref, result,

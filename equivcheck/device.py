@@ -26,6 +26,9 @@ from .errors import InvalidArgument
 DEVICES = ("cpu", "cuda")
 DEFAULT_DEVICE = "cpu"  # the built-in cases are tiny: the CPU checks them faster than a kernel launch per op
 BACKENDS = ("auto", "gloo", "nccl")
+# Where a run's recording goes that its own device does not keep (runners/train.py's snapshot): one name for every
+# such copy, so that a test can send them elsewhere ("meta") and count what crosses (tests/test_anchored.py).
+HOST = torch.device("cpu")
 # cuBLAS picks its reduction order by workspace unless told one: torch's reproducibility notes ask for this setting
 # before the first cuBLAS call, where use_deterministic_algorithms(True) would otherwise refuse cuBLAS kernels.
 CUBLAS_WORKSPACE = ":4096:8"
@@ -167,3 +170,10 @@ NONDETERMINISTIC_KERNELS: set[str] = set()  # the kernels torch named so in this
 def is_nondeterministic_kernel(error: BaseException) -> bool:
     """Whether ``error`` is torch refusing a kernel without a deterministic implementation."""
     return NONDETERMINISTIC_KERNEL in str(error)
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """The memory free on a GPU now (CUDA's own count), None on the CPU: a process's memory is not one pool there."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.mem_get_info(device)[0]

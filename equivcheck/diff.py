@@ -59,6 +59,22 @@ class TensorDiff:
         scan = _Scan(flat_actual, flat_expected, tol)
         return scan.within(expected.shape) or scan.breakdown(expected.shape)
 
+    @classmethod
+    def joined(cls, parts: list[tuple[int, TensorDiff]], shape: torch.Size) -> TensorDiff:
+        """One tensor of ``shape``'s figures from those of its consecutive slices, each taken flat (``(its first
+        element, its diff)``): a tensor judged a slice at a time, never whole in memory (runners/anchors.py)."""
+        def at(offset: int, index: tuple[int, ...]) -> tuple[int, ...]:  # the slice's index (ending in the part,
+            return _index(offset + index[0], shape) + index[1:] if index else ()  # complex) in the whole tensor
+
+        def ranked(figure: float) -> float:  # a NaN difference is the greatest, as the breakdown ranks it
+            return math.inf if math.isnan(figure) else figure
+
+        abs_at, greatest_abs = max(parts, key=lambda part: ranked(part[1].max_abs))  # a tie: the first slice's
+        rel_at, greatest_rel = max(parts, key=lambda part: ranked(part[1].max_rel))
+        return cls(sum(d.mismatched for _, d in parts), sum(d.total for _, d in parts), greatest_abs.max_abs,
+                   at(abs_at, greatest_abs.abs_index), greatest_abs.abs_allowed, greatest_rel.max_rel,
+                   at(rel_at, greatest_rel.rel_index), max(d.margin for _, d in parts), parts[0][1].complex_parts)
+
 
 class _Scan:
     """One pass over a pair of flat tensors, slice by slice, into buffers of one slice: the greatest error
@@ -338,7 +354,7 @@ class Measurement:
         """The differences of ``actual`` from ``expected``, name by name (``step`` None: final values)."""
         for name, wanted in expected.items():
             key = (kind, name)
-            entries = self.series.setdefault(key, [])
+            self.series.setdefault(key, [])  # a quantity whose shape is off is listed, with its problem
             if key in self.broken:
                 continue
             got = actual.get(name)
@@ -347,9 +363,13 @@ class Measurement:
                                            f"{None if got is None else tuple(got.shape)}, reference {tuple(wanted.shape)}")
                 continue
             diff = TensorDiff.of(got.to(wanted.device), wanted, self.tolerance)
-            entries.append((step, diff))
+            self.add_diff(kind, step, name, diff)
             if kind == "weight" and step is None and diff.margin > 1:
                 self.strayed[name] = got.detach().to("cpu", copy=True)
+
+    def add_diff(self, kind: str, step: int | None, name: str, diff: TensorDiff) -> None:
+        """A difference taken already (a tensor judged a slice at a time: :meth:`TensorDiff.joined`)."""
+        self.series.setdefault((kind, name), []).append((step, diff))
 
     def add_final(self, kind: str, actual: Mapping[str, Tensor], expected: Mapping[str, Tensor]) -> None:
         """The final ``kind`` (``'weight'`` or ``'buffer'``), whose names must be the reference's too."""

@@ -1,4 +1,5 @@
-"""What one training run leaves behind: plain CPU tensors, detached from any graph or process."""
+"""What one training run leaves behind: plain tensors, detached from any graph or process, in the host's memory (an
+anchored check's reference on a GPU keeps its own there: :meth:`RunResult.to`)."""
 
 from __future__ import annotations
 
@@ -72,6 +73,17 @@ class RunResult:
         """What this run's recording holds: every step's gradients, the final weights and buffers."""
         maps = [*self.grads, self.weights, self.buffers]
         return sum(t.numel() * t.element_size() for named in maps for t in named.values())
+
+    def to(self, device: torch.device) -> RunResult:
+        """This run with its recording (gradients, weights, buffers) on ``device``: itself where it is there already.
+        An anchored check's reference keeps its recording on its GPU; what reads it whole reads it here."""
+        def moved(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+            return {name: t.to(device) for name, t in tensors.items()}
+
+        if all(t.device == device for named in (*self.grads, self.weights, self.buffers) for t in named.values()):
+            return self
+        return dataclasses.replace(self, grads=tuple(moved(step) for step in self.grads), weights=moved(self.weights),
+                                   buffers=moved(self.buffers))
 
     def to_plain(self) -> dict:
         """Numpy arrays and builtins only: safe to pickle across processes (no shared-memory tensors)."""

@@ -3,6 +3,7 @@ ANCHOR_STEPS_FROM = 0) is equivalent where only compounding rounding parts its r
 and still catches a fault at the step where it acts. Each guard of the anchored judgement, planted out, lets a fault
 pass as equivalent: the test says so."""
 
+import collections
 import dataclasses
 import sys
 
@@ -10,19 +11,27 @@ import pytest
 import torch
 
 import equivcheck as ec
+import equivcheck.device as devices
 from equivcheck import Verdict
-from equivcheck.precision import SHADOW
+from equivcheck.diff import TensorDiff
+from equivcheck.precision import SHADOW, Tolerance
 from equivcheck.regimes.local import Accumulate
-from equivcheck.runners import anchors
+from equivcheck.runners import anchors, train
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from test_rounding import ILL, SEED, counting_shadows
 
 CHECK = sys.modules["equivcheck.check"]  # the package's ``check`` is the function
 
 
-@pytest.fixture
-def anchored(monkeypatch):
+@pytest.fixture(params=["whole", "in blocks"])
+def anchored(request, monkeypatch):
+    """Anchoring forced; "in blocks": every parameter of more than one row read back, restored and updated a row or
+    so at a time, as a large model's are (anchors.BLOCK_BYTES)."""
     monkeypatch.setattr(CHECK, "ANCHOR_STEPS_FROM", 0)
+    if request.param == "in blocks":
+        monkeypatch.setattr(anchors, "BLOCK_BYTES", 64)
 
 
 def _after_first_step(optimizer) -> bool:
@@ -147,3 +156,81 @@ def test_a_small_or_float64_check_stays_free_running(monkeypatch):
     monkeypatch.setattr(CHECK, "ANCHOR_STEPS_FROM", 0)
     (outcome,) = ec.check("mlp", ["accumulate:chunks=3"]).outcomes  # float64: exact enough free-running
     assert outcome.verdict is Verdict.EQUIVALENT and outcome.comparison.note != CHECK.ANCHORED
+
+
+def _tensor_pair(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    expected = torch.randn(7, 5, generator=torch.Generator().manual_seed(0))
+    actual = expected * (1 + 1e-7)  # every element within float32's tolerance, none equal
+    if kind == "one element off":
+        actual[6, 3] += 1.0  # in the last slice
+    if kind == "nan":
+        actual[2, 1] = float("nan")
+    if kind == "complex":
+        expected, actual = torch.complex(expected, expected.flip(0)), torch.complex(actual, expected.flip(0))
+        actual[5, 0] += 1j
+    return actual, expected
+
+
+@pytest.mark.parametrize("kind", ["equal", "within", "one element off", "nan", "complex"])
+def test_a_tensor_judged_a_slice_at_a_time_has_the_figures_of_it_judged_whole(kind):
+    """What an anchored update is judged by, a block of rows at a time (TensorDiff.joined): the same margin, counts,
+    greatest differences and where they are as the whole tensor's."""
+    actual, expected = _tensor_pair(kind)
+    if kind == "equal":
+        actual = expected.clone()
+    tolerance = Tolerance.resolve(torch.float32)
+    whole = TensorDiff.of(actual, expected, tolerance)
+    parts = [(start * 5, TensorDiff.of(actual[start:start + 2].reshape(-1), expected[start:start + 2].reshape(-1),
+                                       tolerance)) for start in range(0, 7, 2)]
+    assert repr(TensorDiff.joined(parts, expected.shape)) == repr(whole)  # a NaN figure equals nothing, its repr does
+    assert (whole.margin > 1) == (kind not in ("equal", "within"))
+
+
+class Transfers(TorchDispatchMode):
+    """The bytes every op made on one device from a tensor on another, by (from, to): ``copy_`` and ``.to()`` alike."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moved: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        sources = {t.device for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for made in (t for t in tree_leaves(out) if isinstance(t, torch.Tensor)):
+            for source in sources - {made.device}:
+                self.moved[(source.type, made.device.type)] += made.numel() * made.element_size()
+        return out
+
+
+def test_an_anchored_check_on_a_device_moves_nothing_off_it(monkeypatch):
+    """On a GPU with room, the reference's recording and its step starts stay in the device's memory, and every
+    comparison is made there (anchors.held_on). Here the CPU plays the device: the host the recording would go to
+    is "meta", and every byte made there is counted, through the check's own code path. Held, none is, and no file is
+    written; with the recording's copies sent to the host whatever their home (the planted fault), its gradients
+    cross."""
+    monkeypatch.setattr(CHECK, "ANCHOR_STEPS_FROM", 0)
+    monkeypatch.setattr(devices, "HOST", torch.device("meta"))
+    files = []
+    monkeypatch.setattr(anchors._Files, "save", lambda self, *args: files.append(args))
+    monkeypatch.setattr(anchors, "held_on", lambda *args: True)
+    with Transfers() as transfers:
+        (outcome,) = ec.check(ILL, ["accumulate:chunks=3"], seed=SEED).outcomes
+    assert outcome.verdict is Verdict.EQUIVALENT and outcome.comparison.note == CHECK.ANCHORED, outcome.describe()
+    assert transfers.moved[("cpu", "meta")] == 0 and not files and not anchors._HELD  # released with the check
+    kept = train.snapshot
+    monkeypatch.setattr(train, "snapshot", lambda named, *args, home=None, **kwargs: kept(named, *args, **kwargs))
+    with Transfers() as planted:
+        ec.check(ILL, ["accumulate:chunks=3"], seed=SEED)
+    gradients = sum(p.numel() * 4 for p in ILL.model().parameters())
+    assert planted.moved[("cpu", "meta")] >= gradients  # a step's gradients at least (the run breaks on "meta")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: torch.cuda.is_available() is False")
+def test_an_anchored_check_on_a_gpu_copies_no_gradient_to_the_host(monkeypatch):
+    """The same on a GPU itself: of every step's gradients, weights and moments, nothing comes to the host."""
+    monkeypatch.setattr(CHECK, "ANCHOR_STEPS_FROM", 0)
+    with Transfers() as transfers:
+        (outcome,) = ec.check(ILL, ["accumulate:chunks=3"], seed=SEED, device="cuda").outcomes
+    assert outcome.verdict is Verdict.EQUIVALENT and outcome.comparison.note == CHECK.ANCHORED, outcome.describe()
+    smallest = min(p.numel() * 4 for p in ILL.model().parameters())
+    assert transfers.moved[("cuda", "cpu")] < smallest, transfers.moved

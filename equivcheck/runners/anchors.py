@@ -7,8 +7,8 @@ the two runs then differ for no fault of the regime, and telling that apart took
 one at twice the memory.
 
 Anchored, no step inherits another's rounding. The reference saves, as each step's first forward begins, what that
-step starts from (each parameter's weight and optimizer state, one file each, the buffers and the optimizer's
-settings), in the run's own dtype, to a folder on disk. The candidate loads the same as its own step begins, so that:
+step starts from (each parameter's weight and optimizer state apart, the buffers and the optimizer's settings), in
+the run's own dtype. The candidate loads the same as its own step begins, so that:
 
 - each step's loss and gradients are compared with the reference's from the same state (the recorder does that);
 - right after its optimizer's step, each parameter's new weight and optimizer state are compared with what the
@@ -18,28 +18,182 @@ settings), in the run's own dtype, to a folder on disk. The candidate loads the 
   (a decay of its own, moments cleared) leaves no anchored verdict; its settings (a schedule's learning rate) and its
   buffers (running statistics) are compared with the reference's.
 
-One parameter's files are in memory at a time, beside the training: no copy of the model's state. A fault shows at
-the step where it acts. A run that cannot be judged so (a first step that begins from other weights, a step whose
-forward no hook saw begin, more steps than the reference took, state written between steps) is judged free-running
-instead (:attr:`Anchoring.void`, check.py).
+Where the step starts and the reference's recording are kept follows the device. On the CPU, files (:class:`_Files`,
+:class:`OnDisk`): the process holds no copy of the model's state, each parameter's file is read back a block of rows
+at a time through a mapping of it (:data:`BLOCK_BYTES`), and an elementwise optimizer's update is computed a block at
+a time as well, so a large embedding's weight and moments are never whole in memory beside the training. On a GPU
+with room for them (:func:`held_on`), the device's own memory (:class:`_Held`): every comparison is made there, and
+nothing crosses to the host.
+
+A fault shows at the step where it acts. A run that cannot be judged so (a first step that begins from other
+weights, a step whose forward no hook saw begin, more steps than the reference took, state written between steps) is
+judged free-running instead (:attr:`Anchoring.void`, check.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from ..diff import Measurement
+from ..device import free_bytes
+from ..diff import Measurement, TensorDiff
 from .tracing import numeric_settings
 
+# What a block of one tensor's rows may hold: a parameter is read back, restored and updated a block at a time.
+BLOCK_BYTES = 4 << 20
+# Optimizers whose update of each element reads that element alone (and scalars): updated a block of rows at a time,
+# they compute what they compute whole. Their exact types: a subclass may update otherwise.
+ELEMENTWISE = frozenset(getattr(torch.optim, name) for name in (
+    "SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Rprop", "NAdam", "RAdam", "ASGD")
+    if hasattr(torch.optim, name))
 
-def _folder(folder: str, step: int) -> str:
-    return os.path.join(folder, f"step-{step}")
+
+def held_on(device: torch.device, parameters: list[tuple[str, Tensor]], steps: int) -> bool:
+    """Whether a reference on ``device`` keeps its step starts and its recording in the device's memory: a GPU with
+    room for them twice over (each step's weights and two moments, each step's gradients and the final weights).
+    Never the CPU, where files keep the process's memory down."""
+    free = free_bytes(device)
+    weights = sum(p.numel() * p.element_size() for _, p in parameters)
+    return free is not None and 2 * weights * (3 * steps + steps + 1) <= free
+
+
+class _Block(NamedTuple):
+    """Rows of one parameter's saved start, fresh copies on the devices they were saved from: the weight's, and its
+    optimizer state's (``sliced``: the state tensors shaped like the weight, cut to the same rows; the rest whole)."""
+
+    weight: Tensor
+    state: dict
+    sliced: frozenset
+
+
+def _cut(saved: dict, rows) -> _Block:
+    weight = saved["weight"]
+    sliced = frozenset(key for key, value in saved["state"].items()
+                       if isinstance(value, Tensor) and weight.dim() and value.shape == weight.shape)
+    devices = saved["devices"]
+
+    def fresh(key: str, value):
+        if not isinstance(value, Tensor):
+            return value
+        return (value[rows] if key in sliced else value).to(devices[key], copy=True)
+
+    return _Block(weight[rows].to(devices["weight"], copy=True),
+                  {key: fresh(key, value) for key, value in saved["state"].items()}, sliced)
+
+
+def _start_of(parameter: Tensor, state: dict, copied) -> dict:
+    """What one parameter's step starts from, as a store keeps it (``copied``: each tensor as it is kept)."""
+    return {"weight": copied(parameter.detach()),
+            "state": {key: copied(value) if isinstance(value, Tensor) else value for key, value in state.items()},
+            "devices": {"weight": str(parameter.device),
+                        **{key: str(value.device) for key, value in state.items() if isinstance(value, Tensor)}}}
+
+
+class _Files:
+    """Step starts on disk, one file a parameter: each read back a block of rows at a time through a mapping of its
+    file, the mapping closed with the block (its pages leave the process's memory)."""
+
+    def __init__(self, folder: str) -> None:
+        self._folder = folder
+
+    def _path(self, step: int, name: str) -> str:
+        return os.path.join(self._folder, f"step-{step}", name)
+
+    def has(self, step: int) -> bool:
+        return os.path.isdir(os.path.dirname(self._path(step, "")))
+
+    def save(self, step: int, common: dict, parameters: list[Tensor], optimizer: Optimizer) -> None:
+        os.makedirs(os.path.dirname(self._path(step, "")), exist_ok=True)  # a run trained again saves again
+        torch.save(common, self._path(step, "common.pt"))
+        for index, parameter in enumerate(parameters):
+            torch.save(_start_of(parameter, optimizer.state.get(parameter, {}), lambda t: t),
+                       self._path(step, f"{index}.pt"))
+
+    def common(self, step: int) -> dict:
+        return torch.load(self._path(step, "common.pt"), weights_only=True)
+
+    def block(self, step: int, index: int, rows) -> _Block:
+        return _cut(torch.load(self._path(step, f"{index}.pt"), mmap=True, map_location="cpu", weights_only=True),
+                    rows)
+
+
+class _Held:
+    """Step starts in the memory of the device the reference trained on (:func:`held_on`), read as copies."""
+
+    def __init__(self) -> None:
+        self._steps: dict[int, tuple[dict, list[dict]]] = {}
+
+    def has(self, step: int) -> bool:
+        return step in self._steps
+
+    def save(self, step: int, common: dict, parameters: list[Tensor], optimizer: Optimizer) -> None:
+        self._steps[step] = (copy.deepcopy(common), [_start_of(p, optimizer.state.get(p, {}), Tensor.clone)
+                                                     for p in parameters])
+
+    def common(self, step: int) -> dict:
+        return copy.deepcopy(self._steps[step][0])  # a run's schedule may write to a tensor setting in place
+
+    def block(self, step: int, index: int, rows) -> _Block:
+        return _cut(self._steps[step][1][index], rows)
+
+
+# The step starts held in device memory in this process, by the name of the check's anchors; one check's at a time.
+_HELD: dict[str, _Held] = {}
+
+
+def release(folder: str) -> None:
+    """The check whose anchors are named ``folder`` is over: what it held in device memory is let go."""
+    _HELD.pop(folder, None)
+
+
+def _store(folder: str) -> _Files | _Held:
+    return _HELD.get(folder) or _Files(folder)
+
+
+class OnDisk(Mapping):
+    """Named tensors written to files, each read back (mapped) as it is asked for, and let go with it: an anchored
+    check's reference off a GPU keeps its recording (each step's gradients, the final weights) out of the process's
+    memory, which then holds the training alone (runners/train.py)."""
+
+    def __init__(self, folder: str, tensors: Mapping[str, Tensor]) -> None:
+        os.makedirs(folder, exist_ok=True)  # a run trained again writes again
+        self._folder, self._index = folder, {name: index for index, name in enumerate(tensors)}
+        with _without_checksums():
+            for index, tensor in enumerate(tensors.values()):
+                torch.save(tensor.detach(), self._path(index))
+
+    def _path(self, index: int) -> str:
+        return os.path.join(self._folder, f"{index}.pt")
+
+    def __getitem__(self, name: str) -> Tensor:
+        return torch.load(self._path(self._index[name]), mmap=True, weights_only=True)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+
+def _rows(tensor: Tensor) -> list:
+    """Blocks of ``tensor``'s rows of at most :data:`BLOCK_BYTES` (a row more where one row is larger): the whole
+    tensor (``...``) where it is no larger, or has no rows."""
+    if tensor.dim() == 0 or tensor.numel() * tensor.element_size() <= BLOCK_BYTES or len(tensor) < 2:
+        return [...]
+    per_block = max(1, BLOCK_BYTES * len(tensor) // (tensor.numel() * tensor.element_size()))
+    return [slice(start, start + per_block) for start in range(0, len(tensor), per_block)]
+
+
+def _first_element(tensor: Tensor, rows) -> int:
+    return 0 if rows is ... else rows.start * math.prod(tensor.shape[1:])
 
 
 class _StepStarts:
@@ -74,17 +228,19 @@ class _StepStarts:
 
 @contextlib.contextmanager
 def saving(folder: str, parameters: list[tuple[str, Tensor]], buffers: list[tuple[str, Tensor]], model: nn.Module,
-           optimizer: Optimizer) -> Iterator[None]:
-    """While the reference trains: the state each step starts from, saved to ``folder`` as the step's first forward
-    begins, one file a parameter (its weight and its optimizer state)."""
+           optimizer: Optimizer, held: bool) -> Iterator[None]:
+    """While the reference trains: the state each step starts from, saved as the step's first forward begins, one
+    parameter's weight and optimizer state apart from another's: in its device's memory where ``held``
+    (:func:`held_on`), else to files in ``folder``."""
+    if held:
+        _HELD.clear()  # one check's at a time: a check abandoned midway holds nothing once another begins
+        store = _HELD[folder] = _Held()
+    else:
+        store = _Files(folder)
+
     def save(step: int) -> None:
-        where = _folder(folder, step)
-        os.makedirs(where, exist_ok=True)  # a run trained again (run_request) saves again
-        torch.save({"buffers": {name: b.detach() for name, b in buffers},
-                    "param_groups": optimizer.state_dict()["param_groups"]}, os.path.join(where, "common.pt"))
-        for index, (_, parameter) in enumerate(parameters):
-            torch.save({"weight": parameter.detach(), "state": dict(optimizer.state.get(parameter, {}))},
-                       os.path.join(where, f"{index}.pt"))
+        store.save(step, {"buffers": {name: b.detach() for name, b in buffers},
+                          "param_groups": optimizer.state_dict()["param_groups"]}, [p for _, p in parameters], optimizer)
 
     with _StepStarts(model, optimizer, save), _without_checksums():
         yield
@@ -108,7 +264,7 @@ class Anchoring:
 
     def __init__(self, folder: str, parameters: list[tuple[str, Tensor]], buffers: list[tuple[str, Tensor]],
                  model: nn.Module, optimizer: Optimizer, measurement: Measurement, steps: int) -> None:
-        self._folder, self._parameters, self._buffers = folder, parameters, buffers
+        self._store, self._parameters, self._buffers = _store(folder), parameters, buffers
         self._model, self._optimizer, self._measurement, self._steps = model, optimizer, measurement, steps
         self._loaded = -1  # the step whose anchor the run started from
         self._left: list[tuple[int, tuple]] = []  # what its last step left: each weight's and state's versions
@@ -132,11 +288,10 @@ class Anchoring:
         if step and self._written_since_the_step():
             self.void = f"its weights or its optimizer's state were written after step {step - 1}, outside the step"
             return
-        where = _folder(self._folder, step)
-        if not os.path.isdir(where):
+        if not self._store.has(step):
             self.void = f"it began step {step}, which the reference never began"
             return
-        common = torch.load(os.path.join(where, "common.pt"), weights_only=True)
+        common = self._store.common(step)
         self._compare_settings(step, common["param_groups"])
         if step:
             self._compare_buffers(step - 1, common["buffers"])
@@ -147,16 +302,37 @@ class Anchoring:
         for group, settings in zip(self._optimizer.param_groups, self._groups):
             group.update(settings)
         for index, (name, parameter) in enumerate(self._parameters):
-            saved = torch.load(os.path.join(where, f"{index}.pt"), weights_only=True)
-            self.void = "" if step else self._began_elsewhere(name, parameter, saved["weight"])
+            self.void = self._restore(step, index, name, parameter)
             if self.void:
                 return
-            parameter.copy_(saved["weight"])
-            if saved["state"]:
-                self._optimizer.state[parameter] = saved["state"]
-            else:
-                self._optimizer.state.pop(parameter, None)
         self._loaded = step
+
+    def _restore(self, step: int, index: int, name: str, parameter: Tensor) -> str:
+        """One parameter's weight and optimizer state set to the reference's as ``step`` began, a block of rows at a
+        time; at the first step, why the run began elsewhere, where it did."""
+        state: dict = {}
+        for rows in _rows(parameter):
+            block = self._store.block(step, index, rows)
+            elsewhere = "" if step else self._began_elsewhere(name, parameter[rows], block.weight)
+            if elsewhere:
+                return elsewhere
+            parameter[rows].copy_(block.weight)
+            for key, value in block.state.items():
+                if key in block.sliced and rows is not ...:
+                    state.setdefault(key, value.new_empty(parameter.shape))[rows].copy_(value)
+                else:
+                    state[key] = value
+        if state:
+            self._optimizer.state[parameter] = state
+        else:
+            self._optimizer.state.pop(parameter, None)
+        return ""
+
+    @staticmethod
+    def _began_elsewhere(name: str, rows: Tensor, reference: Tensor) -> str:
+        """Why the run's first step is no anchored one: rows of a weight it begins from are not the reference's (both
+        are drawn from one seed, so they are equal to the bit); "" where they are."""
+        return "" if torch.equal(rows, reference) else f"its weight {name!r} began elsewhere than the reference's"
 
     def _stepped(self, step: int) -> None:
         """Right after the optimizer's step: each parameter's new weight and state against the reference's
@@ -166,35 +342,56 @@ class Anchoring:
         if self._loaded != step:
             self.void = f"step {step} began from no anchor (its forward unseen)"
             return
-        where = _folder(self._folder, step)
         group_of = {id(p): index for index, group in enumerate(self._optimizer.param_groups) for p in group["params"]}
         last = step == self._steps - 1
         for index, (name, parameter) in enumerate(self._parameters):
-            saved = torch.load(os.path.join(where, f"{index}.pt"), weights_only=True)
-            weight = nn.Parameter(saved["weight"])  # the reference's optimizer steps it in place
-            reference = type(self._optimizer)([{**self._groups[group_of[id(parameter)]], "params": [weight]}])
-            if saved["state"]:
-                reference.state[weight] = saved["state"]
-            weight.grad = parameter.grad
-            if weight.grad is not None:
-                reference.step()
-            self._measurement.add("weight", None if last else step, {name: parameter.detach()},
-                                  {name: weight.detach()})
-            self._measurement.add("optimizer", step, _state(name, self._optimizer.state.get(parameter, {})),
-                                  _state(name, reference.state.get(weight, {})))
+            self._compare_update(step, index, name, parameter, self._groups[group_of[id(parameter)]], last)
         self.compared_final = last
         self._left = [(id(p), _versions(p, self._optimizer.state.get(p, {}))) for _, p in self._parameters]
+
+    def _compare_update(self, step: int, index: int, name: str, parameter: Tensor, settings: dict,
+                        last: bool) -> None:
+        """One parameter's new weight (the final one after the ``last`` step) and state against the reference's
+        optimizer's update: a block of rows at a time for an elementwise optimizer (:data:`ELEMENTWISE`), whole for
+        another."""
+        grad, state = parameter.grad, self._optimizer.state.get(parameter, {})
+        blockwise = type(self._optimizer) in ELEMENTWISE and (grad is None or grad.layout == torch.strided)
+        parts: dict[tuple[str, str], list[tuple[int, TensorDiff]]] = {}
+        shapes: dict[tuple[str, str], torch.Size] = {}
+        for number, rows in enumerate(_rows(parameter) if blockwise else [...]):
+            block = self._store.block(step, index, rows)
+            weight = nn.Parameter(block.weight)  # the reference's optimizer steps it in place
+            reference = type(self._optimizer)([{**settings, "params": [weight]}])
+            if block.state:
+                reference.state[weight] = block.state
+            weight.grad = None if grad is None else grad[rows]
+            if weight.grad is not None:
+                reference.step()
+            pairs = [(("weight", name), parameter, weight, True)]
+            pairs += [(("optimizer", f"{name}/{key}"), state.get(key), value, value.shape == weight.shape)
+                      for key, value in _state(reference.state.get(weight, {})).items()]  # shaped like the rows: cut
+            for quantity, actual, expected, sliced in pairs:
+                if sliced or not number:  # a tensor not cut to the rows is compared at the first block
+                    self._add_part(parts, shapes, quantity, actual, expected, rows if sliced else ..., step)
+        for (kind, quantity), joined in parts.items():
+            self._measurement.add_diff(kind, None if last and kind == "weight" else step, quantity,
+                                       TensorDiff.joined(joined, shapes[(kind, quantity)]))
+
+    def _add_part(self, parts: dict, shapes: dict, quantity: tuple[str, str], actual: Tensor | None,
+                  expected: Tensor, rows, step: int) -> None:
+        """One block's difference of ``quantity``; one whose shape is off is measured as a whole, which notes it."""
+        kind, name = quantity
+        if actual is None or actual[rows].shape != expected.shape or quantity in self._measurement.broken:
+            self._measurement.add(kind, step, {} if actual is None else {name: actual}, {name: expected})
+            return
+        shapes[quantity] = actual.shape
+        parts.setdefault(quantity, []).append((_first_element(actual, rows), TensorDiff.of(
+            actual[rows].reshape(-1), expected.reshape(-1), self._measurement.tolerance)))
 
     def _compare_buffers(self, step: int, reference: dict[str, Tensor]) -> None:
         """What the forwards of ``step`` left in the run's buffers (running statistics) against the reference's, before
         the reference's replace them."""
         self._measurement.add("buffer", step, {name: b.detach() for name, b in self._buffers}, reference)
-
-    @staticmethod
-    def _began_elsewhere(name: str, parameter: Tensor, reference: Tensor) -> str:
-        """Why the run's first step is no anchored one: a weight it begins from is not the reference's (both are drawn
-        from one seed, so they are equal to the bit); "" where it is."""
-        return "" if torch.equal(parameter, reference) else f"its weight {name!r} began elsewhere than the reference's"
 
     def _written_since_the_step(self) -> bool:
         """Whether a weight or an optimizer state was written (or replaced) after the last step took them."""
@@ -210,11 +407,9 @@ class Anchoring:
         self._measurement.add("optimizer", step, settings(self._optimizer.param_groups), settings(reference))
 
 
-def _state(name: str, state: dict) -> dict[str, Tensor]:
-    """A parameter's optimizer state as named tensors (``"fc.weight/exp_avg"``): the floating ones, which an update
-    computes."""
-    return {f"{name}/{key}": value for key, value in state.items()
-            if isinstance(value, Tensor) and value.is_floating_point()}
+def _state(state: dict) -> dict[str, Tensor]:
+    """A parameter's optimizer state, the floating tensors: those an update computes."""
+    return {key: value for key, value in state.items() if isinstance(value, Tensor) and value.is_floating_point()}
 
 
 def _versions(parameter: Tensor, state: dict) -> tuple:

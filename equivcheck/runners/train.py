@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -29,6 +30,7 @@ from ..errors import InvalidArgument, NonFinite, Unavailable, exits_as_errors
 from ..measure.activation import activation_meter
 from ..measure.collectives import add_traffic
 from ..measure.state import held_bytes, optimizer_state_bytes
+from .. import device as devices
 from ..device import deterministic
 from ..precision import Precision, resolve_precision
 from ..regimes import CommunicationCounter, Regime
@@ -169,8 +171,13 @@ def train_segment(request: RunRequest, assembled: Assembled, against: Expected |
     regime, model, optimizer, built = assembled.regime, assembled.model, assembled.optimizer, assembled.built
     batches = built.batches
     data = [t for batch in batches for t in (batch.inputs, batch.targets)]
+    parameters = case_named(model.named_parameters())
+    # An anchored check's reference keeps its recording in its GPU's memory where it holds it, else in files.
+    held = bool(request.anchor_to) and anchors.held_on(parameters[0][1].device, parameters, len(batches))
+    spill = os.path.join(request.anchor_to, "recording") if request.anchor_to and not held else ""
     with GradRecorder(model, optimizer, assembled.counter, regime, against, norms=regime.clips_at() is not None,
-                      keeps=keeps_gradients, per_call=regime.counts_per_call and regime.steps_observable) \
+                      keeps=keeps_gradients, per_call=regime.counts_per_call and regime.steps_observable,
+                      home=parameters[0][1].device if held else None, spill=spill) \
             as recorder, \
             activation_meter(model, data, enabled=request.measure_memory) as memory, \
             scheduled(optimizer, assembled.scheduler), \
@@ -179,7 +186,7 @@ def train_segment(request: RunRequest, assembled: Assembled, against: Expected |
                     request.trace_steps, request.restart.start if request.restart is not None else 0,
                     saves=request.restart is not None and request.restart.save_to is not None,
                     calls=request.trace_modules) as tracer, \
-            anchored(request, assembled, recorder):
+            anchored(request, assembled, recorder, held):
         watched = StepWatch(batches, recorder)
         with regime.random_streams(model, optimizer, [batch.inputs for batch in batches]):
             try:
@@ -193,14 +200,14 @@ def train_segment(request: RunRequest, assembled: Assembled, against: Expected |
 
 
 @contextlib.contextmanager
-def anchored(request: RunRequest, assembled: Assembled, recorder: GradRecorder) -> Iterator[None]:
-    """While training: the state each step starts from saved (``request.anchor_to``: the reference), or each step
-    started from the reference's saved state (``against.anchors``: the candidate, the recorder comparing each update);
-    neither, nothing."""
+def anchored(request: RunRequest, assembled: Assembled, recorder: GradRecorder, held: bool) -> Iterator[None]:
+    """While training: the state each step starts from saved (``request.anchor_to``: the reference; in its device's
+    memory where ``held``), or each step started from the reference's saved state (``against.anchors``: the
+    candidate, the recorder comparing each update); neither, nothing."""
     model, optimizer = assembled.model, assembled.optimizer
     parameters, buffers = case_named(model.named_parameters()), case_named(model.named_buffers())
     if request.anchor_to:
-        with anchors.saving(request.anchor_to, parameters, buffers, model, optimizer):
+        with anchors.saving(request.anchor_to, parameters, buffers, model, optimizer, held):
             yield
     elif recorder.against is not None and recorder.against.anchors:
         with anchors.Anchoring(recorder.against.anchors, parameters, buffers, model, optimizer, recorder.measurement,
@@ -240,8 +247,12 @@ def result_of(request: RunRequest, assembled: Assembled, segment: Segment, again
         named_buffers += scaler_state(built.objective.scaler)
     if against is None:
         # The final state is no copy: the model is done with once this returns, and nothing writes to it again.
-        weights = snapshot(regime.read_back(dict(case_named(model.named_parameters()))).items(), copy=False)
-        buffers = snapshot(named_buffers, regime.full_tensor, copy=False)
+        weights = snapshot(regime.read_back(dict(case_named(model.named_parameters()))).items(), copy=False,
+                           home=recorder.home)
+        buffers = snapshot(named_buffers, regime.full_tensor, copy=False, home=recorder.home)
+        if recorder.spill:
+            weights, buffers = (anchors.OnDisk(os.path.join(recorder.spill, name), named)
+                                for name, named in (("weights", weights), ("buffers", buffers)))
         ensure_finite(str(regime), losses, recorder.grads, weights)
     else:
         weights = buffers = {}
@@ -463,8 +474,11 @@ class GradRecorder:
 
     def __init__(self, model: nn.Module, optimizer: Optimizer, counter: CommunicationCounter | None = None,
                  regime: Regime | None = None, against: Expected | None = None,
-                 norms: bool = False, keeps: bool = False, per_call: bool = False) -> None:
+                 norms: bool = False, keeps: bool = False, per_call: bool = False,
+                 home: torch.device | None = None, spill: str = "") -> None:
         self._named = case_named(model.named_parameters())
+        self.home = home or devices.HOST  # where the recording is kept: the run's device, where it holds it
+        self.spill = spill  # else a folder: the recording goes to files there (anchors.OnDisk)
         self._per_call = per_call
         self._regime = regime or Regime()  # reads tensors back whole (Regime.read_back, Regime.full_tensor)
         self._optimizer = optimizer
@@ -512,8 +526,10 @@ class GradRecorder:
     def _kept_or_copied(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
         """The step's gradients as the recording holds them: the tensors themselves where the regime lets go of them
         (an in-place write bumps a tensor's version, which :meth:`intact` reads), else plain CPU copies."""
-        if not (self._keeps and all(g.device.type == "cpu" for g in grads.values())):
-            return snapshot(grads.items())
+        if self.spill:
+            return anchors.OnDisk(os.path.join(self.spill, f"grads-{len(self.grads)}"), grads)
+        if not (self._keeps and all(g.device == self.home for g in grads.values())):
+            return snapshot(grads.items(), home=self.home)
         self._kept += [(g, g._version) for g in grads.values()]
         return grads
 
@@ -603,7 +619,9 @@ def _wide(tensor: Tensor) -> torch.dtype:
 
 
 def snapshot(named, full_tensor: Callable[[Tensor, str], Tensor] = lambda t, name: t, *,
-             copy: bool = True) -> dict[str, Tensor]:
-    """Plain CPU tensors of the whole tensors (gathered by ``full_tensor`` where a wrapper shards them), whatever
-    device the run used: copies, unless ``copy=False`` says nothing will write to the originals again."""
-    return {name: full_tensor(tensor.detach(), name).to("cpu", copy=copy) for name, tensor in named}
+             copy: bool = True, home: torch.device | None = None) -> dict[str, Tensor]:
+    """Plain tensors of the whole tensors (gathered by ``full_tensor`` where a wrapper shards them) on ``home``
+    (default: the host's memory, whatever device the run used): copies, unless ``copy=False`` says nothing will write
+    to the originals again."""
+    home = home or devices.HOST
+    return {name: full_tensor(tensor.detach(), name).to(home, copy=copy) for name, tensor in named}

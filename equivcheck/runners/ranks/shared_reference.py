@@ -28,7 +28,8 @@ def payload(against: Expected) -> dict:
     if id(reference) not in _written:
         folder = tempfile.mkdtemp(prefix=f"{REFERENCE_PREFIX}{os.getpid()}-")  # whose it is, by name
         path = os.path.join(folder, "reference.pt")
-        torch.save({"grads": list(reference.grads), "weights": reference.weights, "buffers": reference.buffers}, path)
+        torch.save({"grads": [dict(step) for step in reference.grads], "weights": dict(reference.weights),
+                    "buffers": dict(reference.buffers)}, path)  # plain dicts: a recording may be kept in files
         _written[id(reference)] = path
         weakref.finalize(reference, _remove, id(reference), folder)
     tolerance = against.tolerance
