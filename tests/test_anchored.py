@@ -74,6 +74,25 @@ class FaultAfterTheFirstStep(Accumulate):
 
 
 @dataclasses.dataclass(frozen=True)
+class ZeroesAGradientInTheStep(Accumulate):
+    """Accumulation whose optimizer zeroes the first parameter's gradient once its step has begun (a step hook of the
+    team's own, registered as it trains): its updates are of other gradients than those the recorder compared."""
+
+    name = "zeroes_a_gradient_in_the_step"
+
+    def train_step(self, model, optimizer, batch, objective):
+        if not getattr(optimizer, "_anchored_test_hooked", False):
+            optimizer._anchored_test_hooked = True
+            first = next(model.parameters())
+
+            def zeroes(*args) -> None:
+                first.grad.zero_()
+
+            optimizer.register_step_pre_hook(zeroes)
+        return super().train_step(model, optimizer, batch, objective)
+
+
+@dataclasses.dataclass(frozen=True)
 class ForwardUnhooked(Accumulate):
     """Accumulation whose model is run through ``forward`` itself: no module hook sees its steps begin."""
 
@@ -115,7 +134,9 @@ def test_the_pitfalls_are_caught_anchored(anchored, regime):
     ("batchnorm_cnn", FaultAfterTheFirstStep(chunks=1, fault="resets_statistics"), "_compare_buffers"),
     # weights of its own before the first step begins
     (ILL, FaultAfterTheFirstStep(chunks=3, fault="nudges_weights", at_start=True), "_began_elsewhere"),
-], ids=["decays", "forgets_moments", "halves_rate", "resets_statistics", "nudges_weights"])
+    # a gradient written inside the step, after the recorder compared it
+    (ILL, ZeroesAGradientInTheStep(chunks=3), "_gradient_versions"),
+], ids=["decays", "forgets_moments", "halves_rate", "resets_statistics", "nudges_weights", "gradient_in_the_step"])
 def test_a_fault_between_steps_is_caught_anchored_and_passes_with_its_guard_planted_out(anchored, monkeypatch, case,
                                                                                          regime, guard):
     (outcome,) = ec.check(case, [regime], seed=SEED, dtype="float32").outcomes

@@ -198,15 +198,19 @@ def _first_element(tensor: Tensor, rows) -> int:
 
 class _StepStarts:
     """Calls ``begin(step)`` as each optimizer step's first forward begins (a step's micro-batches and recomputed
-    forwards after the first call nothing), and ``stepped(step)`` right after each optimizer step."""
+    forwards after the first call nothing), ``reading()`` as each optimizer step begins (after the recorder has read
+    its gradients) and ``stepped(step)`` right after it."""
 
-    def __init__(self, model: nn.Module, optimizer: Optimizer, begin, stepped=None) -> None:
+    def __init__(self, model: nn.Module, optimizer: Optimizer, begin, stepped=None, reading=None) -> None:
         self._model, self._optimizer, self._begin, self._stepped = model, optimizer, begin, stepped
+        self._reading = reading
         self.steps_taken, self._begun = 0, -1
 
     def __enter__(self) -> _StepStarts:
         self._handles = [self._model.register_forward_pre_hook(self._forward, prepend=True),
                          self._optimizer.register_step_post_hook(self._after_step)]
+        if self._reading is not None:
+            self._handles.append(self._optimizer.register_step_pre_hook(lambda *args: self._reading()))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -268,12 +272,14 @@ class Anchoring:
         self._model, self._optimizer, self._measurement, self._steps = model, optimizer, measurement, steps
         self._loaded = -1  # the step whose anchor the run started from
         self._left: list[tuple[int, tuple]] = []  # what its last step left: each weight's and state's versions
+        self._read: list[tuple[int, int] | None] = []  # each gradient as the step began: its identity and version
         self._groups: list[dict] = []  # the reference's optimizer settings for the step begun, group by group
         self.compared_final = False  # the last update was compared: it stands for the final weights
         self.void = ""  # why the run was not judged anchored, where it was not
 
     def __enter__(self) -> Anchoring:
-        self._starts = _StepStarts(self._model, self._optimizer, self._begin, self._stepped).__enter__()
+        self._starts = _StepStarts(self._model, self._optimizer, self._begin, self._stepped,
+                                   self._read_gradients).__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -319,7 +325,9 @@ class Anchoring:
             parameter[rows].copy_(block.weight)
             for key, value in block.state.items():
                 if key in block.sliced and rows is not ...:
-                    state.setdefault(key, value.new_empty(parameter.shape))[rows].copy_(value)
+                    if key not in state:
+                        state[key] = value.new_empty(parameter.shape)
+                    state[key][rows].copy_(value)
                 else:
                     state[key] = value
         if state:
@@ -341,6 +349,9 @@ class Anchoring:
             return
         if self._loaded != step:
             self.void = f"step {step} began from no anchor (its forward unseen)"
+            return
+        if self._gradient_versions() != self._read:  # its update is then of other gradients than those compared
+            self.void = f"a gradient was written after step {step} began, once the recorder had compared it"
             return
         group_of = {id(p): index for index, group in enumerate(self._optimizer.param_groups) for p in group["params"]}
         last = step == self._steps - 1
@@ -381,17 +392,25 @@ class Anchoring:
                   expected: Tensor, rows, step: int) -> None:
         """One block's difference of ``quantity``; one whose shape is off is measured as a whole, which notes it."""
         kind, name = quantity
-        if actual is None or actual[rows].shape != expected.shape or quantity in self._measurement.broken:
+        cut = None if actual is None or (rows is not ... and not actual.dim()) else actual[rows]
+        if cut is None or cut.shape != expected.shape or quantity in self._measurement.broken:
             self._measurement.add(kind, step, {} if actual is None else {name: actual}, {name: expected})
             return
         shapes[quantity] = actual.shape
         parts.setdefault(quantity, []).append((_first_element(actual, rows), TensorDiff.of(
-            actual[rows].reshape(-1), expected.reshape(-1), self._measurement.tolerance)))
+            cut.reshape(-1), expected.reshape(-1), self._measurement.tolerance)))
 
     def _compare_buffers(self, step: int, reference: dict[str, Tensor]) -> None:
         """What the forwards of ``step`` left in the run's buffers (running statistics) against the reference's, before
         the reference's replace them."""
         self._measurement.add("buffer", step, {name: b.detach() for name, b in self._buffers}, reference)
+
+    def _read_gradients(self) -> None:
+        """As the optimizer's step begins, right after the recorder compared the gradients: which they are."""
+        self._read = self._gradient_versions()
+
+    def _gradient_versions(self) -> list[tuple[int, int] | None]:
+        return [None if p.grad is None else (id(p.grad), p.grad._version) for _, p in self._parameters]
 
     def _written_since_the_step(self) -> bool:
         """Whether a weight or an optimizer state was written (or replaced) after the last step took them."""
