@@ -255,3 +255,12 @@ def test_an_anchored_check_on_a_gpu_copies_no_gradient_to_the_host(monkeypatch):
     assert outcome.verdict is Verdict.EQUIVALENT and outcome.comparison.note == CHECK.ANCHORED, outcome.describe()
     smallest = min(p.numel() * 4 for p in ILL.model().parameters())
     assert transfers.moved[("cuda", "cpu")] < smallest, transfers.moved
+
+
+def test_ranks_beside_an_anchored_regime_are_handed_the_reference_it_keeps_in_files(anchored, monkeypatch):
+    """Ranks compare with the reference as they train (forced here): they map it from a file of plain tensors, whether
+    the reference keeps its recording in memory or in files (anchors.OnDisk)."""
+    monkeypatch.setattr(CHECK, "COMPARE_AS_IT_TRAINS_FROM", 0)
+    anchored_run, on_ranks = ec.check(ILL, ["accumulate:chunks=3", "ddp:world_size=2"], seed=SEED).outcomes
+    assert anchored_run.verdict is Verdict.EQUIVALENT and anchored_run.comparison.note == CHECK.ANCHORED
+    assert on_ranks.verdict is Verdict.EQUIVALENT, on_ranks.describe()

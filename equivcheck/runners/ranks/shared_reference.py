@@ -14,6 +14,7 @@ import weakref
 
 import torch
 
+from ...device import HOST
 from ...judge.compare import Expected
 from ...precision import Tolerance
 from ...result import RunResult
@@ -28,8 +29,9 @@ def payload(against: Expected) -> dict:
     if id(reference) not in _written:
         folder = tempfile.mkdtemp(prefix=f"{REFERENCE_PREFIX}{os.getpid()}-")  # whose it is, by name
         path = os.path.join(folder, "reference.pt")
-        torch.save({"grads": [dict(step) for step in reference.grads], "weights": dict(reference.weights),
-                    "buffers": dict(reference.buffers)}, path)  # plain dicts: a recording may be kept in files
+        host = reference.to(HOST)  # an anchored check's reference may keep its recording on its GPU, or in files
+        torch.save({"grads": [dict(step) for step in host.grads], "weights": dict(host.weights),
+                    "buffers": dict(host.buffers)}, path)
         _written[id(reference)] = path
         weakref.finalize(reference, _remove, id(reference), folder)
     tolerance = against.tolerance
