@@ -337,6 +337,7 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
     started = time.perf_counter()
     try:
         ref = plan.run(reference, precision, measure_memory, anchor_to=anchors)
+        anchored_reference = ref  # anchored runs compare with it where it is (on its GPU, where it held its recording)
         streams = streams or bool(anchors) or ref.recorded_bytes >= COMPARE_AS_IT_TRAINS_FROM
         self_tolerance = tolerance_of(ref, plan.rtol, plan.atol)
         rerun = plan.run(reference, precision, measure_memory, against=Expected(ref, self_tolerance) if streams else None)
@@ -386,7 +387,8 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
         started = time.perf_counter()
         tolerance = plan.tolerance(spec, loss_precision)
         try:
-            result, comparison = _anchored(plan, spec, precision, measure_memory, ref, tolerance, anchors)
+            result, comparison = _anchored(plan, spec, precision, measure_memory, anchored_reference, tolerance,
+                                           anchors)
             if comparison is None:  # free-running: as it trained, then the reference's rounding and its witnesses
                 ref = ref.to(HOST)  # what reads it whole reads it there (an anchored reference kept it on its GPU)
                 result = (ahead.pop(index) if index in ahead else

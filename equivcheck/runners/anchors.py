@@ -112,10 +112,11 @@ class _Files:
 
     def save(self, step: int, common: dict, parameters: list[Tensor], optimizer: Optimizer) -> None:
         os.makedirs(os.path.dirname(self._path(step, "")), exist_ok=True)  # a run trained again saves again
-        torch.save(common, self._path(step, "common.pt"))
-        for index, parameter in enumerate(parameters):
-            torch.save(_start_of(parameter, optimizer.state.get(parameter, {}), lambda t: t),
-                       self._path(step, f"{index}.pt"))
+        with _without_checksums():
+            torch.save(common, self._path(step, "common.pt"))
+            for index, parameter in enumerate(parameters):
+                torch.save(_start_of(parameter, optimizer.state.get(parameter, {}), lambda t: t),
+                           self._path(step, f"{index}.pt"))
 
     def common(self, step: int) -> dict:
         return torch.load(self._path(step, "common.pt"), weights_only=True)
@@ -246,7 +247,7 @@ def saving(folder: str, parameters: list[tuple[str, Tensor]], buffers: list[tupl
         store.save(step, {"buffers": {name: b.detach() for name, b in buffers},
                           "param_groups": optimizer.state_dict()["param_groups"]}, [p for _, p in parameters], optimizer)
 
-    with _StepStarts(model, optimizer, save), _without_checksums():
+    with _StepStarts(model, optimizer, save):
         yield
 
 
