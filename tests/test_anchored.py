@@ -27,11 +27,11 @@ CHECK = sys.modules["equivcheck.check"]  # the package's ``check`` is the functi
 
 @pytest.fixture(params=["whole", "in blocks"])
 def anchored(request, monkeypatch):
-    """Anchoring forced; "in blocks": every parameter of more than one row read back, restored and updated a row or
-    so at a time, as a large model's are (anchors.BLOCK_BYTES)."""
+    """Anchoring forced; "in blocks": every parameter of more than two elements and one row read back, restored and
+    updated a row at a time, as a large model's are (anchors.BLOCK_BYTES)."""
     monkeypatch.setattr(CHECK, "ANCHOR_STEPS_FROM", 0)
     if request.param == "in blocks":
-        monkeypatch.setattr(anchors, "BLOCK_BYTES", 64)
+        monkeypatch.setattr(anchors, "BLOCK_BYTES", 8)
 
 
 def _after_first_step(optimizer) -> bool:
@@ -93,6 +93,26 @@ class ZeroesAGradientInTheStep(Accumulate):
 
 
 @dataclasses.dataclass(frozen=True)
+class HalvesLastRowsInTheStep(Accumulate):
+    """Accumulation whose optimizer halves the last row of every matrix as it steps (a step hook its making added): a
+    fault of the update alone, in the rows read last."""
+
+    name = "halves_last_rows_in_the_step"
+
+    def build_optimizer(self, case, model):
+        optimizer = super().build_optimizer(case, model)
+
+        def halves(*args) -> None:
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    if parameter.dim() == 2:
+                        parameter[-1].mul_(0.5)
+
+        optimizer.register_step_post_hook(halves)
+        return optimizer
+
+
+@dataclasses.dataclass(frozen=True)
 class ForwardUnhooked(Accumulate):
     """Accumulation whose model is run through ``forward`` itself: no module hook sees its steps begin."""
 
@@ -144,6 +164,14 @@ def test_a_fault_between_steps_is_caught_anchored_and_passes_with_its_guard_plan
     monkeypatch.setattr(anchors.Anchoring, guard, lambda self, *args: None)
     (planted,) = ec.check(case, [regime], seed=SEED, dtype="float32").outcomes
     assert planted.verdict is Verdict.EQUIVALENT and planted.comparison.note == CHECK.ANCHORED  # the fault passes
+
+
+def test_a_fault_of_the_update_alone_is_caught_in_the_last_block(anchored):
+    """Every block of an update is compared, the last rows' too (in blocks, the first layer's weight is read a row at
+    a time)."""
+    assert len(anchors._rows(ILL.model()[0].weight)) == (2 if anchors.BLOCK_BYTES == 8 else 1)
+    (outcome,) = ec.check(ILL, [HalvesLastRowsInTheStep(chunks=3)], seed=SEED).outcomes
+    assert outcome.verdict is Verdict.MISMATCH, outcome.describe()
 
 
 def test_a_run_whose_steps_no_hook_saw_begin_is_judged_free_running(anchored, monkeypatch):
