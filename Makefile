@@ -5,8 +5,11 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# The cases are tiny: one torch thread per process beats several fighting over 2 cores.
+# The cases are tiny: one torch thread per process beats several fighting over 2 cores. The tests of what users run
+# (USERS_TESTS: the plugin, the commands, several gates in one session) run without it, as users run them.
 export OMP_NUM_THREADS ?= 1
+USERS_TESTS := tests/test_as_users_run.py tests/test_pytest_plugin.py tests/test_cli.py
+AS_USERS := env -u OMP_NUM_THREADS -u MKL_NUM_THREADS
 # pytest-xdist workers for make test and make test-dev: the suite's time is in the processes its tests start
 # (commands, ranks, pytest sessions), which two workers overlap (bench/README.md#the-suite). Whole files to a worker:
 # a module's fixture (the catalogue's four precisions, 60 to 100 s) then runs once, not once on each worker.
@@ -50,7 +53,8 @@ demo-parts:
 	@$(BIN)/equivcheck run --matrix --case tp_mlp --case checkpointed_dropout --warnings $(DEMO)/tp.warnings.txt | awk '/^cell:/ {done = 1} !done'
 
 test-dev: install
-	$(BIN)/python -m pytest -q $(XDIST)
+	$(BIN)/python -m pytest -q $(XDIST) $(USERS_TESTS:%=--ignore=%)
+	$(AS_USERS) $(BIN)/python -m pytest -q $(XDIST) $(USERS_TESTS)
 
 # make test checks what users install: the sdist of the tree as git sees it, the wheel built from that sdist, that wheel installed into its own
 # venv, and the suite run from a copy of the tests, where nothing of the checkout is importable
@@ -76,7 +80,9 @@ test: $(INSTALLED)/venv/.installed
 	$(INSTALLED_BIN)/python -m pip install --quiet --disable-pip-version-check "$$(ls $(DIST)/*.whl)[test]"
 	mkdir -p $(SUITE) && cp -r tests conftest.py pyproject.toml README.md $(SUITE)/
 	cd $(SUITE) && EQUIVCHECK_SOURCE_TREE="$(CURDIR)" EQUIVCHECK_DIST="$(CURDIR)/$(DIST)" \
-		../venv/bin/python -m pytest -q -p no:cacheprovider $(XDIST)
+		../venv/bin/python -m pytest -q -p no:cacheprovider $(XDIST) $(USERS_TESTS:%=--ignore=%)
+	cd $(SUITE) && EQUIVCHECK_SOURCE_TREE="$(CURDIR)" EQUIVCHECK_DIST="$(CURDIR)/$(DIST)" \
+		$(AS_USERS) ../venv/bin/python -m pytest -q -p no:cacheprovider $(XDIST) $(USERS_TESTS)
 
 # On a GPU machine, with the Python and torch installed there: the suite, the catalogue, the field and the matrix on
 # the CPU default and with --device cuda, then the GPU bench (bench/gpu_check.sh; outputs in build/gpu).

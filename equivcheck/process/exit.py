@@ -60,6 +60,8 @@ FRAMES_LIMIT = 20_000  # characters of faulthandler's dump kept in an error's de
 
 
 def innermost_frame(frames: str) -> str:
-    """``forward (model.py:12)``: the frame a faulthandler dump names first (most recent call first), or ''."""
-    found = re.search(r'File "([^"]+)", line (\d+) in (\S+)', frames)
+    """``forward (model.py:12)``: the frame a faulthandler dump names first (most recent call first) in the thread it
+    was dumped from (the one a signal stopped; a dump of every thread lists the others first), or ''."""
+    current = frames.find("Current thread")
+    found = re.search(r'File "([^"]+)", line (\d+) in (\S+)', frames[max(current, 0):])
     return f"{found[3]} ({os.path.basename(found[1])}:{found[2]})" if found else ""

@@ -31,9 +31,14 @@ WIDE_FROM = 1_000_000  # parameters from which a run in this process trains on t
 _pinned = False  # a forked child or a rank: the count it is given, whatever the model's size
 
 
-def pin() -> None:
-    """This process trains every run on the thread count the run was given (a forked child, a rank)."""
+def pin(threads: int) -> None:
+    """This process (a forked child, a rank) trains every run, and copies every tensor, on ``threads``, set now.
+
+    A process forked after its parent ran an OpenMP parallel region inherits a pool whose threads did not survive
+    the fork: its first parallel region on more than one thread waits for them for ever (a tensor copy after the
+    run as much as the run). Ranks share the cores."""
     global _pinned
+    torch.set_num_threads(threads)
     _pinned = True
 
 

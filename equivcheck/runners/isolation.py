@@ -40,7 +40,7 @@ from ..process import threads as intra_op
 from ..process.forking import fork_is_safe
 from ..process import torch_output
 from ..process.import_paths import is_bound_path
-from ..errors import InvalidArgument, IsolationWarning, RunDied, warn
+from ..errors import RAISE_TIMEOUT, InvalidArgument, IsolationWarning, RunDied, WorkerError, warn
 from .ranks import pool
 from .ranks.jobs import TrainJob
 from .train import run_request
@@ -89,7 +89,7 @@ class IsolatedRunner:
         (a one-rank worker, within ``timeout`` seconds), else here. Raises what the run raised, or
         :class:`RunDied` (:class:`WorkerError` from a clean child) naming how the child ended when it died."""
         if can_fork(request):
-            return self._forked(request)
+            return self._forked(request, timeout)
         source = by_name(request) if request.threads == 1 else None
         if source is not None:
             replies = pool.run_job("gloo", 1, TrainJob.of(request, source), timeout)
@@ -108,7 +108,7 @@ class IsolatedRunner:
             warn(IsolationWarning(f"a run of {request.case.name!r} trains in the checking process: {why}; a crash "
                                   "there ends the check"))
 
-    def _forked(self, request: RunRequest) -> RunResult:
+    def _forked(self, request: RunRequest, timeout: float) -> RunResult:
         case, regime = request.case, request.regime
         index = self._index(case, regime)
         if index is None:  # a run the child was not forked with: the next child knows it
@@ -119,7 +119,7 @@ class IsolatedRunner:
             self._child = _Child(self._runs)
         child = self._child
         try:
-            return child.train(index, request.settings())
+            return child.train(index, request.settings(), timeout)
         except BaseException:
             if not child.alive:  # it died, or was stopped mid-run (Ctrl-C): the next run forks a fresh child
                 self._child = None
@@ -155,17 +155,20 @@ class _Child:
         requests_in.close()
         self.pid, self._replies, self.alive, self._runs = pid, receiving, True, runs
 
-    def train(self, index: int, settings: dict) -> RunResult:
+    def train(self, index: int, settings: dict, timeout: float) -> RunResult:
+        case, regime = self._runs[index]
+        what = f"{case.name} under {regime}"
         try:
             self._requests.send_bytes(pickle.dumps((index, settings)))
-            status, payload, said = receive(self._replies)
+            status, payload, said = receive(self._replies, time.monotonic() + timeout)
+        except TimeoutError:  # before OSError, which it is
+            raise self._hung(what, timeout) from None
         except (EOFError, OSError):
             raise self._death() from None
         except BaseException:  # interrupted: the child may still be training, and its reply would answer nothing
             self.kill()
             raise
-        case, regime = self._runs[index]
-        torch_output.deliver(torch_output.from_plain(said), "isolating child", f"{case.name} under {regime}")
+        torch_output.deliver(torch_output.from_plain(said), "isolating child", what)
         if status == "ok":
             return RunResult.from_plain(payload)
         raise payload
@@ -180,6 +183,28 @@ class _Child:
         where = innermost_frame(frames)
         return RunDied(f"the run's process died ({exit_words(code)})" + (f" in {where}" if where else ""),
                        remote_traceback=frames, exit_code=code)
+
+    def _hung(self, what: str, timeout: float) -> WorkerError:
+        """The child gave no answer in time: where its threads stand (faulthandler's dump on HANG_SIGNAL), then it is
+        killed, so that nothing it says later can answer another run."""
+        log = self._crash_log.fileno()
+        written = os.fstat(log).st_size
+        try:
+            os.kill(self.pid, HANG_SIGNAL)
+        except ProcessLookupError:
+            pass
+        deadline, size = time.monotonic() + DUMP_SECONDS, written
+        while time.monotonic() < deadline:  # until the dump has begun and stopped growing
+            time.sleep(0.05)
+            size, before = os.fstat(log).st_size, size
+            if written < size == before:
+                break
+        frames = os.pread(log, FRAMES_LIMIT, written).decode(errors="replace").strip()
+        self.kill()
+        where = innermost_frame(frames)
+        return WorkerError(f"{what}: the isolating child gave no answer within {timeout:g} s (a hang"
+                           + (f", in {where}" if where else "") + f"); it was killed; {RAISE_TIMEOUT}",
+                           remote_traceback=f"the isolating child's stack when it timed out:\n{frames}".strip())
 
     def kill(self) -> None:
         if self.alive:
@@ -201,6 +226,8 @@ class _Child:
             closing.close()
 
 
+HANG_SIGNAL = signal.SIGUSR1  # on it the child writes every thread's stack to its crash log
+DUMP_SECONDS = 1.0  # how long a timed-out run waits for that stack before the child is killed
 _exiting: list[int] = []  # children asked to leave, not yet reaped
 EXIT_SECONDS = 5.0  # how long this process's exit waits for them before killing them
 
@@ -231,7 +258,8 @@ def _serve(runs: Sequence[tuple[Case, Regime]], requests: Connection, replies: C
     code = 0
     try:
         faulthandler.enable(file=crash_log, all_threads=False)
-        intra_op.pin()  # forked: OpenMP's pool would hang on more than one thread
+        faulthandler.register(HANG_SIGNAL, file=crash_log, all_threads=True)  # where it stands when it hangs
+        intra_op.pin(1)  # forked: the parent's OpenMP pool did not come along, so every region runs on this thread
         # A terminal's Ctrl-C is the parent's to handle (it kills this child); SIGTERM ends the child at once,
         # where the parent's handler would raise inside a run and print a traceback.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -284,11 +312,19 @@ def send(conn: Connection, value: object) -> None:
         conn.send_bytes(raw)
 
 
-def receive(conn: Connection) -> object:
-    """What :func:`send` sent; each buffer is read straight into memory the result then owns."""
+def receive(conn: Connection, deadline: float | None = None) -> object:
+    """What :func:`send` sent; each buffer is read straight into memory the result then owns. Raises
+    :class:`TimeoutError` where a part of it has not begun to arrive by ``deadline`` (``time.monotonic()``)."""
+
+    def arriving() -> None:
+        if deadline is not None and not conn.poll(max(0.0, deadline - time.monotonic())):
+            raise TimeoutError
+
+    arriving()
     head, sizes = pickle.loads(conn.recv_bytes())
     buffers = []
     for size in sizes:
+        arriving()
         buffer = bytearray(size)
         if size:
             conn.recv_bytes_into(buffer)

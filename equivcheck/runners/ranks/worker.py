@@ -37,8 +37,7 @@ def worker_main(rank: int, world_size: int, backend: str, store: str, conn: Conn
     # A terminal's Ctrl-C is the parent's to handle (it closes the pool): a rank in a session of its own meets only a
     # SIGINT sent to it alone, as an isolated run's child ignores it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    torch.set_num_threads(threads)
-    intra_op.pin()  # ranks share the cores: every run on the count the pool gives them
+    intra_op.pin(threads)  # ranks share the cores: every run on the count the pool gives them
     with torch_output.catching() as caught:
         try:
             if backend == "nccl":
