@@ -323,6 +323,12 @@ def end_weights_case():
 
 def test_end_weights_apart_compared_as_it_trains_are_settled_by_one_witness_before_any_shadow(monkeypatch):
     case, regime = end_weights_case()
+    (recorded,) = ec.check(case, [regime]).outcomes
+    assert recorded.verdict is Verdict.EQUIVALENT, recorded.describe()
+    if "chaotic:" not in recorded.reason:  # an AVX-512 EPYC here: its reference reordered ends nearer than the candidate
+        pytest.skip(f"on this CPU no reordered reference of {case.name} under {regime} ends as far apart as the "
+                    f"candidate, so the float64 shadows settle its recorded check "
+                    f"({recorded.reason.partition(':')[0]}); a case drawn on this CPU is needed")
     monkeypatch.setattr(check_module, "COMPARE_AS_IT_TRAINS_FROM", 0)  # as a model of 124M parameters is checked
     ran = extra_runs(monkeypatch)
     (outcome,) = ec.check(case, [regime]).outcomes
