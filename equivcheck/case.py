@@ -86,7 +86,9 @@ class Case:
     to the reason it must *not* match: a case that demonstrates a pitfall.
     ``regimes`` lists the specs this case is checked under by default (``None``: the defaults).
     ``loss_reduction='mean'``: ``loss`` returns the mean over the batch's items instead of one loss per
-    item (a model's own loss). ``max_norm``: the clipping threshold the code checked uses (see audit.py).
+    item (a model's own loss). ``max_norm``: the clipping threshold the code checked uses (see audit.py); a team's
+    step is held to full batch clipped there. ``clip_scale=S``: every ``clip_grad_norm_`` of every run clips at S
+    times its threshold (runners/clipping.py), so that clipping engages in the team's code and the reference alike.
     ``cpu_generator_only``: why the case's verdicts rest on the CPU generator's draw order (where it is
     non-empty, a precision mode that trains on CUDA skips the case with that reason instead of judging it).
     ``tp_plan``: how tensor-parallel regimes shard the model, module names (``fnmatch`` patterns allowed) to
@@ -119,6 +121,10 @@ class Case:
     # the learning-rate schedule over the optimizer a regime steps: scheduler(optimizer) -> an LRScheduler
     scheduler: Callable[[torch.optim.Optimizer], object] | None = None
     terms: tuple[Term, ...] = ()  # more terms of the objective, each normalised over its own unit (Term)
+    # Every clip_grad_norm_ of every run clips at this times the threshold its caller gave (the team's code and the
+    # reference's max_norm alike): clipping engages where the case's gradients stay under a threshold the check cannot
+    # otherwise lower (a module constant in the team's step)
+    clip_scale: float | None = None
 
     def __post_init__(self) -> None:
         if (not isinstance(self.name, str) or not self.name.strip() or any(c in self.name for c in " ,:=")
@@ -157,6 +163,8 @@ class Case:
             raise InvalidArgument.type("cpu_generator_only", self.cpu_generator_only, "a string (the reason), or ''")
         if self.max_norm is not None:
             expect_number("max_norm", self.max_norm, minimum=0, maximum=math.inf, strict=True)
+        if self.clip_scale is not None:
+            expect_number("clip_scale", self.clip_scale, minimum=0, maximum=math.inf, strict=True)
         if not isinstance(self.expect_mismatch, Mapping):
             raise InvalidArgument.type("expect_mismatch", self.expect_mismatch, "a mapping of regime -> reason")
         if self.regimes is not None:

@@ -263,7 +263,10 @@ class Comparison:
         note = f"\nnote: {self.note}" if self.note else ""
         if self.ok:
             return f"equivalent: margin {self.margin:.3g} ({self.tolerance}){note}"
-        lines = [f"not equivalent ({self.tolerance}): margin {self.margin:.3g}, max abs {self.max_abs:.3g}{note}"]
+        if not self.mismatches and all(kind_of(p) is ProblemKind.COMMUNICATION for p in self.problems):
+            lines = [f"the numbers match (margin {self.margin:.3g}, {self.tolerance}); the communication differs{note}"]
+        else:
+            lines = [f"not equivalent ({self.tolerance}): margin {self.margin:.3g}, max abs {self.max_abs:.3g}{note}"]
         if self.location is not None:
             downstream = len(self.mismatches)
             lines.append(self.location.describe() + (f"; the {downstream} mismatched quantities below differ from "

@@ -27,6 +27,7 @@ from .process.seeding import DEFAULT_SEED
 from .regimes.ddp import DDP_OPTIONS
 from .regimes.resume import Resume
 from .process.import_paths import import_path
+from .registry import resolve_case
 from .regimes.user_code import (MESH_DIMENSIONS, DdpLoop, DdpStep, LoopFn, MeshLoop, MeshStep, PipelineLoop,
                                 PipelineStep, StepFn, UserLoop, UserStep)
 
@@ -34,7 +35,7 @@ from .regimes.user_code import (MESH_DIMENSIONS, DdpLoop, DdpStep, LoopFn, MeshL
 def check_step(
     case: Case | str,
     step: StepFn,
-    reference: str | Regime | StepFn = "full_batch",
+    reference: str | Regime | StepFn | None = None,
     *,
     world_size: int | None = None,
     wrap: Callable[[nn.Module], nn.Module] | None = None,
@@ -51,7 +52,8 @@ def check_step(
     **options,
 ) -> Report:
     """Check a team's ``step(model, optimizer, batch)`` against ``reference``: a regime spec, or another
-    step function (the code before a refactor, or full batch with the same clipping). With ``per_run``,
+    step function (the code before a refactor, or full batch with the same clipping); by default full batch, clipped
+    at the case's ``max_norm`` where it declares the threshold the team's code clips at. With ``per_run``,
     ``step`` is a factory called at the start of every run to make the step: a step that keeps state
     across calls (a GradScaler, a schedule) keeps it there, fresh for each run. ``step`` returns the mean loss of
     the batch it was handed, or None. On ranks (``world_size``, ``mesh``) the losses the ranks return are averaged
@@ -109,7 +111,7 @@ def check_step(
 
     ``options`` go to :func:`equivcheck.check` (rtol, atol, seed, backend, timeout).
     """
-    reference = reference if isinstance(reference, (str, Regime)) else UserStep(reference)
+    reference = _reference(case, reference, UserStep)
     if not isinstance(per_run, bool):
         raise InvalidArgument.type("per_run", per_run, "bool")
     candidate = _candidate("step", step, world_size, mesh, parallelize, collectives, gather,
@@ -124,7 +126,7 @@ def check_step(
 def check_loop(
     case: Case | str,
     loop: LoopFn,
-    reference: str | Regime | LoopFn = "full_batch",
+    reference: str | Regime | LoopFn | None = None,
     *,
     world_size: int | None = None,
     wrap: Callable[[nn.Module], nn.Module] | None = None,
@@ -148,7 +150,7 @@ def check_loop(
     handed the first K global batches, then ``save`` is called; ranks started afresh build the model anew, call
     ``load``, and the loop is handed every global batch again, as the uninterrupted run's loop was, so skipping the K
     it trained before is the loop's own restored position's work (a sampler's epoch and offset)."""
-    reference = reference if isinstance(reference, (str, Regime)) else UserLoop(reference)
+    reference = _reference(case, reference, UserLoop)
     candidate = _candidate("loop", loop, world_size, mesh, parallelize, collectives, gather,
                            {"wrap": wrap, "ddp_options": ddp_options, "optimizer_wrap": optimizer_wrap,
                             "pipeline": pipeline, "syncs_per_step": syncs_per_step})
@@ -156,6 +158,15 @@ def check_loop(
         candidate = _resumed(candidate, resume)
     warn_blind_spots(case, seed=options.get("seed", DEFAULT_SEED), isolate=options.get("isolate", False))
     return check(case, [candidate], reference=reference, **options)
+
+
+def _reference(case: Case | str, given: object, own: type) -> str | Regime:
+    """The reference a team's code is held to: ``given`` (a spec, or the team's own code in ``own``), else full batch
+    clipped as the case says the team's code clips (``Case(max_norm=M)``)."""
+    if given is None:
+        max_norm = resolve_case(case).max_norm
+        return "full_batch" if max_norm is None else f"full_batch:max_norm={max_norm!r}"
+    return given if isinstance(given, (str, Regime)) else own(given)
 
 
 @dataclasses.dataclass(frozen=True)

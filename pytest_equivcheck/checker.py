@@ -32,6 +32,7 @@ class Checker:
               **options) -> ec.Report:
         """Check ``case`` under ``regimes`` (default: its own list; one spec alone is that one regime, as
         ``ec.check`` takes it); fail the test unless all is as expected."""
+        __tracebackhide__ = True
         # ec.check's own reading of the arguments (equivcheck.check.plan): one spec or a list, None the case's list
         distributed = any(spec.distributed for spec in plan(case, regimes).specs)
         return self._run(lambda kw: ec.check(case, regimes, **kw), options, f"check of {case}", distributed)
@@ -39,12 +40,14 @@ class Checker:
     def check_step(self, case: ec.Case | str, step: Callable, reference: object = None, **options) -> ec.Report:
         """Check a team's ``step(model, optimizer, batch)`` against ``reference`` (default: full batch);
         ``world_size=W`` runs it on W DDP ranks, ``mesh={"dp": D, "tp": T}`` with ``parallelize=`` on a mesh."""
+        __tracebackhide__ = True
         return self._run(lambda kw: ec.check_step(case, step, **kw),
                          {**options, "reference": reference}, f"check_step of {case}", _on_ranks(options))
 
     def check_loop(self, case: ec.Case | str, loop: Callable, reference: object = None, **options) -> ec.Report:
         """Check a team's ``loop(model, optimizer, batches)`` against ``reference`` (default: full batch);
         ``world_size=W`` runs it on W ranks, ``mesh={"dp": D, "tp": T}`` with ``parallelize=`` on a mesh."""
+        __tracebackhide__ = True
         return self._run(lambda kw: ec.check_loop(case, loop, **kw),
                          {**options, "reference": reference}, f"check_loop of {case}", _on_ranks(options))
 
@@ -75,6 +78,7 @@ class Checker:
         return report
 
     def _run(self, checking: Callable[[dict], ec.Report], options: dict, what: str, distributed: bool) -> ec.Report:
+        __tracebackhide__ = True  # a failure shows the test's line and equivcheck's description, not the plugin's frames
         allow_communication = options.pop("allow_communication", False)  # a gate's choice, not the check's
         kw = {**self._defaults, **{k: v for k, v in options.items() if v is not None}}
         # Distributed jobs are bounded by the pool, which tears itself down cleanly on a timeout; an alarm

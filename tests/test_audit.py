@@ -70,13 +70,15 @@ def test_clipping_is_caught_only_where_the_threshold_engages(max_norm, sensitivi
     assert finding.sensitivity is sensitivity
     if sensitivity is BLIND:
         assert finding.evidence.startswith("the reference's gradient norm (up to 0.41) never reaches max_norm (1)")
-    assert ec.audit("mlp").finding(CLIPPING).sensitivity is NOT_APPLICABLE
+    found = ec.audit("mlp")
+    assert found.finding(CLIPPING).sensitivity is NOT_APPLICABLE
+    assert str(found) == found.describe() and str(found).startswith("audit of mlp: can it catch")  # print() gives the table
 
 
 def test_an_unregistered_case_says_why_the_ddp_classes_were_not_run():
     case = dataclasses.replace(ec.get_case("tokens"), name="my_unregistered_tokens")
     finding = ec.audit(case).finding(PER_RANK)
-    assert finding.sensitivity is NOT_RUN and "not registered" in finding.evidence
+    assert finding.sensitivity is NOT_RUN and "bound to none" in finding.evidence
 
 
 # --- the warnings of check_step and check_loop -------------------------------------------------------

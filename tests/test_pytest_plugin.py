@@ -53,13 +53,16 @@ def test_fixture_passes_and_fails_with_equivchecks_description(pytester):
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines([
         f"equivcheck: seed 0, torch *, device cpu, backend {auto_backend()}, dtype per case, world sizes per test",
-        "*NotEquivalent: 1 of 1 checks failed:*",
+        "E *NotEquivalent: mlp under step:naive_step: mismatch*",  # the verdict (and where it parts) first
+        "*1 of 1 checks failed:*",
         "*mlp under step:naive_step: mismatch*",
         "*grad of '0.weight' mismatched from step 0*",
         "*= equivcheck =*",
         "case*accumulate:chunks=5*step:naive_step",
         "mlp*ok *MISMATCH *",
     ])
+    failure = result.stdout.str().split("= FAILURES =")[1]
+    assert "checker.py" not in failure and "verdict.py" not in failure  # the plugin's frames hidden
 
 
 def test_generated_tests_have_readable_ids_and_obey_k(pytester):

@@ -124,7 +124,8 @@ def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch
                 "loss summed over the TP ranks, each of which computes the whole loss")
     if factor is not None:
         clipping = (", or gradient clipping that engages in only one of the two (clip_grad_norm_ scales every "
-                    "gradient by one factor below 1): give the reference the same clipping") if factor < 1 else ""
+                    "gradient by one factor below 1): give the reference the same clipping"
+                    + _clipped_at(candidate)) if factor < 1 else ""
         return Hint(("loss", "gradient"),
                 f"every gradient is {factor:.6g} x the reference's from step 0: likely loss scaling "
                 f"(sum vs mean, a missing or extra / K, or gradients left scaled by a GradScaler){clipping}")
@@ -177,6 +178,16 @@ def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch
                 "missing / K clips to the same gradient); likely the RNG stream (dropout), optimizer state, a "
                 "learning-rate schedule, or a scaling bug under clipping")
     return ""
+
+
+def _clipped_at(candidate: RunResult) -> str:
+    """The reference spec that clips as the candidate seems to: at the norm of its step-0 gradients, which a step that
+    clipped there left at its threshold."""
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(as_real(g).double())
+                                                 for g in candidate.grads[0].values()])).item()
+    threshold = float(f"{norm:.3g}")
+    return (f" (the run's gradient norm at step 0 is {norm:.6g}: a step that clips at {threshold:g} is held to "
+            f"reference=\"full_batch:max_norm={threshold:g}\", or to Case(max_norm={threshold:g}))")
 
 
 def _epoch_tail(samples: tuple[int, ...], first: int) -> str:

@@ -74,6 +74,13 @@ class Outcome:
         """Where the run first parts from its reference (step, phase, module), on a comparison that failed."""
         return None if self.comparison is None else self.comparison.location
 
+    def headline(self) -> str:
+        """One line: the verdict and where the run parts (else why), what a failed gate says first."""
+        head = f"{self.case} under {self.regime}: {self.verdict.value}"
+        if self.location is not None:
+            return f"{head}, {self.location.describe()}"
+        return f"{head} ({self.reason})" if self.reason else head
+
     def describe(self) -> str:
         head = f"{self.case} under {self.regime}: {self.verdict.value}"
         if self.reason:
@@ -112,10 +119,12 @@ class Report:
         """Raise :class:`NotEquivalent` describing every outcome that is not as expected; with
         ``allow_communication``, a regime whose numbers match but whose synchronisation count does not
         passes (a gate on correctness alone)."""
+        __tracebackhide__ = True  # pytest: the failure is the caller's line, not this one
         failures = [o for o in self.failures if not (allow_communication and o.verdict is Verdict.COMMUNICATION)]
         if failures:
+            lead = "\n".join(o.headline() for o in failures)
             details = "\n\n".join(o.describe() for o in failures)
-            raise NotEquivalent(f"{len(failures)} of {len(self.outcomes)} checks failed:\n\n{details}")
+            raise NotEquivalent(f"{lead}\n\n{len(failures)} of {len(self.outcomes)} checks failed:\n\n{details}")
 
     def assert_saves_memory(self, regime: str | Regime, max_ratio: float, *, case: str | None = None) -> None:
         """Raise :class:`MemoryNotSaved` unless ``regime`` peaks at most ``max_ratio`` of the reference's
@@ -147,15 +156,18 @@ def expected_mismatch(case: Case, regime: Regime) -> str | None:
 CLIPPED = 1e-4  # clip_grad_norm_ leaves the norm at max_norm * total / (total + 1e-6): within this of max_norm
 
 
-def _clipping_note(regime: Regime, result: RunResult) -> str:
+def _clipping_note(case: Case, regime: Regime, result: RunResult) -> str:
     """Whether a clipping regime's clipping engaged: a clipped reference whose norm never reaches its
-    max_norm checks nothing about clipping. Engaged = the gradient the step used has norm max_norm."""
+    max_norm (scaled by the case's ``clip_scale``) checks nothing about clipping. Engaged = the gradient the step
+    used has norm max_norm."""
     max_norm = regime.clips_at()
     if max_norm is None or not result.grad_norms:
         return ""
+    threshold = max_norm * (case.clip_scale or 1.0)
     norms = result.grad_norms
-    engaged = sum(norm >= max_norm * (1 - CLIPPED) for norm in norms)
-    return f"{regime}: clipping engaged at {engaged} of {len(norms)} steps"
+    engaged = sum(norm >= threshold * (1 - CLIPPED) for norm in norms)
+    scaled = f" at {threshold:g} (clip_scale {case.clip_scale:g})" if case.clip_scale is not None else ""
+    return f"{regime}: clipping engaged{scaled} at {engaged} of {len(norms)} steps"
 
 
 def judge(case: Case, spec: Regime, comparison: Comparison, seconds: float, result: RunResult,
@@ -170,7 +182,8 @@ def judge(case: Case, spec: Regime, comparison: Comparison, seconds: float, resu
         reason = comparison.note if comparison.ok else _only_gradients(comparison)
     else:
         verdict = Verdict.EXPECTED_MISMATCH if not comparison.ok else Verdict.UNEXPECTED_MATCH
-    notes = dict.fromkeys(filter(None, (_clipping_note(reference_regime, reference), _clipping_note(spec, result),
+    notes = dict.fromkeys(filter(None, (_clipping_note(case, reference_regime, reference),
+                                        _clipping_note(case, spec, result),
                                         _tolerance_note(comparison))))
     reason = "; ".join(filter(None, (reason, *notes)))
     return Outcome(case.name, str(spec), verdict, comparison, reason, seconds, result,
@@ -200,6 +213,10 @@ def _only_gradients(comparison: Comparison) -> str:
     return ""
 
 
+NO_SYNC = ("; every backward through a DDP model reduces its gradients unless it runs under model.no_sync(): a step that "
+           "accumulates runs every micro-batch's backward but the last under no_sync()")
+
+
 def _distributed_problems(spec: Regime, result: RunResult, comparison: Comparison) -> tuple[Problem, ...]:
     """What numbers alone miss: replicas that drifted apart, and communication a regime should not make."""
     problems = []
@@ -216,7 +233,8 @@ def _distributed_problems(spec: Regime, result: RunResult, comparison: Compariso
                 problems.append(Problem(
                     ProblemKind.COMMUNICATION,
                     f"communication: step {step} {spec.sync_collective} gradients {syncs} time(s) "
-                    f"({result.sync_bytes[step]} bytes per rank); a faithful step does it {expected} time(s){each}"))
+                    f"({result.sync_bytes[step]} bytes per rank); a faithful step does it {expected} time(s){each}"
+                    + (NO_SYNC if syncs > expected and spec.sync_collective == "all-reduced" else "")))
                 break
     declared = spec.declared_collectives()
     if declared is not None and result.collectives is not None:

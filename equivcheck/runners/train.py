@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from ..case import Batch, Case, Objective
-from . import anchors, checkpoints
+from . import anchors, checkpoints, clipping
 from .request import RunRequest
 from .closure import evaluate_closure
 from .tracing import TraceComplete, traced, tracing
@@ -85,7 +85,7 @@ def _train(request: RunRequest, device: torch.device, *, against: Expected | Non
     trains again, copying)."""
     started = time.perf_counter()
     with intra_op.using(request.threads), seeded(request.seed), default_dtype(request.precision.dtype), \
-            request.precision.kernel_path.applied():
+            request.precision.kernel_path.applied(), clipping.scaled(request.case.clip_scale):
         built = build(request, device)
         torch.set_num_threads(intra_op.for_model(request.threads, request.wide_threads,
                                                  sum(p.numel() for p in built.model.parameters())))

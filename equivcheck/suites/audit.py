@@ -21,8 +21,8 @@ from ..case import Batch, Case
 from ..judge.verdict import Outcome
 from ..check import check
 from ..runners.dispatch import run
-from ..errors import BlindSpotWarning, RunDied, warn
-from ..registry import all_cases, resolve_case
+from ..errors import BlindSpotWarning, InvalidArgument, RunDied, warn
+from ..registry import importable_source, resolve_case
 from ..regimes import Pitfall, chunk_pairs, parse_regime
 from ..regimes.ddp import shard
 from ..regimes.pitfalls import clipping_optimizer
@@ -108,6 +108,8 @@ class Audit:
         lines += [f"  {f.pitfall:<{width}}  {f.sensitivity.value:<14}  {f.evidence}" for f in self.findings]
         return "\n".join(lines)
 
+    __str__ = describe  # print(ec.audit(case)) prints the table
+
     def to_rows(self) -> list[dict]:
         return [{"case": self.case, "pitfall": f.pitfall, "sensitivity": f.sensitivity.value,
                  "evidence": f.evidence, "regime": f.regime, "margin": f.margin} for f in self.findings]
@@ -165,18 +167,23 @@ def warn_blind_spots(case: Case | str, *, seed: int = DEFAULT_SEED, isolate: boo
         warn(BlindSpotWarning(
             f"case {case.name!r} cannot catch a per-micro-batch or per-rank mean (token normalisation): {reason}, "
             f"so a step that splits each batch of {case.batch_size} into equal micro-batches or shards averages "
-            "exactly like full batch. Give samples different item counts (padding, masks) to catch it; "
-            "ec.audit(case) lists every class of bug the case can and cannot show"))
+            "exactly like full batch. Give samples different item counts (padding, masks) to catch it. A step "
+            "that averages each micro-batch or shard over its own items (the mean loss of each, divided by K) then "
+            "fails, and rightly: with uneven counts its mean is not the global batch's, as in training on padded or "
+            "masked batches; such a step divides each micro-batch's summed loss by the global batch's item count "
+            "instead. ec.audit(case) lists every class of bug the case can and cannot show"))
     if case.max_norm is not None:
         try:
-            norm = max(_norm(step) for step in run(case, "full_batch", seed=seed, isolate=isolate).grads)
+            norms = [_norm(step) for step in run(case, "full_batch", seed=seed, isolate=isolate).grads]
         except RunDied:
             return
-        if norm < case.max_norm:
+        if max(norms) < clipping_threshold(case):
             warn(BlindSpotWarning(
-                f"case {case.name!r} cannot catch a clipping bug: the reference's gradient norm (up to {norm:.2g}) "
-                f"never reaches max_norm ({case.max_norm:g}), so clipping never engages; scale the loss or the data "
-                "up, or check at a lower max_norm"))
+                f"case {case.name!r} cannot catch a clipping bug: the reference's gradient norm (up to "
+                f"{max(norms):.2g}) never reaches {_threshold_words(case)}, so clipping never engages. With no change "
+                f"to the step: Case(..., clip_scale={engaging_scale(case, norms):.2g}) makes every clip_grad_norm_ of "
+                "the check, the step's and the reference's, clip at that fraction of its threshold, which engages "
+                "at every step here"))
 
 
 # --- the audit: every applicable pitfall regime, run ------------------------------------------------
@@ -264,7 +271,7 @@ def audit(case: Case | str, *, seed: int = DEFAULT_SEED, timeout: float | None =
     with seeded(seed):
         model = case.model()
     probes = _probes(shape, model)
-    registered = all_cases().get(case.name) is case
+    registered = _crosses_to_ranks(case)
     options = {"seed": seed, "isolate": isolate, "device": device} | ({"timeout": timeout} if timeout is not None else {})
     wanted = {pair for p in probes if p.not_applicable is None and (registered or not p.distributed) for pair in p.pairs}
     outcomes = _against_twins(case, wanted, options)
@@ -283,12 +290,22 @@ def _against_twins(case: Case, pairs: Iterable[tuple[str, str]], options: dict) 
             for o in check(case, pitfalls, reference=twin, **options).outcomes}
 
 
+def _crosses_to_ranks(case: Case) -> bool:
+    """Whether DDP ranks can import ``case``: registered, or bound to a name at a module's top level."""
+    try:
+        importable_source(case)
+    except InvalidArgument:
+        return False
+    return True
+
+
 def _finding(probe: Probe, outcomes: dict[tuple[str, str], Outcome], registered: bool) -> Finding:
     if probe.not_applicable is not None:
         return Finding(probe.pitfall, Sensitivity.NOT_APPLICABLE, probe.not_applicable)
     if probe.distributed and not registered:
         return Finding(probe.pitfall, Sensitivity.NOT_RUN,
-                       "the case is not registered (ec.register_case): DDP ranks import cases by name")
+                       "DDP ranks import a case by the name it is bound to at a module's top level (CASE = "
+                       "ec.Case(...)), registered or not, and this one is bound to none")
     if not probe.pairs:
         return Finding(probe.pitfall, Sensitivity.BLIND, probe.blind_reason())
     return _strongest(probe.pitfall, [outcomes[pair] for pair in probe.pairs], probe.blind_reason)
@@ -320,6 +337,21 @@ def _epoch_end(case: Case) -> Finding:
                    f"over {case.epochs} epoch(s): the bugs live in a team's loop, so check that loop with check_loop")
 
 
+def clipping_threshold(case: Case) -> float:
+    """Where the case's clipping engages: its ``max_norm``, scaled by its ``clip_scale`` (runners/clipping.py)."""
+    return case.max_norm * (case.clip_scale or 1.0)
+
+
+def engaging_scale(case: Case, norms: list[float]) -> float:
+    """A ``clip_scale`` that puts the threshold at half the reference's least gradient norm: clipping at every step."""
+    return min(norms) / 2 / case.max_norm
+
+
+def _threshold_words(case: Case) -> str:
+    scaled = f" x clip_scale {case.clip_scale:g}" if case.clip_scale is not None else ""
+    return f"max_norm ({case.max_norm:g}{scaled})"
+
+
 def _clipping(case: Case, options: dict) -> Finding:
     """Clipping per micro-batch shows only where the clipping threshold engages: the reference's gradient
     norm must reach ``case.max_norm`` at some step."""
@@ -338,8 +370,9 @@ def _clipping(case: Case, options: dict) -> Finding:
     norms = [_norm(step) for step in run(case, "full_batch", **options).grads]  # unclipped: what clipping meets
 
     def reason() -> str:
-        if max(norms) < case.max_norm:
-            return f"the reference's gradient norm (up to {max(norms):.2g}) never reaches max_norm ({case.max_norm:g})"
+        if max(norms) < clipping_threshold(case):
+            return (f"the reference's gradient norm (up to {max(norms):.2g}) never reaches {_threshold_words(case)}: "
+                    f"Case(..., clip_scale={engaging_scale(case, norms):.2g}) engages it with no change to the step")
         return "clipping each half of the batch changes nothing measurable"
 
     return _strongest(pitfall, [outcome], reason)
