@@ -16,7 +16,7 @@ AS_USERS := env -u OMP_NUM_THREADS -u MKL_NUM_THREADS
 WORKERS ?= 2
 XDIST = -n $(WORKERS) --dist loadfile
 
-.PHONY: install demo demo-full demo-parts test test-dev test-gpu test-frameworks bench bench-speed bench-threads bench-isolation bench-memory bench-scale bench-mesh bench-false-alarms bench-compile bench-locate bench-suite mutation clean
+.PHONY: install demo demo-full demo-parts installed-suite test test-full test-dev test-gpu test-frameworks bench bench-speed bench-threads bench-isolation bench-memory bench-scale bench-mesh bench-false-alarms bench-compile bench-locate bench-suite mutation clean
 
 # The developer's venv: an editable install, for make demo, make test-dev and the benchmarks.
 install: $(STAMP)
@@ -71,7 +71,10 @@ $(INSTALLED)/venv/.installed:
 	$(INSTALLED_BIN)/python -m pip install --quiet --disable-pip-version-check "$(TORCH)" build
 	touch $@
 
-test: $(INSTALLED)/venv/.installed
+# The wheel, installed, and a copy of the tests where nothing of the checkout is importable; then the suite there.
+INSTALLED_SUITE = cd $(SUITE) && EQUIVCHECK_SOURCE_TREE="$(CURDIR)" EQUIVCHECK_DIST="$(CURDIR)/$(DIST)"
+INSTALLED_PYTEST = ../venv/bin/python -m pytest -q -p no:cacheprovider $(XDIST)
+installed-suite: $(INSTALLED)/venv/.installed
 	rm -rf $(DIST) $(SUITE) $(SOURCE)
 	mkdir -p $(SOURCE) && git ls-files -z --cached --others --exclude-standard \
 		| tar --null --files-from=- --ignore-failed-read -cf - | tar -xf - -C $(SOURCE)
@@ -79,10 +82,14 @@ test: $(INSTALLED)/venv/.installed
 	$(INSTALLED_BIN)/python -m pip uninstall --quiet --yes equivcheck
 	$(INSTALLED_BIN)/python -m pip install --quiet --disable-pip-version-check "$$(ls $(DIST)/*.whl)[test]"
 	mkdir -p $(SUITE) && cp -r tests conftest.py pyproject.toml README.md $(SUITE)/
-	cd $(SUITE) && EQUIVCHECK_SOURCE_TREE="$(CURDIR)" EQUIVCHECK_DIST="$(CURDIR)/$(DIST)" \
-		../venv/bin/python -m pytest -q -p no:cacheprovider $(XDIST) $(USERS_TESTS:%=--ignore=%)
-	cd $(SUITE) && EQUIVCHECK_SOURCE_TREE="$(CURDIR)" EQUIVCHECK_DIST="$(CURDIR)/$(DIST)" \
-		$(AS_USERS) ../venv/bin/python -m pytest -q -p no:cacheprovider $(XDIST) $(USERS_TESTS)
+
+test: installed-suite
+	$(INSTALLED_SUITE) $(INSTALLED_PYTEST) $(USERS_TESTS:%=--ignore=%)
+	$(INSTALLED_SUITE) $(AS_USERS) $(INSTALLED_PYTEST) $(USERS_TESTS)
+
+# What make test samples, whole (conftest.py: the tests marked full_only or sampled, run with --full). CI runs both.
+test-full: installed-suite
+	$(INSTALLED_SUITE) $(INSTALLED_PYTEST) --full -m "full_only or sampled"
 
 # On a GPU machine, with the Python and torch installed there: the suite, the catalogue, the field and the matrix on
 # the CPU default and with --device cuda, then the GPU bench (bench/gpu_check.sh; outputs in build/gpu).

@@ -1,5 +1,5 @@
-"""Repository-wide pytest settings: hypothesis profiles (pick one with --hypothesis-profile), pytester, and
-what `make mutation` needs to see the DDP ranks."""
+"""Repository-wide pytest settings: hypothesis profiles (pick one with --hypothesis-profile), pytester, the sample
+`make test` runs of what `make test-full` runs whole (--full), and what `make mutation` needs to see the DDP ranks."""
 
 import glob
 import json
@@ -18,6 +18,46 @@ settings.register_profile("ci", derandomize=True, max_examples=25, deadline=None
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", max_examples=300, deadline=None)
 settings.load_profile("ci")
+
+
+# make test keeps under 10 minutes on 2 cores by sampling its longest runs; make test-full (--full) runs them whole.
+# A test marked `full_only` runs with --full alone (a row the sample leaves out, a second layout of the same run); a
+# test marked `sampled` runs in both and asks `whole` how much (the catalogue compared as it trains, the DDP fuzz).
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", default=False,
+                     help="run whole what make test samples (the tests marked full_only or sampled: make test-full)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "full_only: left out of make test's sample, run by make test-full (--full)")
+    config.addinivalue_line("markers", "sampled: make test runs a sample of it, make test-full (--full) all of it")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--full"):
+        return
+    left_out = [item for item in items if item.get_closest_marker("full_only")]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if not item.get_closest_marker("full_only")]
+        config.stash[LEFT_OUT] = len(left_out)
+
+
+LEFT_OUT = pytest.StashKey[int]()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    left_out = config.stash.get(LEFT_OUT, 0)
+    if left_out:
+        terminalreporter.write_line(f"{left_out} tests left to make test-full (--full), and the sampled ones run "
+                                    "whole there")
+
+
+@pytest.fixture(scope="session")
+def whole(request) -> bool:
+    """Whether this run checks whole what make test samples (--full)."""
+    return request.config.getoption("--full")
+
 
 
 @pytest.fixture(scope="session", autouse=True)
