@@ -5,10 +5,9 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# The cases are tiny: one torch thread per process beats several fighting over 2 cores. The tests of what users run
-# (USERS_TESTS: the plugin, the commands, several gates in one session) run without it, as users run them.
+# The cases are tiny: one torch thread per process beats several fighting over 2 cores (the demo, the benchmarks).
+# The suite runs without it, as users run pytest and the commands (equivcheck picks its own thread count).
 export OMP_NUM_THREADS ?= 1
-USERS_TESTS := tests/test_as_users_run.py tests/test_pytest_plugin.py tests/test_cli.py
 AS_USERS := env -u OMP_NUM_THREADS -u MKL_NUM_THREADS
 # pytest-xdist workers for make test and make test-dev: the suite's time is in the processes its tests start
 # (commands, ranks, pytest sessions), which two workers overlap (bench/README.md#the-suite). Whole files to a worker:
@@ -53,8 +52,7 @@ demo-parts:
 	@$(BIN)/equivcheck run --matrix --case tp_mlp --case checkpointed_dropout --warnings $(DEMO)/tp.warnings.txt | awk '/^cell:/ {done = 1} !done'
 
 test-dev: install
-	$(BIN)/python -m pytest -q $(XDIST) $(USERS_TESTS:%=--ignore=%)
-	$(AS_USERS) $(BIN)/python -m pytest -q $(XDIST) $(USERS_TESTS)
+	$(AS_USERS) $(BIN)/python -m pytest -q $(XDIST)
 
 # make test checks what users install: the sdist of the tree as git sees it, the wheel built from that sdist, that wheel installed into its own
 # venv, and the suite run from a copy of the tests, where nothing of the checkout is importable
@@ -84,12 +82,11 @@ installed-suite: $(INSTALLED)/venv/.installed
 	mkdir -p $(SUITE) && cp -r tests conftest.py pyproject.toml README.md $(SUITE)/
 
 test: installed-suite
-	$(INSTALLED_SUITE) $(INSTALLED_PYTEST) $(USERS_TESTS:%=--ignore=%)
-	$(INSTALLED_SUITE) $(AS_USERS) $(INSTALLED_PYTEST) $(USERS_TESTS)
+	$(INSTALLED_SUITE) $(AS_USERS) $(INSTALLED_PYTEST) --durations=15
 
 # What make test samples, whole (conftest.py: the tests marked full_only or sampled, run with --full). CI runs both.
 test-full: installed-suite
-	$(INSTALLED_SUITE) $(INSTALLED_PYTEST) --full -m "full_only or sampled"
+	$(INSTALLED_SUITE) $(AS_USERS) $(INSTALLED_PYTEST) --full -m "full_only or sampled"
 
 # On a GPU machine, with the Python and torch installed there: the suite, the catalogue, the field and the matrix on
 # the CPU default and with --device cuda, then the GPU bench (bench/gpu_check.sh; outputs in build/gpu).

@@ -206,15 +206,19 @@ def test_the_gate_fails_a_communication_verdict_unless_told_to_allow_it_and_neve
                                outcome("accumulate:chunks=2", Verdict.EQUIVALENT)))
     with pytest.raises(ec.NotEquivalent) as raised:
         communication.assert_equivalent()
-    assert str(raised.value) == f"1 of 2 checks failed:\n\n{communication.outcomes[0].describe()}"
+    first = communication.outcomes[0]
+    assert str(raised.value) == f"{first.headline()}\n\n1 of 2 checks failed:\n\n{first.describe()}"
     communication.assert_equivalent(allow_communication=True)
     both = communication + ec.Report((outcome("naive_accumulate:chunks=5", Verdict.MISMATCH),))
     with pytest.raises(ec.NotEquivalent) as raised:
         both.assert_equivalent(allow_communication=True)
-    assert str(raised.value) == f"1 of 3 checks failed:\n\n{both.outcomes[2].describe()}"
+    mismatch = both.outcomes[2]
+    assert str(raised.value) == f"{mismatch.headline()}\n\n1 of 3 checks failed:\n\n{mismatch.describe()}"
     with pytest.raises(ec.NotEquivalent) as raised:
         both.assert_equivalent()
-    assert str(raised.value).startswith("2 of 3 checks failed:\n\n") and "\n\nmlp under naive" in str(raised.value)
+    lines = str(raised.value).splitlines()
+    assert lines[0].endswith(": communication (communication)") and lines[1].endswith(": mismatch (mismatch)")
+    assert lines[3] == "2 of 3 checks failed:" and "\n\nmlp under naive" in str(raised.value)
 
 
 def test_only_communication_problems_make_a_communication_verdict_and_only_gradients_a_note():

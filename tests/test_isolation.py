@@ -203,7 +203,7 @@ def test_alongside(equivcheck):
 """
 
 
-@pytest.mark.parametrize("workers", [[], ["-n", "2"]])
+@pytest.mark.parametrize("workers", [[], pytest.param(["-n", "2"], marks=pytest.mark.full_only)])  # xdist: test-full
 def test_the_plugin_reports_the_crash_and_runs_every_other_test(pytester, workers):
     pytester.makepyfile(test_alongside=PLUGIN_TEST)
     result = pytester.runpytest_subprocess(

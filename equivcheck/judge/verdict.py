@@ -16,7 +16,7 @@ from ..diff import Comparison, Location, Problem, ProblemKind, kind_of
 from ..errors import InvalidArgument, MemoryNotSaved, NotEquivalent, expect_number
 from ..regimes import Regime, parse_regime
 from ..result import RunResult
-from .hints import diagnose
+from .hints import Hint, diagnose
 from .memory import MemoryUse
 
 
@@ -176,6 +176,8 @@ def judge(case: Case, spec: Regime, comparison: Comparison, seconds: float, resu
     if problems:
         comparison = dataclasses.replace(comparison, problems=comparison.problems + problems)
     comparison = diagnose(reference, result, comparison)
+    if not comparison.ok and not comparison.hint and _synced_every_backward(spec, result):
+        comparison = dataclasses.replace(comparison, hint=NO_SYNC)
     reason = expected_mismatch(case, spec)
     if reason is None:
         verdict = Verdict.EQUIVALENT if comparison.ok else _failed(comparison)
@@ -213,8 +215,15 @@ def _only_gradients(comparison: Comparison) -> str:
     return ""
 
 
-NO_SYNC = ("; every backward through a DDP model reduces its gradients unless it runs under model.no_sync(): a step that "
-           "accumulates runs every micro-batch's backward but the last under no_sync()")
+NO_SYNC = Hint(("communication",), "every backward through a DDP model all-reduces its gradients unless it runs under "
+              "model.no_sync(): a step that accumulates runs every micro-batch's backward but the last under no_sync()")
+
+
+def _synced_every_backward(spec: Regime, result: RunResult) -> bool:
+    """Whether a DDP run all-reduced more often than a faithful step: no_sync() left out."""
+    if spec.syncs_per_step is None or not result.syncs or spec.sync_collective != "all-reduced":
+        return False
+    return any(syncs > spec.syncs_per_step * (result.sync_wrappers or 1) for syncs in result.syncs)
 
 
 def _distributed_problems(spec: Regime, result: RunResult, comparison: Comparison) -> tuple[Problem, ...]:
@@ -233,8 +242,7 @@ def _distributed_problems(spec: Regime, result: RunResult, comparison: Compariso
                 problems.append(Problem(
                     ProblemKind.COMMUNICATION,
                     f"communication: step {step} {spec.sync_collective} gradients {syncs} time(s) "
-                    f"({result.sync_bytes[step]} bytes per rank); a faithful step does it {expected} time(s){each}"
-                    + (NO_SYNC if syncs > expected and spec.sync_collective == "all-reduced" else "")))
+                    f"({result.sync_bytes[step]} bytes per rank); a faithful step does it {expected} time(s){each}"))
                 break
     declared = spec.declared_collectives()
     if declared is not None and result.collectives is not None:
