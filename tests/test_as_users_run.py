@@ -1,8 +1,8 @@
 """The gate as users run it: ``OMP_NUM_THREADS`` and ``MKL_NUM_THREADS`` unset (as CI runners and laptops have them),
 several in-process checks in one pytest session, one of them failing.
 
-The Makefile exports ``OMP_NUM_THREADS=1`` for the rest of the suite; every process these tests start runs without
-it. There the checking process trains and compares on torch's own thread count, so OpenMP's pool is live when the
+make test runs the whole suite so; whatever the suite's own environment, every process these tests start runs without
+them. There the checking process trains and compares on torch's own thread count, so OpenMP's pool is live when the
 next check forks its isolating child: a child that copies a tensor on that inherited pool waits for threads that did
 not survive the fork, for ever (issue 64). Each process here has a limit, so that a hang fails its test.
 """
@@ -75,7 +75,8 @@ def run_as_users(args: list[str], cwd) -> subprocess.CompletedProcess:
                           timeout=PROCESS_LIMIT)
 
 
-@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["in-process", "xdist"])
+@pytest.mark.parametrize("workers", [[], pytest.param(["-n", "2"], marks=pytest.mark.full_only)],
+                         ids=["in-process", "xdist"])  # under xdist: make test-full
 def test_three_checks_in_one_session_end_one_failed_two_passed(tmp_path, workers):
     (tmp_path / "test_gate.py").write_text(GATE_TESTS)
     done = run_as_users([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",

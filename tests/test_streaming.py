@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import equivcheck as ec
-from equivcheck.suites.catalogue import catalogue_entries, run_catalogue
 from equivcheck.judge.compare import Expected, tolerance_of
 from equivcheck.regimes import register_regime
 from equivcheck.regimes.local import FullBatch
@@ -33,26 +32,7 @@ def figures(outcome: ec.Outcome) -> tuple:
     return outcome.case, outcome.regime, outcome.verdict, outcome.reason, outcome.comparison
 
 
-@pytest.mark.sampled
-def test_the_catalogue_compared_as_it_trains_gives_every_verdict_hint_and_figure_of_the_recorded_one(monkeypatch,
-                                                                                                     whole):
-    """The pitfalls on up to 2 ranks and their twins (every family but the larger meshes', which compare alike), in
-    float32, where a breakdown has the most parts: the pitfalls are trained again and recorded for their breakdown
-    (hints, float64 shadows, the witness), the twins never. (float64's comparisons are float32's without the shadows.)
-    make test takes every third entry from the second (13 of 39, batchnorm_cnn's unmeasured twin among them); make
-    test-full all."""
-    entries = [entry for entry in catalogue_entries() if ec.parse_regime(entry.regime).world_size <= 2]
-    entries = entries if whole else entries[1::3]
-    recorded = run_catalogue(["float32"], entries)
-    monkeypatch.setattr(check_module, "COMPARE_AS_IT_TRAINS_FROM", 0)
-    streamed = run_catalogue(["float32"], entries)
-    assert len(recorded) == len(streamed) >= (35 if whole else 12)
-    for before, after in zip(recorded, streamed):
-        assert figures(after.pitfall) == figures(before.pitfall)
-        assert figures(after.twin) == figures(before.twin)
-    twins = [row.twin.result for row in streamed if row.twin.verdict is ec.Verdict.EQUIVALENT
-             and row.twin.result is not None and not ec.get_case(row.twin.case).regimes]
-    assert any(result.measured is not None for result in twins)
+# The catalogue compared as it trains against its recorded rows: tests/test_catalogue.py (one run of them shared).
 
 
 def test_a_run_compared_as_it_trains_keeps_no_tensor_and_measures_what_compare_measures():
