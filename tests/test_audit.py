@@ -103,6 +103,8 @@ def test_the_token_bug_passes_on_equal_lengths_with_a_warning_and_is_caught_on_p
     with pytest.warns(ec.BlindSpotWarning, match="every sample holds the same number of items .7.") as seen:
         blind = ec.check_step(same_lengths, mean_over_k_step)
     assert seen[0].filename == __file__  # at the user's own call
+    # the advice says what following it does to a step that averages per micro-batch: it fails, and why
+    assert "the mean loss of each, divided by K) then fails, and rightly" in str(seen[0].message)
     assert blind.outcomes[0].verdict is ec.Verdict.EQUIVALENT
     caught = ec.check_step("tokens", mean_over_k_step)
     assert caught.outcomes[0].verdict is ec.Verdict.MISMATCH

@@ -45,6 +45,11 @@ def test_no_sync_all_reduces_once_per_step_and_its_twin_every_micro_batch():
     assert every.verdict is Verdict.EXPECTED_MISMATCH  # ... the communication is not
     assert every.comparison.problems == (
         "communication: step 0 all-reduced gradients 3 time(s) (2472 bytes per rank); a faithful step does it 1 time(s)",)
+    # said as what it is: no "not equivalent" over a margin below 1, and the advice names no_sync
+    assert every.comparison.describe().startswith("the numbers match (margin ")
+    assert "the communication differs" in every.comparison.describe().splitlines()[0]
+    assert "model.no_sync()" in every.comparison.hint
+    assert no_sync.comparison.hint == ""
 
 
 def test_ddp_keeps_the_global_mean_with_uneven_shards_and_token_counts():
