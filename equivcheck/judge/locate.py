@@ -42,6 +42,46 @@ from ..trace import ModuleCall, StepTrace
 Replay = Callable[[tuple[int, ...], bool], tuple[RunResult, RunResult]]
 
 
+UNSEEN = "not recorded in the run (replaced during the step, compiled, or not called)"
+
+
+class Told:
+    """What a walk was shown of each module it passed, in its order: alike (every call of it compared and computed
+    alike from what the reference's was given), given otherwise (compared: what it was handed differs, which the code
+    around it made), or unseen with why (not recorded, not told). A module the walk never reached is unseen too."""
+
+    def __init__(self) -> None:
+        self._unseen: dict[str, str] = {}
+        self._given_otherwise: set[str] = set()
+        self._alike: set[str] = set()
+
+    def alike(self, module: str) -> None:
+        self._alike.add(module)
+
+    def given_otherwise(self, module: str) -> None:
+        self._given_otherwise.add(module)
+
+    def unseen(self, module: str, why: str) -> None:
+        self._unseen.setdefault(module, why)
+
+    def seen(self, module: str) -> bool:
+        return module not in self._unseen and (module in self._alike or module in self._given_otherwise)
+
+    def is_alike(self, module: str) -> bool:
+        return self.seen(module) and module not in self._given_otherwise
+
+    def why(self, modules: list[str]) -> dict[str, list[str]]:
+        """``modules`` grouped by why each was not seen."""
+        grouped: dict[str, list[str]] = {}
+        for module in modules:
+            grouped.setdefault(self._unseen.get(module, "not reached before it"), []).append(module)
+        return grouped
+
+
+def _shown(modules: list[str]) -> str:
+    return ", ".join(f"`{name}`" for name in modules[:4]) + (", ..." if len(modules) > 4 else "")
+
+
 def locate(comparison: Comparison, reference: RunResult, candidate: RunResult, replay: Replay) -> Location | None:
     """Where ``candidate`` first parts from ``reference``, from what the comparison shows and from ``replay(steps)``:
     both runs again, those steps traced, once: the first step whose gradients differ and the one before it (whose
@@ -271,12 +311,15 @@ class _Walk:
             return fed
         fed_apart: tuple[ModuleCall, ModuleCall] | None = None  # the first call fed otherwise after clean ones
         clean = True  # every call so far told whole, and computed alike from the same inputs
+        told = Told()
         for call in self.reference.calls:
             theirs = self._joined_call(call)
             if theirs is None:
+                told.unseen(call.module, UNSEEN)
                 clean = False
                 continue
             if not self._same_inputs(theirs, call):
+                told.given_otherwise(call.module)
                 if clean:
                     fed_apart = (call, theirs)
                 clean = False
@@ -284,14 +327,17 @@ class _Walk:
             for position, (actual, expected) in enumerate(zip(theirs.outputs, call.outputs)):
                 diff = self._diff(actual, expected)
                 clean = clean and diff is not None  # an output that cannot be told may differ
+                if diff is None:
+                    told.unseen(call.module, "its output could not be told")
                 if diff is not None and diff.margin > 1:
                     if _drew_otherwise(theirs, call):
                         return Location(self.step, "state", "", f"the random state {_named(call)} drew from", None,
                                         f"its inputs match; the random generator's state it began from is not the "
                                         f"reference's: the random stream carried into step {self.step} differs")
-                    children = self._clean_children(call.module, "their inputs")
+                    children, own_code = self._children_told(call.module, "their inputs", told)
                     return Location(self.step, "forward", call.module, f"{_nth('output', position, call.outputs)} of "
-                                    f"{_named(call)}", diff.margin, "its inputs match" + children, bool(children))
+                                    f"{_named(call)}", diff.margin, "its inputs match" + children, own_code)
+            told.alike(call.module)
         return None if fed_apart is None else self._fed_by_its_caller(*fed_apart)
 
     def _fed_by_its_caller(self, call: ModuleCall, theirs: ModuleCall) -> Location | None:
@@ -378,6 +424,7 @@ class _Walk:
     def _backward(self) -> Location | None:
         owned = _owned(self.reference.delivered)
         judged: set[str] = set()
+        told = Told()
         for module, index in self.reference.backward_order:
             call = next((c for c in self.calls.get(module, ()) if c.index == index), None)
             theirs = None if call is None else self._joined_call(call)
@@ -386,6 +433,7 @@ class _Walk:
                 if found is not None:
                     return found
             if theirs is None:
+                told.unseen(module, UNSEEN)
                 continue
             outputs = [self._diff(self._averaged(a), self._unscaled(e))
                        for a, e in zip(theirs.grad_outputs, call.grad_outputs) if e is not None]
@@ -393,18 +441,22 @@ class _Walk:
                 unreduced = self._unreduced(call, max((d.margin for d in outputs if d is not None), default=None))
                 if unreduced is not None:
                     return unreduced
+                told.given_otherwise(module)
                 continue  # its output gradient differs already: the difference came from after it
-            children = self._clean_children(module, "their output gradients")
+            children, own_code = self._children_told(module, "their output gradients", told)
             matched = "its output gradient matches" + children
             for position, (actual, expected) in enumerate(zip(theirs.grad_inputs, call.grad_inputs)):
                 if expected is None:
                     continue
                 diff = self._diff(self._averaged(actual), self._unscaled(expected))
+                if diff is None:
+                    told.unseen(module, "its input gradient could not be told")
                 if diff is not None and diff.margin > 1:
                     return Location(self.step, "backward", module, f"the gradient of "
                                     f"{_nth('input', position, call.inputs)} of {_named(call)}", diff.margin, matched,
-                                    bool(children))
+                                    own_code)
             if module in judged:
+                told.alike(module)
                 continue
             judged.add(module)
             for name in owned.get(module, ()):
@@ -413,7 +465,8 @@ class _Walk:
                 diff = self._diff(self._delivered(name), self._reference_delivered(name))
                 if diff is not None and diff.margin > 1:
                     return Location(self.step, "backward", module, f"the gradient backward delivered to {name!r}",
-                                    diff.margin, matched, bool(children))
+                                    diff.margin, matched, own_code)
+            told.alike(module)
         return self._changed_on_its_way() or self._never_summed() or self._by_parameters()
 
     def _by_parameters(self) -> Location | None:
@@ -558,16 +611,29 @@ class _Walk:
                 return ""
         return ", ".join(f"`{other.module}`" for other, _ in fed)
 
-    def _clean_children(self, module: str, given: str) -> str:
-        """Its children, which the walk passed (each computes alike from the same ``given``): the difference is made
-        in ``module``'s own code between them."""
+    def _children_told(self, module: str, given: str, told: Told) -> tuple[str, bool]:
+        """What ``module``'s children (its nearest recorded descendants: a ModuleList's items, not the list) were told,
+        and whether the difference is ``module``'s own code: only where every one of them was compared and computed
+        alike from the same ``given``. A child the run never recorded (replaced during the step, compiled), fed
+        otherwise or that could not be told is named as such, and ``module``'s own code is then not claimed."""
         prefix = f"{module}." if module else ""
-        children = sorted({name for name in self.calls if name.startswith(prefix) and name != module
-                           and "." not in name[len(prefix):]})
+        below = {name for name in self.calls if name.startswith(prefix) and name != module}
+        children = sorted(name for name in below if not any(
+            name.startswith(f"{other}.") for other in below if other != name))
         if not children:
-            return ""
-        shown = ", ".join(f"`{name}`" for name in children[:4]) + (", ..." if len(children) > 4 else "")
-        return f"; its children ({shown}) compute alike from {given}: its own code"
+            return "", False
+        alike = [name for name in children if told.is_alike(name)]
+        otherwise = [name for name in children if told.seen(name) and not told.is_alike(name)]
+        unseen = [name for name in children if not told.seen(name)]
+        said = f"; its children ({_shown(alike)}) compute alike from {given}" if alike else "; its children"
+        if otherwise:
+            said += f"{',' if alike else ''} ({_shown(otherwise)}) are handed otherwise, by the code around them"
+        if not unseen:
+            return said + ": its own code", bool(alike or otherwise)
+        reasons = "; ".join(f"{_shown(names)} {why}" for why, names in told.why(unseen).items())
+        opening = said + "; " if alike or otherwise else "; "
+        return (f"{opening}{reasons}: its own code is not claimed (the difference is in "
+                f"{f'`{module}`' if module else 'the model'} or in them)"), False
 
     def _sharded_for_storage(self, name: str) -> bool:
         """Whether every rank's part of ``name`` has its place in the whole recorded, and no two ranks fed one batch

@@ -1,0 +1,108 @@
+"""Where a run parts is said only from what was seen (issue 65): a module's own code is claimed only where every child
+of it both runs called was compared; a child the run never recorded (a module the team's step swapped in) is named as
+unseen instead of being counted among those that compute alike."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import equivcheck as ec
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 6)
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(x)))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class ScaledTanh(nn.Module):
+    """The team's own activation: 1% off."""
+
+    def forward(self, x):
+        return torch.tanh(x) * 1.01
+
+
+CASE = ec.Case(name="seen_blocks", model=Net, data=lambda: (torch.randn(24, 6), torch.randint(0, 3, (24,))),
+               loss=lambda out, target: F.cross_entropy(out, target, reduction="none"), batch_size=12, steps=2)
+
+
+def full_batch(model, optimizer, batch):
+    inputs, targets = batch
+    optimizer.zero_grad()
+    F.cross_entropy(model(inputs), targets).backward()
+    optimizer.step()
+
+
+def swaps_the_activation(model, optimizer, batch):
+    """Replaces blocks.1's activation with another module object at its first call."""
+    if not isinstance(model.blocks[1].act, ScaledTanh):
+        model.blocks[1].act = ScaledTanh()
+    full_batch(model, optimizer, batch)
+
+
+def patches_the_activation(model, optimizer, batch):
+    """The same change made on the module that is there: its forward replaced."""
+    act = model.blocks[1].act
+    if not hasattr(act, "patched"):
+        act.patched, act.forward = True, lambda x: torch.tanh(x) * 1.01
+    full_batch(model, optimizer, batch)
+
+
+@pytest.fixture(autouse=True)
+def _locating(locating):
+    yield
+
+
+def test_a_module_patched_in_place_is_located_in_it():
+    (outcome,) = ec.check_step(CASE, patches_the_activation).outcomes
+    location = outcome.location
+    assert (location.step, location.phase, location.module) == (0, "forward", "blocks.1.act"), outcome.describe()
+
+
+def test_a_child_swapped_in_by_the_step_is_named_unseen_and_its_parents_own_code_is_not_claimed():
+    (outcome,) = ec.check_step(CASE, swaps_the_activation).outcomes
+    location = outcome.location
+    assert (location.step, location.phase, location.module) == (0, "forward", "blocks.1"), outcome.describe()
+    assert not location.own_code, location.matched
+    assert "`blocks.1.act` not recorded in the run" in location.matched, location.matched
+    assert "its own code is not claimed" in location.matched
+    assert "`blocks.1.fc1`" in location.matched.split("compute alike")[0]  # what was seen alike is still said
+
+
+class ScaledBlock(Block):
+    def forward(self, x):
+        return super().forward(x) * 1.01
+
+
+def swaps_a_block(model, optimizer, batch):
+    """Replaces the whole of blocks.1 (an item of a ModuleList, which is never called) at its first call."""
+    if not isinstance(model.blocks[1], ScaledBlock):
+        swapped = ScaledBlock()
+        swapped.load_state_dict(model.blocks[1].state_dict())
+        model.blocks[1] = swapped
+        optimizer.param_groups[0]["params"] = list(model.parameters())
+    full_batch(model, optimizer, batch)
+
+
+def test_a_module_lists_items_are_the_roots_children_and_one_swapped_in_leaves_the_roots_code_unclaimed():
+    (outcome,) = ec.check_step(CASE, swaps_a_block).outcomes
+    location = outcome.location
+    assert (location.step, location.phase, location.module) == (0, "forward", ""), outcome.describe()
+    assert not location.own_code and "`blocks.1` not recorded in the run" in location.matched, location.matched
+    assert "its children (`blocks.0`) compute alike" in location.matched  # the list's items, not the list
