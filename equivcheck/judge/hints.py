@@ -155,8 +155,8 @@ def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch
         return tp_rule
     if first_grads and len(first_grads) < len(reference.grads[0]):
         exact = sorted(set(reference.grads[0]) - first_grads)
-        return Hint(("backward",), f"at step 0 only some gradients differ ({', '.join(sorted(first_grads))}) while "
-                f"{', '.join(exact)} match: the backward pass was cut upstream; likely a detach between per-token or "
+        return Hint(("backward",), f"at step 0 only some gradients differ ({_few(sorted(first_grads))}) while "
+                f"{_few(exact)} match: the backward pass was cut upstream; likely a detach between per-token or "
                 "per-chunk backward calls (an RNN hidden state detached = truncated BPTT)", between_modules=True)
     if first_grads and not _losses_compared(reference, candidate):
         return Hint(("loss", "gradient"),
@@ -178,6 +178,15 @@ def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch
                 "missing / K clips to the same gradient); likely the RNG stream (dropout), optimizer state, a "
                 "learning-rate schedule, or a scaling bug under clipping")
     return ""
+
+
+FEW = 4  # names a hint lists before it counts the rest: the location says where, the hint only what kind
+
+
+def _few(names: list[str]) -> str:
+    """``a, b, c, d and 40 more``: a hint names a few, never a model's every parameter."""
+    shown = ", ".join(names[:FEW])
+    return shown + (f" and {len(names) - FEW} more" if len(names) > FEW else "")
 
 
 def _clipped_at(candidate: RunResult) -> str:
