@@ -5,7 +5,12 @@ extension segfaults, code calls ``os._exit``), and no Python handler outlives th
 in-process runs in a child forked from this process on its first run: the child holds the case as this
 process has it (model and data functions, closures, a step defined in a test: nothing is pickled), trains
 one run per request and sends the result back as plain bytes. A child that dies is reported with how it
-exited and the Python frames faulthandler wrote as it died; the next run forks a fresh child.
+exited and the Python frames faulthandler wrote as it died; the next run forks a fresh child. A child that gives no
+answer within the run's timeout is asked for every thread's stack, killed, and reported as a hang with that stack.
+
+The child trains and copies every tensor on one torch thread (threads.pin): a process forked after its parent ran an
+OpenMP parallel region on several threads inherits a pool whose threads did not survive the fork, and its first
+parallel region on more than one thread waits for them for ever.
 
 Forking copies this process's page tables (about 11 ms for a 300 MB process here), so one child serves a
 whole check rather than one run.
@@ -86,8 +91,9 @@ class IsolatedRunner:
 
     def train(self, request: RunRequest, timeout: float = pool.DEFAULT_TIMEOUT) -> RunResult:
         """The run ``request`` asks for, in a forked child where this process may fork one, else in a clean child
-        (a one-rank worker, within ``timeout`` seconds), else here. Raises what the run raised, or
-        :class:`RunDied` (:class:`WorkerError` from a clean child) naming how the child ended when it died."""
+        (a one-rank worker), either within ``timeout`` seconds, else here. Raises what the run raised,
+        :class:`RunDied` (:class:`WorkerError` from a clean child) naming how the child ended when it died, or
+        :class:`WorkerError` with the child's stack where it gave no answer in time."""
         if can_fork(request):
             return self._forked(request, timeout)
         source = by_name(request) if request.threads == 1 else None
