@@ -58,6 +58,10 @@ class StepTrace:
     root_inputs: list[Tensor] = dataclasses.field(default_factory=list)  # what this rank fed the model, ids too
     # the optimizer's state as the step began ("fc.weight/exp_avg"), as this rank holds it
     optimizer_state: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    # every floating buffer of the traced modules as the step began, persistent or not ("blocks.1.gate.calls"), as
+    # this rank holds it: what carried into the step besides the weights and the optimizer (a counter such as
+    # BatchNorm's num_batches_tracked counts forwards, which regimes make otherwise on purpose)
+    buffers_before: dict[str, Tensor] = dataclasses.field(default_factory=dict)
     loss_scale: float = 1.0  # what a GradScaler multiplied the step's loss by: its activation gradients carry it
     # where each read gradient this rank holds a part of (a DTensor's shard) lies in the whole: (its shape, the part's
     # offset); the localizer joins the ranks' parts by it

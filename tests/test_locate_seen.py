@@ -106,3 +106,46 @@ def test_a_module_lists_items_are_the_roots_children_and_one_swapped_in_leaves_t
     assert (location.step, location.phase, location.module) == (0, "forward", ""), outcome.describe()
     assert not location.own_code and "`blocks.1` not recorded in the run" in location.matched, location.matched
     assert "its children (`blocks.0`) compute alike" in location.matched  # the list's items, not the list
+
+
+class Gate(nn.Module):
+    """Scales its input by its call count: a non-persistent buffer its forward moves (no checkpoint of
+    ``state_dict()`` holds it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()), persistent=False)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.calls += 1
+        return x * (1 + 0.1 * self.calls)
+
+
+class GatedNet(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = Gate()
+
+    def forward(self, x):
+        return super().forward(self.gate(x))
+
+
+GATED = ec.Case(name="seen_gated", model=GatedNet, data=lambda: (torch.randn(36, 6), torch.randint(0, 3, (36,))),
+                loss=lambda out, target: F.cross_entropy(out, target, reduction="none"), batch_size=12, steps=3)
+
+
+def loses_the_buffer_at_step_2(model, optimizer, batch):
+    """As a resume from ``model.state_dict()`` at step 2 does: the call count starts again from 0."""
+    model.steps_taken = getattr(model, "steps_taken", 0) + 1
+    if model.steps_taken == 3:
+        model.gate.calls.zero_()
+    full_batch(model, optimizer, batch)
+
+
+def test_a_buffer_the_step_began_with_otherwise_is_state_in_its_module_not_its_forward():
+    (outcome,) = ec.check_step(GATED, loses_the_buffer_at_step_2).outcomes
+    location = outcome.location
+    assert (location.step, location.phase, location.module) == (2, "state", "gate"), outcome.describe()
+    assert location.tensor == "buffer 'gate.calls' as the step began"
+    assert ec.check_step(GATED, full_batch).outcomes[0].verdict is ec.Verdict.EQUIVALENT  # the twin: kept, it holds

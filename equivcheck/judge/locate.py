@@ -248,7 +248,8 @@ class _Walk:
         self.layout = self._layout()
 
     def first(self) -> Location | None:
-        for phase in (self._carried, self._forward, self._loss, self._backward, self._after_backward):
+        for phase in (self._carried, self._buffers_carried, self._forward, self._loss, self._backward,
+                      self._after_backward):
             found = phase()
             if found is not None:
                 return found
@@ -269,6 +270,22 @@ class _Walk:
                                 f"the optimizer's settings carried into step {self.step} differ")
             return Location(self.step - 1, "optimizer", module_of(name), f"weight {name!r} after the step",
                             diff.margin, f"every gradient the optimizer read at step {self.step - 1} matches")
+        return None
+
+    def _buffers_carried(self) -> Location | None:
+        """A buffer, persistent or not, that the step began with otherwise while its weights match (a resume whose
+        checkpoint left it out, code that resets it): ``state`` in the module holding it, whatever its forward shows
+        later. The weights it began from are held first (``_carried``)."""
+        theirs = self.ranks[0].buffers_before
+        for name, expected in self.reference.buffers_before.items():
+            actual = theirs.get(name)
+            if actual is None:
+                continue  # a buffer only the reference's modules hold: not seen in the run
+            diff = self._diff(actual, expected)
+            if diff is not None and diff.margin > 1:
+                return Location(self.step, "state", module_of(name), f"buffer {name!r} as the step began",
+                                diff.margin, f"the weights step {self.step} began from match; what else carried into "
+                                "it differs")
         return None
 
     def _settings_apart(self) -> str:

@@ -118,6 +118,10 @@ class StepTracer:
 
     def _read_state(self) -> None:
         self.trace.weights_before = self._whole_weights()
+        self.trace.buffers_before = {
+            f"{name}.{own}" if name else own: buffer.detach().to("cpu", copy=True)
+            for name, module in self._modules for own, buffer in module.named_buffers(recurse=False)
+            if buffer is not None and (buffer.is_floating_point() or buffer.is_complex()) and not is_dtensor(buffer)}
         names = {id(p): name for name, p in self._parameters}
         self.trace.optimizer_state = {
             f"{names[id(p)]}/{key}": _local(value) for group in self._optimizer.param_groups for p in group["params"]
