@@ -65,6 +65,7 @@ def run_script(path: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=300, cwd=path.parent)
 
 
+@pytest.mark.full_only  # three scripts that start ranks, 30 to 40 s: make test-full
 def test_the_docs_examples_that_check_on_ranks_run_as_written(tmp_path):
     examples = ranks_examples()
     # a new example that checks on ranks joins this test by itself

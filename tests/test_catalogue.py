@@ -71,10 +71,13 @@ def test_the_catalogue_compared_as_it_trains_gives_every_verdict_hint_figure_and
     pitfalls are trained again and recorded for their breakdown (hints, float64 shadows, the witness, where they
     part), the twins never. (float64's comparisons are float32's without the shadows.)"""
     recorded = [row for row in by_mode(rows, "float32") if ec.parse_regime(row.entry.regime).world_size <= 2]
+    if not whole:  # make test: every second row, and the first whose twin's case declares no regimes (measured)
+        measured = next(row for row in recorded if not ec.get_case(row.twin.case).regimes)
+        recorded = [row for i, row in enumerate(recorded) if i % 2 == 0 or row is measured]
     monkeypatch.setattr(check_module, "COMPARE_AS_IT_TRAINS_FROM", 0)
     monkeypatch.setattr(check_module, "LOCATE_BY_DEFAULT", True)
     streamed = run_catalogue(["float32"], [row.entry for row in recorded])
-    assert len(recorded) == len(streamed) >= (39 if whole else 20)
+    assert len(recorded) == len(streamed) >= (39 if whole else 10)
     for before, after in zip(recorded, streamed):
         assert figures(after.pitfall) == figures(before.pitfall)
         assert figures(after.twin) == figures(before.twin)
