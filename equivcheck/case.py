@@ -126,6 +126,10 @@ class Case:
     # otherwise lower (a module constant in the team's step)
     clip_scale: float | None = None
 
+    def clipping_threshold(self, max_norm: float) -> float:
+        """Where a ``clip_grad_norm_`` at ``max_norm`` clips in this case's runs: scaled by ``clip_scale``."""
+        return max_norm * (self.clip_scale or 1.0)
+
     def __post_init__(self) -> None:
         if (not isinstance(self.name, str) or not self.name.strip() or any(c in self.name for c in " ,:=")
                 or not self.name.isprintable()):  # a control character would redraw the tables the name stands in

@@ -163,7 +163,7 @@ def _clipping_note(case: Case, regime: Regime, result: RunResult) -> str:
     max_norm = regime.clips_at()
     if max_norm is None or not result.grad_norms:
         return ""
-    threshold = max_norm * (case.clip_scale or 1.0)
+    threshold = case.clipping_threshold(max_norm)
     norms = result.grad_norms
     engaged = sum(norm >= threshold * (1 - CLIPPED) for norm in norms)
     scaled = f" at {threshold:g} (clip_scale {case.clip_scale:g})" if case.clip_scale is not None else ""

@@ -177,7 +177,7 @@ def warn_blind_spots(case: Case | str, *, seed: int = DEFAULT_SEED, isolate: boo
             norms = [_norm(step) for step in run(case, "full_batch", seed=seed, isolate=isolate).grads]
         except RunDied:
             return
-        if max(norms) < clipping_threshold(case):
+        if max(norms) < case.clipping_threshold(case.max_norm):
             warn(BlindSpotWarning(
                 f"case {case.name!r} cannot catch a clipping bug: the reference's gradient norm (up to "
                 f"{max(norms):.2g}) never reaches {_threshold_words(case)}, so clipping never engages. With no change "
@@ -337,11 +337,6 @@ def _epoch_end(case: Case) -> Finding:
                    f"over {case.epochs} epoch(s): the bugs live in a team's loop, so check that loop with check_loop")
 
 
-def clipping_threshold(case: Case) -> float:
-    """Where the case's clipping engages: its ``max_norm``, scaled by its ``clip_scale`` (runners/clipping.py)."""
-    return case.max_norm * (case.clip_scale or 1.0)
-
-
 def engaging_scale(case: Case, norms: list[float]) -> float:
     """A ``clip_scale`` that puts the threshold at half the reference's least gradient norm: clipping at every step."""
     return min(norms) / 2 / case.max_norm
@@ -370,7 +365,7 @@ def _clipping(case: Case, options: dict) -> Finding:
     norms = [_norm(step) for step in run(case, "full_batch", **options).grads]  # unclipped: what clipping meets
 
     def reason() -> str:
-        if max(norms) < clipping_threshold(case):
+        if max(norms) < case.clipping_threshold(case.max_norm):
             return (f"the reference's gradient norm (up to {max(norms):.2g}) never reaches {_threshold_words(case)}: "
                     f"Case(..., clip_scale={engaging_scale(case, norms):.2g}) engages it with no change to the step")
         return "clipping each half of the batch changes nothing measurable"
