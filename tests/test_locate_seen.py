@@ -1,6 +1,7 @@
-"""Where a run parts is said only from what was seen (issue 65): a module's own code is claimed only where every child
-of it both runs called was compared; a child the run never recorded (a module the team's step swapped in) is named as
-unseen instead of being counted among those that compute alike."""
+"""Where a run parts is said only from what was seen (issue 65): a module the team's step swaps in is traced by the
+place it holds; a module's own code is claimed only where every child of it both runs called was compared; a child the
+run never recorded (never called as a module) is named as unseen instead of being counted among those that compute
+alike."""
 
 import pytest
 import torch
@@ -75,8 +76,51 @@ def test_a_module_patched_in_place_is_located_in_it():
     assert (location.step, location.phase, location.module) == (0, "forward", "blocks.1.act"), outcome.describe()
 
 
-def test_a_child_swapped_in_by_the_step_is_named_unseen_and_its_parents_own_code_is_not_claimed():
+def test_a_module_the_step_swaps_in_is_traced_by_its_place_and_located_there():
     (outcome,) = ec.check_step(CASE, swaps_the_activation).outcomes
+    location = outcome.location
+    assert (location.step, location.phase, location.module) == (0, "forward", "blocks.1.act"), outcome.describe()
+
+
+class KeywordBlock(Block):
+    def forward(self, x):
+        return x + self.fc2(self.act(input=self.fc1(x)))
+
+
+class KeywordNet(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([KeywordBlock(), KeywordBlock()])
+
+
+class ScaledTanhOfInput(nn.Module):
+    def forward(self, input):
+        return torch.tanh(input) * 1.01
+
+
+def swaps_the_keyword_activation(model, optimizer, batch):
+    if not isinstance(model.blocks[1].act, ScaledTanhOfInput):
+        model.blocks[1].act = ScaledTanhOfInput()
+    full_batch(model, optimizer, batch)
+
+
+def test_a_module_swapped_in_before_the_forward_has_its_keyword_inputs_seen_from_its_first_call():
+    case = ec.Case(name="seen_keywords", model=KeywordNet, data=CASE.data, loss=CASE.loss, batch_size=12, steps=2)
+    (outcome,) = ec.check_step(case, swaps_the_keyword_activation).outcomes
+    location = outcome.location
+    assert (location.step, location.phase, location.module) == (0, "forward", "blocks.1.act"), outcome.describe()
+
+
+def inlines_the_activation(model, optimizer, batch):
+    """blocks.1 computes its activation itself (1% off), never calling its ``act`` module."""
+    block = model.blocks[1]
+    if "forward" not in vars(block):
+        block.forward = lambda x: x + block.fc2(torch.tanh(block.fc1(x)) * 1.01)
+    full_batch(model, optimizer, batch)
+
+
+def test_a_child_the_run_never_called_is_named_unseen_and_its_parents_own_code_is_not_claimed():
+    (outcome,) = ec.check_step(CASE, inlines_the_activation).outcomes
     location = outcome.location
     assert (location.step, location.phase, location.module) == (0, "forward", "blocks.1"), outcome.describe()
     assert not location.own_code, location.matched
@@ -100,12 +144,12 @@ def swaps_a_block(model, optimizer, batch):
     full_batch(model, optimizer, batch)
 
 
-def test_a_module_lists_items_are_the_roots_children_and_one_swapped_in_leaves_the_roots_code_unclaimed():
+def test_a_module_lists_item_swapped_in_is_traced_with_its_children_by_their_places():
     (outcome,) = ec.check_step(CASE, swaps_a_block).outcomes
     location = outcome.location
-    assert (location.step, location.phase, location.module) == (0, "forward", ""), outcome.describe()
-    assert not location.own_code and "`blocks.1` not recorded in the run" in location.matched, location.matched
-    assert "its children (`blocks.0`) compute alike" in location.matched  # the list's items, not the list
+    assert (location.step, location.phase, location.module) == (0, "forward", "blocks.1"), outcome.describe()
+    assert location.own_code, location.matched
+    assert "its children (`blocks.1.act`, `blocks.1.fc1`, `blocks.1.fc2`) compute alike" in location.matched
 
 
 class Gate(nn.Module):

@@ -335,6 +335,10 @@ class _Walk:
                 told.unseen(call.module, UNSEEN)
                 clean = False
                 continue
+            if (len(theirs.inputs), len(theirs.integers)) != (len(call.inputs), len(call.integers)):
+                told.unseen(call.module, "its inputs not all recorded in the run")
+                clean = False
+                continue
             if not self._same_inputs(theirs, call):
                 told.given_otherwise(call.module)
                 if clean:

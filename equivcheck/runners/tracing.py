@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -35,13 +35,18 @@ class TraceComplete(Exception):
     """The traced step is over: the run stops there (train.py reads the trace)."""
 
 
+# the model's modules as it holds them when called, the root first, named as the case's model names them
+Modules = Callable[[], list[tuple[str, nn.Module]]]
+
+
 @contextlib.contextmanager
-def tracing(modules: list[tuple[str, nn.Module]], parameters: list[tuple[str, Tensor]], optimizer: Optimizer,
+def tracing(modules: Modules, parameters: list[tuple[str, Tensor]], optimizer: Optimizer,
             regime: Regime, steps: tuple[int, ...], offset: int = 0, saves: bool = False,
             calls: bool = True) -> Iterator[StepTracer | None]:
     """While training: the optimizer steps ``steps`` of this run traced (none: nothing traced, nothing hooked), each
-    trace numbered ``offset`` on (a resume's later segment counts its steps from its first batch). ``modules`` and
-    ``parameters``: the model's, named as the case's model names them. A run that ``saves`` a checkpoint for the next
+    trace numbered ``offset`` on (a resume's later segment counts its steps from its first batch). ``modules``: the
+    model's as the step finds it (read again at each call of the model: a module the step swaps in is traced by the
+    place it holds); ``parameters``: the model's, named as the case's model names them. A run that ``saves`` a checkpoint for the next
     segment trains to its end: stopped after its traced step, it would save (or a team's loop would leave) other
     state than the run it replays, and the next segment would resume from that. Without ``calls`` no module is
     hooked, only the parameters and the optimizer: code whose behaviour module hooks change (a compiled step that
@@ -49,21 +54,23 @@ def tracing(modules: list[tuple[str, nn.Module]], parameters: list[tuple[str, Te
     if not steps:
         yield None
         return
-    tracer = StepTracer(modules if calls else [], parameters, optimizer, regime, steps, offset, stops=not saves)
+    tracer = StepTracer(modules, parameters, optimizer, regime, steps, offset, stops=not saves, calls=calls)
     with tracer:
         yield tracer
 
 
 class StepTracer:
-    """Records optimizer steps ``steps`` of a run over ``modules`` and ``parameters`` (the case's model's, as the
-    regime trains it), a :class:`StepTrace` each in :attr:`traces`."""
+    """Records optimizer steps ``steps`` of a run over ``modules`` (their ``calls`` too, else their buffers alone)
+    and ``parameters`` (the case's model's, as the regime trains it), a :class:`StepTrace` each in :attr:`traces`."""
 
-    def __init__(self, modules: list[tuple[str, nn.Module]], parameters: list[tuple[str, Tensor]],
+    def __init__(self, modules: Modules, parameters: list[tuple[str, Tensor]],
                  optimizer: Optimizer, regime: Regime, steps: tuple[int, ...], offset: int = 0,
-                 stops: bool = True) -> None:
+                 stops: bool = True, calls: bool = True) -> None:
         self._optimizer, self._regime = optimizer, regime
         self._steps, self._offset = frozenset(steps), offset
-        self._modules, self._parameters = modules, parameters
+        self._modules, self._parameters, self._hooks_calls = modules, parameters, calls
+        self._names: dict[int, str] = {}  # each hooked module's place in the model, as the model held it last
+        self._strangers: set[int] = set()  # modules called that the model did not hold when it was last read
         self._steps_taken = 0
         ranks = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         self._rank = torch.distributed.get_rank() if ranks else 0
@@ -82,11 +89,8 @@ class StepTracer:
         self._exits = contextlib.ExitStack()
         hooks = [self._optimizer.register_step_pre_hook(self._before_step),
                  self._optimizer.register_step_post_hook(self._after_step)]
-        for name, module in self._modules:
-            # first, before a parallel plan's own input hooks: the gradient caught at an input is the one the module
-            # sends back to its caller, after any collective those hooks put on the way back
-            hooks.append(module.register_forward_pre_hook(self._entering(name), with_kwargs=True, prepend=True))
-            hooks.append(module.register_forward_hook(self._leaving(name), with_kwargs=True))
+        if self._hooks_calls:
+            hooks.append(torch.nn.modules.module.register_module_forward_pre_hook(self._unhooked))
         hooks += [parameter.register_hook(self._delivered(name)) for name, parameter in self._parameters
                   if parameter.requires_grad]
         # a DTensor parameter's gradient as its collectives leave it (FSDP2 calls these after its reduce-scatter)
@@ -94,6 +98,7 @@ class StepTracer:
                   for name, parameter in self._parameters if parameter.requires_grad and is_dtensor(parameter)]
         for hook in hooks:
             self._exits.callback(hook.remove)
+        self._follow()
         self._exits.enter_context(_loss_scale_seen(self))
         if 0 in self._steps:
             self._open_window()
@@ -101,6 +106,35 @@ class StepTracer:
 
     def __exit__(self, *exc: object) -> None:
         self._exits.close()
+
+    def _follow(self) -> None:
+        """The model read again: each module it holds now named by its place, and hooked if it was not yet. A module
+        the step swapped in is then recorded where the reference's module at its place is."""
+        if not self._hooks_calls:
+            return
+        self._strangers.clear()
+        for name, module in self._modules():
+            if id(module) not in self._names:
+                # first, before a parallel plan's own input hooks: the gradient caught at an input is the one the
+                # module sends back to its caller, after any collective those hooks put on the way back
+                self._exits.callback(module.register_forward_pre_hook(self._entering, with_kwargs=True,
+                                                                      prepend=True).remove)
+                self._exits.callback(module.register_forward_hook(self._leaving, with_kwargs=True).remove)
+            self._names[id(module)] = name
+
+    def _unhooked(self, module: nn.Module, args: tuple) -> tuple | None:
+        """Any module's call while a step is traced (torch's global hook): one the model holds now that was not
+        hooked yet (swapped in inside the model's forward) is hooked, and this call recorded. Its keyword arguments
+        are not seen here: they are from its next call on."""
+        key = id(module)
+        if not self._open or key in self._names or key in self._strangers or torch.compiler.is_compiling():
+            return None
+        self._follow()
+        if key not in self._names:
+            self._strangers.add(key)  # not the model's (a loss module, a wrapper around the model)
+            return None
+        entered = self._entering(module, args, {})
+        return None if entered is None else entered[0]
 
     @property
     def _open(self) -> bool:
@@ -120,7 +154,7 @@ class StepTracer:
         self.trace.weights_before = self._whole_weights()
         self.trace.buffers_before = {
             f"{name}.{own}" if name else own: buffer.detach().to("cpu", copy=True)
-            for name, module in self._modules for own, buffer in module.named_buffers(recurse=False)
+            for name, module in self._modules() for own, buffer in module.named_buffers(recurse=False)
             if buffer is not None and (buffer.is_floating_point() or buffer.is_complex()) and not is_dtensor(buffer)}
         names = {id(p): name for name, p in self._parameters}
         self.trace.optimizer_state = {
@@ -158,27 +192,30 @@ class StepTracer:
         if self._steps_taken in self._steps:
             self._open_window()
 
-    def _entering(self, name: str):
-        def hook(module: nn.Module, args: tuple, kwargs: dict):
-            if not self._open or _inferring_shapes():
-                return None
-            try:
-                leaves, spec = tree_flatten((args, kwargs))
-                original = self._recomputing(name)
-                if original is not None:  # its forward run again inside backward: its gradients are the call's
-                    return self._hooked_inputs(original, leaves, spec, record=False)
-                index = self._calls.get(name, 0)
-                self._calls[name] = index + 1
-                call = ModuleCall(name, index, [], [])
-                if not self.trace.root_inputs:  # the first call of the step: what this rank was fed
-                    self.trace.root_inputs = [_local(t) for t in leaves if isinstance(t, Tensor)]
-                    if self._weights_at_first_forward:
-                        self._read_state()
-                return self._hooked_inputs(call, leaves, spec, record=True)
-            except Exception as error:  # a record missing is said, never a training stopped
-                self._broken(name, error)
-                return None
-        return hook
+    def _entering(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+        """A module's forward pre-hook: its call recorded under the place it holds (the model read again at each
+        call of its root), its inputs seen through views whose gradients are the call's."""
+        if not self._open or _inferring_shapes():
+            return None
+        name = self._names[id(module)]
+        if name == "":
+            self._follow()
+        try:
+            leaves, spec = tree_flatten((args, kwargs))
+            original = self._recomputing(name)
+            if original is not None:  # its forward run again inside backward: its gradients are the call's
+                return self._hooked_inputs(original, leaves, spec, id(module), record=False)
+            index = self._calls.get(name, 0)
+            self._calls[name] = index + 1
+            call = ModuleCall(name, index, [], [])
+            if not self.trace.root_inputs:  # the first call of the step: what this rank was fed
+                self.trace.root_inputs = [_local(t) for t in leaves if isinstance(t, Tensor)]
+                if self._weights_at_first_forward:
+                    self._read_state()
+            return self._hooked_inputs(call, leaves, spec, id(module), record=True)
+        except Exception as error:  # a record missing is said, never a training stopped
+            self._broken(name, error)
+            return None
 
     def _recomputing(self, name: str) -> ModuleCall | None:
         """The call of ``name`` that a call made inside backward runs again (activation checkpointing recomputes each
@@ -193,7 +230,7 @@ class StepTracer:
         self._recomputed[name] = done + 1
         return calls[done]
 
-    def _hooked_inputs(self, call: ModuleCall, leaves: list, spec, record: bool):
+    def _hooked_inputs(self, call: ModuleCall, leaves: list, spec, key: int, record: bool):
         """The call's inputs, each floating one that needs a gradient seen through an identity view whose gradient is
         the call's; recorded (``record``) for a call made now, not for a forward run again inside backward."""
         position = 0
@@ -212,33 +249,32 @@ class StepTracer:
                 seen.register_hook(self._grad_input(self.trace, call, position))
                 leaves[leaf_index] = seen
             position += 1
-        self._stack.setdefault(call.module, []).append((call, record, _random_state(leaves) if record else None))
+        self._stack.setdefault(key, []).append((call, record, _random_state(leaves) if record else None))
         return tree_unflatten(leaves, spec)
 
-    def _leaving(self, name: str):
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
-            stack = self._stack.get(name)
-            if not self._open or not stack:
-                return
-            call, record, random_state = stack.pop()
-            try:
-                after = None if random_state is None else _random_state(tree_flatten((args, kwargs))[0])
-                if after is not None and not torch.equal(random_state, after):
-                    call.random_state = random_state  # it drew from the generator
-                position = 0
-                for leaf in tree_flatten(output)[0]:
-                    if isinstance(leaf, Tensor) and (leaf.is_floating_point() or leaf.is_complex()):
-                        if record:
-                            call.outputs.append(_local(leaf))
-                            call.grad_outputs.append(None)
-                        if leaf.requires_grad and position < len(call.grad_outputs):
-                            leaf.register_hook(self._grad_output(call, position))
-                        position += 1
-                if record:
-                    self.trace.calls.append(call)
-            except Exception as error:
-                self._broken(name, error)
-        return hook
+    def _leaving(self, module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        """A module's forward hook: the outputs of the call its pre-hook recorded, seen with their gradients."""
+        stack = self._stack.get(id(module))
+        if not self._open or not stack:
+            return
+        call, record, random_state = stack.pop()
+        try:
+            after = None if random_state is None else _random_state(tree_flatten((args, kwargs))[0])
+            if after is not None and not torch.equal(random_state, after):
+                call.random_state = random_state  # it drew from the generator
+            position = 0
+            for leaf in tree_flatten(output)[0]:
+                if isinstance(leaf, Tensor) and (leaf.is_floating_point() or leaf.is_complex()):
+                    if record:
+                        call.outputs.append(_local(leaf))
+                        call.grad_outputs.append(None)
+                    if leaf.requires_grad and position < len(call.grad_outputs):
+                        leaf.register_hook(self._grad_output(call, position))
+                    position += 1
+            if record:
+                self.trace.calls.append(call)
+        except Exception as error:
+            self._broken(call.module, error)
 
     def _grad_input(self, trace: StepTrace, call: ModuleCall, position: int):
         arrived = self._arrived

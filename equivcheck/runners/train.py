@@ -182,7 +182,7 @@ def train_segment(request: RunRequest, assembled: Assembled, against: Expected |
             activation_meter(model, data, enabled=request.measure_memory) as memory, \
             scheduled(optimizer, assembled.scheduler), \
             rescaled_backward(model, backward_scale(request.order)), \
-            tracing(case_named(model.named_modules()), case_named(model.named_parameters()), optimizer, regime,
+            tracing(lambda: case_named(model.named_modules()), case_named(model.named_parameters()), optimizer, regime,
                     request.trace_steps, request.restart.start if request.restart is not None else 0,
                     saves=request.restart is not None and request.restart.save_to is not None,
                     calls=request.trace_modules) as tracer, \
