@@ -219,7 +219,8 @@ class Location:
     ``module`` (a dotted name in the case's model; "" for the root, or where no module applies), with the evidence:
     the ``tensor`` that differs first and its ``margin``, and what was seen to match around it (``matched``).
     ``own_code``: the module's children compute alike from what they are given, so the difference is made in the
-    module's own code between them."""
+    module's own code between them. ``forwards``: the model's calls on one rank in the traced step (its micro-batches;
+    None where its modules were not traced), which says what a hint may presume the step has."""
 
     step: int
     phase: str
@@ -228,6 +229,7 @@ class Location:
     margin: float | None = None
     matched: str = ""
     own_code: bool = False
+    forwards: int | None = None
 
     def describe(self) -> str:
         where = f" in `{self.module}`" if self.module else ""

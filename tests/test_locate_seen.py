@@ -192,4 +192,5 @@ def test_a_buffer_the_step_began_with_otherwise_is_state_in_its_module_not_its_f
     location = outcome.location
     assert (location.step, location.phase, location.module) == (2, "state", "gate"), outcome.describe()
     assert location.tensor == "buffer 'gate.calls' as the step began"
+    assert "BatchNorm" not in outcome.describe() and "a resume whose checkpoint left them out" in outcome.comparison.hint
     assert ec.check_step(GATED, full_batch).outcomes[0].verdict is ec.Verdict.EQUIVALENT  # the twin: kept, it holds

@@ -21,34 +21,41 @@ from ..result import RunResult
 
 class Hint(str):
     """A hint's text, with the phases of a step (diff.PHASES) where the pitfalls it names would make a run part first,
-    and whether they act between modules (a regime's loop, never a module's own code); a hint that a run's
+    whether they act between modules (a regime's loop, never a module's own code) and whether they need an
+    accumulation loop (``micro_batches``: more than one forward a step); a hint that a run's
     :class:`~equivcheck.diff.Location` contradicts is dropped (:func:`agreeing`). A ``str``, so that it reads and
     prints as hints always have; () phases: it agrees with any location."""
 
     phases: tuple[str, ...]
     between_modules: bool
+    micro_batches: bool
 
-    def __new__(cls, phases: tuple[str, ...], text: str, between_modules: bool = False) -> Hint:
+    def __new__(cls, phases: tuple[str, ...], text: str, between_modules: bool = False,
+                micro_batches: bool = False) -> Hint:
         hint = super().__new__(cls, text)
-        hint.phases, hint.between_modules = phases, between_modules
+        hint.phases, hint.between_modules, hint.micro_batches = phases, between_modules, micro_batches
         return hint
 
-    def __getnewargs__(self) -> tuple[tuple[str, ...], str, bool]:  # pickled across processes with its phases
-        return (self.phases, str(self), self.between_modules)
+    def __getnewargs__(self) -> tuple[tuple[str, ...], str, bool, bool]:  # pickled across processes with its phases
+        return (self.phases, str(self), self.between_modules, self.micro_batches)
 
 
 def agreeing(comparison: Comparison) -> Comparison:
     """``comparison`` with its hint dropped where the run was found to part in another phase than the pitfalls it
-    names, or in a module's own code where they act between modules: a located run never reads a hint that
-    contradicts its location."""
+    names, in a module's own code where they act between modules, or in a step that called the model once where they
+    need an accumulation loop: a located run never reads a hint that contradicts its location."""
     location, hint = comparison.location, comparison.hint
     phases = getattr(hint, "phases", ())
     if location is None or not phases:
         return comparison
-    if location.phase in phases and not (location.own_code and hint.between_modules):
+    if location.phase in phases and not (location.own_code and hint.between_modules) \
+            and not (hint.micro_batches and location.forwards == 1):
         return comparison
     return dataclasses.replace(comparison, hint="")
 
+
+# The buffers a BatchNorm layer keeps: a difference in them is one of batch statistics
+BATCH_STATISTICS = frozenset({"running_mean", "running_var", "num_batches_tracked"})
 
 # A common factor must explain every gradient to this relative residual to count as "one factor".
 FACTOR_RESIDUAL = 1e-3
@@ -135,11 +142,15 @@ def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch
                 f"the GradScaler's state differs ({names}): likely a resume that did not save or restore it, or "
                 "scaler.update() called more or less often than once per optimizer step")
     if "buffer" in kinds:
-        names = ", ".join(sorted(m.name for m in mismatches if m.kind == "buffer"))
+        names = sorted(m.name for m in mismatches if m.kind == "buffer")
+        if any(name.rpartition(".")[2] in BATCH_STATISTICS for name in names):
+            return Hint(("forward", "state"),
+                        f"running statistics differ ({_few(names)}): likely BatchNorm seeing other batch statistics "
+                        "per micro-batch or rank; use a layer without batch statistics, or SyncBatchNorm under DDP")
         return Hint(("forward", "state"),
-                f"running statistics differ ({names}): likely BatchNorm seeing other batch statistics per "
-                "micro-batch or rank; use a layer without batch statistics, or SyncBatchNorm under DDP (a buffer "
-                "of the model's own, a router's load or bias, updated from a micro-batch's or a rank's counts alone)")
+                    f"buffers of the model's own differ ({_few(names)}): likely updated from a micro-batch's or a "
+                    "rank's counts alone (a router's load or bias), or carried otherwise between steps (a resume "
+                    "whose checkpoint left them out, code that resets them)")
     if loss_first == 0 and _over_tp(candidate):  # dropout masks drawn otherwise: the random stream (``state``)
         return Hint(("forward", "loss", "state"),
                 "the step-0 loss already differs though every run starts from the same weights, on a tensor-parallel "
@@ -162,11 +173,13 @@ def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch
         return Hint(("loss", "gradient"),
                 "every gradient differs from step 0 (no losses were reported, so the forward cannot be told apart "
                 "from the backward): likely the loss weighting (a mean of micro-batch means over uneven micro-batches "
-                "or token counts), or zero_grad, clipping or GradScaler unscale_ inside the accumulation loop")
+                "or token counts), or zero_grad, clipping or GradScaler unscale_ inside the accumulation loop",
+                micro_batches=True)
     if first_grads:
         return Hint(("gradient",),
                 "same loss but every gradient differs from step 0: the micro-batch gradients were altered before "
-                "being summed; likely zero_grad, gradient clipping or GradScaler unscale_ inside the accumulation loop")
+                "being summed; likely zero_grad, gradient clipping or GradScaler unscale_ inside the accumulation loop",
+                micro_batches=True)
     steps = [m.first_step for m in mismatches if m.first_step is not None]
     tail = _epoch_tail(reference.batch_samples, min(steps)) if steps else ""
     if tail:

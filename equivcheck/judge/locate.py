@@ -133,7 +133,9 @@ class _Replayed:
         if not ours or not theirs:
             return None
         walk = _Walk(ours[0], theirs, self.comparison, step)
-        return walk.carried_into() if state_only else walk.first()
+        found = walk.carried_into() if state_only else walk.first()
+        forwards = sum(call.module == "" for call in theirs[0].calls) or None
+        return None if found is None else dataclasses.replace(found, forwards=forwards)
 
     def _traced(self, step: int, modules: bool) -> tuple[list[StepTrace], list[StepTrace]]:
         """The reference's and the candidate's traces of ``step`` (each rank's), from replays held to their runs."""
