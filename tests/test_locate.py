@@ -109,7 +109,8 @@ def test_the_location_reaches_every_report():
     row = to_rows(report)[0]
     location = report.outcomes[0].location
     assert row["location"] == {"step": 0, "phase": "backward", "module": "blocks.1", "tensor": location.tensor,
-                               "margin": location.margin, "matched": location.matched, "own_code": True}
+                               "margin": location.margin, "matched": location.matched, "own_code": True,
+                               "forwards": 3}
     json.dumps(row)
     from equivcheck.render.html import render_html
     from equivcheck.render.markdown import render_markdown
