@@ -209,6 +209,9 @@ def _at(index: tuple[int, ...], parts: bool) -> str:
     return f" in the {('real', 'imaginary')[index[-1]]} part" + _at(index[:-1], parts=False)
 
 
+# The tensor a location names where the run's modules computed in another dtype than the reference's
+COMPUTED_IN = "the precision it computed in"
+
 # The phases of an optimizer step, in the order it runs them, where a run can first part from its reference.
 PHASES = ("forward", "loss", "backward", "gradient", "communication", "optimizer", "state")
 

@@ -33,6 +33,7 @@ class ModuleCall:
     # the random generator's state as the call began, where the call drew from it (dropout): a call fed the same
     # input draws another mask only from another state
     random_state: Tensor | None = None
+    computed_in: str = ""  # the dtype of its first floating output as the run computed it ("torch.bfloat16")
 
 
 @dataclasses.dataclass

@@ -16,7 +16,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from ..diff import SCALER_PREFIX, Comparison, Mismatch, ProblemKind, as_real
+from ..diff import COMPUTED_IN, SCALER_PREFIX, Comparison, Mismatch, ProblemKind, as_real
 from ..result import RunResult
 
 class Hint(str):
@@ -46,7 +46,11 @@ def agreeing(comparison: Comparison) -> Comparison:
     need an accumulation loop: a located run never reads a hint that contradicts its location."""
     location, hint = comparison.location, comparison.hint
     phases = getattr(hint, "phases", ())
-    if location is None or not phases:
+    if location is None or not hint:
+        return comparison
+    if location.tensor == COMPUTED_IN:  # the run's precision is the whole finding: no pitfall of code is hinted
+        return dataclasses.replace(comparison, hint="")
+    if not phases:
         return comparison
     if location.phase in phases and not (location.own_code and hint.between_modules) \
             and not (hint.micro_batches and location.forwards == 1):

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from ..diff import Comparison, Location, ProblemKind, TensorDiff, kind_of
+from ..diff import COMPUTED_IN, Comparison, Location, ProblemKind, TensorDiff, kind_of
 from .hints import factor_of
 from ..precision import Tolerance
 from ..result import RunResult
@@ -41,6 +41,9 @@ from ..trace import ModuleCall, StepTrace
 # both runs again with steps traced: (steps, whether the modules' calls are recorded too) -> (reference, candidate)
 Replay = Callable[[tuple[int, ...], bool], tuple[RunResult, RunResult]]
 
+
+# the argument that judges a run under the precision its modules computed in
+JUDGED_IN = {"bfloat16": 'dtype="bf16-autocast"', "float16": 'dtype="fp16-autocast"', "float32": "dtype=torch.float32"}
 
 UNSEEN = "not recorded in the run (replaced during the step, compiled, or not called)"
 
@@ -325,6 +328,39 @@ class _Walk:
 
     # -- the forward
     def _forward(self) -> Location | None:
+        """Where the forward parts: in the precision the run computed in where that is not the reference's (a wrap's
+        or the step's own policy: no module's code is then told), else at the first module that computes otherwise."""
+        found = self._forward_calls()
+        if found is not None and found.phase == "forward":
+            return self._computed_otherwise() or found
+        return found
+
+    def _computed_otherwise(self) -> Location | None:
+        """The modules whose outputs the run computed in another dtype than the reference's did, as a location: the
+        run's precision, held by the narrowest module that holds them all."""
+        def dtypes(traces: Sequence[StepTrace]) -> dict[str, set[str]]:
+            found: dict[str, set[str]] = {}
+            for trace in traces:
+                for call in trace.calls:
+                    if call.computed_in:
+                        found.setdefault(call.module, set()).add(call.computed_in)
+            return found
+
+        ours, theirs = dtypes([self.reference]), dtypes(self.ranks)
+        apart = sorted(module for module in ours if module in theirs and theirs[module] != ours[module])
+        if not apart:
+            return None
+        run = sorted({d.removeprefix("torch.") for module in apart for d in theirs[module]})
+        reference = ", ".join(sorted({d.removeprefix("torch.") for module in apart for d in ours[module]}))
+        judged = " or ".join(JUDGED_IN[dtype] for dtype in run if dtype in JUDGED_IN)
+        named = _shown([module for module in apart if module]) or "the model"  # the root's follows its children's
+        return Location(self.step, "forward", _common_module([f"{module}.x" for module in apart]), COMPUTED_IN,
+                        None, f"{named} computed in {', '.join(run)}, the reference's in {reference}: the run's "
+                        "precision (a wrap's MixedPrecisionPolicy, autocast or a cast in the step), not a module's "
+                        f"code; {f'judge it under that precision ({judged}) or ' if judged else ''}give the "
+                        "reference the same precision")
+
+    def _forward_calls(self) -> Location | None:
         fed = self._fed_otherwise()
         if fed is not None:
             return fed
@@ -335,10 +371,6 @@ class _Walk:
             theirs = self._joined_call(call)
             if theirs is None:
                 told.unseen(call.module, UNSEEN)
-                clean = False
-                continue
-            if (len(theirs.inputs), len(theirs.integers)) != (len(call.inputs), len(call.integers)):
-                told.unseen(call.module, "its inputs not all recorded in the run")
                 clean = False
                 continue
             if not self._same_inputs(theirs, call):
@@ -852,7 +884,8 @@ class _Walk:
             pieces += [list(made) for made in zip(*replicas)]
         if sharded and any(len(piece) < 2 for piece in pieces):
             return None  # parts no two ranks fed one batch hold: none can be told whole
-        joined = ModuleCall(call.module, call.index, [], [], random_state=pieces[0][0].random_state)
+        joined = ModuleCall(call.module, call.index, [], [], random_state=pieces[0][0].random_state,
+                            computed_in=pieces[0][0].computed_in)
         for field in ("inputs", "outputs", "integers", "grad_outputs", "grad_inputs"):
             expected = getattr(call, field)
             if any(len(getattr(made, field)) != len(expected) for piece in pieces for made in piece):

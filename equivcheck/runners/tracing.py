@@ -266,6 +266,7 @@ class StepTracer:
             for leaf in tree_flatten(output)[0]:
                 if isinstance(leaf, Tensor) and (leaf.is_floating_point() or leaf.is_complex()):
                     if record:
+                        call.computed_in = call.computed_in or str(leaf.dtype)
                         call.outputs.append(_local(leaf))
                         call.grad_outputs.append(None)
                     if leaf.requires_grad and position < len(call.grad_outputs):
