@@ -438,7 +438,7 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
         if plan.locate:
             outcome = _located(outcome, ref, result, lambda steps, modules: (
                 traced_reference(steps, modules), plan.run(spec, precision, False, trace_steps=steps,
-                                                           trace_modules=modules)))
+                                                           trace_modules=modules)), self_check.max_abs)
         yield dataclasses.replace(outcome, reason="; ".join(filter(None, (outcome.reason, loss_note))))
 
 
@@ -462,7 +462,8 @@ def _anchored(plan: Plan, spec: Regime, precision: Precision, measure_memory: bo
     return result, dataclasses.replace(comparison, note=ANCHORED)
 
 
-def _located(outcome: Outcome, reference: RunResult, result: RunResult, replay: localizer.Replay) -> Outcome:
+def _located(outcome: Outcome, reference: RunResult, result: RunResult, replay: localizer.Replay,
+             repeat_apart: float) -> Outcome:
     """A failed outcome with where its run first parts from the reference (judge/locate.py), its hint kept only where
     it agrees. Nothing is replayed for an outcome as equivalent as its reference: an equivalent check costs what it
     did. A replay that fails leaves the outcome as judged, saying why it cannot say where."""
@@ -470,7 +471,7 @@ def _located(outcome: Outcome, reference: RunResult, result: RunResult, replay: 
     if comparison is None or comparison.ok:
         return outcome
     try:
-        location = localizer.locate(comparison, reference, result, replay)
+        location = localizer.locate(comparison, reference, result, replay, repeat_apart)
     except localizer.ReplayDiffers as differs:
         return dataclasses.replace(outcome, reason="; ".join(filter(None, (outcome.reason, f"where it parts is "
                                                                            f"unsaid: {differs}"))))

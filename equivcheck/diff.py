@@ -223,7 +223,8 @@ class Location:
     the ``tensor`` that differs first and its ``margin``, and what was seen to match around it (``matched``).
     ``own_code``: the module's children compute alike from what they are given, so the difference is made in the
     module's own code between them. ``forwards``: the model's calls on one rank in the traced step (its micro-batches;
-    None where its modules were not traced), which says what a hint may presume the step has."""
+    None where its modules were not traced), which says what a hint may presume the step has. ``below_tolerance``: it
+    parts here by less than the verdict's tolerance, and fails the verdict later (judge/noise_floor.py)."""
 
     step: int
     phase: str
@@ -233,6 +234,7 @@ class Location:
     matched: str = ""
     own_code: bool = False
     forwards: int | None = None
+    below_tolerance: bool = False  # found at float64's noise floor, before the run first fails the verdict
 
     def describe(self) -> str:
         where = f" in `{self.module}`" if self.module else ""

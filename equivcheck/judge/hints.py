@@ -48,7 +48,9 @@ def agreeing(comparison: Comparison) -> Comparison:
     phases = getattr(hint, "phases", ())
     if location is None or not hint:
         return comparison
-    if location.tensor == COMPUTED_IN:  # the run's precision is the whole finding: no pitfall of code is hinted
+    # the run's precision is the whole finding; a difference under the verdict's tolerance is not what the hints'
+    # rules read (they read what fails the verdict, later): no pitfall is hinted
+    if location.tensor == COMPUTED_IN or location.below_tolerance:
         return dataclasses.replace(comparison, hint="")
     if not phases:
         return comparison

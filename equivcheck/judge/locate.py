@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from ..diff import COMPUTED_IN, Comparison, Location, ProblemKind, TensorDiff, kind_of
+from . import noise_floor
 from .hints import factor_of
 from ..precision import Tolerance
 from ..result import RunResult
@@ -85,12 +86,31 @@ def _shown(modules: list[str]) -> str:
     return ", ".join(f"`{name}`" for name in modules[:4]) + (", ..." if len(modules) > 4 else "")
 
 
-def locate(comparison: Comparison, reference: RunResult, candidate: RunResult, replay: Replay) -> Location | None:
+def locate(comparison: Comparison, reference: RunResult, candidate: RunResult, replay: Replay,
+           repeat_apart: float = 0.0) -> Location | None:
     """Where ``candidate`` first parts from ``reference``, from what the comparison shows and from ``replay(steps)``:
     both runs again, those steps traced, once: the first step whose gradients differ and the one before it (whose
-    update may be where it parted), or the last step where only the final state differs. None where neither says."""
+    update may be where it parted), or the last step where only the final state differs; at a float64 check, an
+    earlier step where the run parts already under the verdict's tolerance (judge/noise_floor.py; ``repeat_apart``:
+    how far the reference's repeat was from it). None where neither says."""
     if comparison.ok:
         return None
+    found = _at_tolerance(comparison, reference, candidate, replay)
+    if found is None:
+        return None
+
+    def walk(step: int, tolerance: Tolerance) -> Location | None:
+        try:
+            at_floor = dataclasses.replace(comparison, tolerance=tolerance)
+            return _Replayed(at_floor, reference, candidate, replay, (step,)).walk(step)
+        except ReplayDiffers:  # the replay does not train as the run did at that floor: nothing is said there
+            return None
+    return noise_floor.earlier(found, comparison, reference, candidate, repeat_apart, walk) or found
+
+
+def _at_tolerance(comparison: Comparison, reference: RunResult, candidate: RunResult,
+                  replay: Replay) -> Location | None:
+    """Where ``candidate`` first parts from ``reference`` at the verdict's tolerance."""
     counted = _step_count(reference, candidate)
     grads = [m for m in comparison.mismatches if m.kind == "grad" and m.first_step is not None
              and (counted is None or m.first_step < counted.step)]
