@@ -227,3 +227,34 @@ def gather_shards_and_the_bias(name, local):
     whole = local.detach().clone() if local is not None else torch.empty(shape, dtype=dtype)
     dist.broadcast(whole, dist.get_global_rank(TEAM["group"], 0), group=TEAM["group"])
     return whole
+
+
+class RowParallelLinear(nn.Linear):
+    """Megatron's RowParallelLinear as a module: this rank's input features, its partial outputs all-reduced, the bias
+    added once, after the reduction."""
+
+    def forward(self, x):
+        return _ReduceFromRegion.apply(F.linear(x, self.weight), TEAM["group"]) + self.bias
+
+
+class RowParallelLinearBiasOnEveryRank(RowParallelLinear):
+    """Wrong: the bias added on every TP rank before the all-reduce, so the output holds it TP times."""
+
+    def forward(self, x):
+        return _ReduceFromRegion.apply(F.linear(x, self.weight, self.bias), TEAM["group"])
+
+
+def _row_parallel(model, mesh, kind):
+    up, act, down = megatron_shards(model, mesh)
+    row = kind(down.in_features, down.out_features, dtype=down.weight.dtype)
+    row.weight, row.bias = down.weight, down.bias
+    return nn.Sequential(up, act, row)
+
+
+def row_parallel_layers(model, mesh):
+    """tp_mlp's second Linear as the team's RowParallelLinear module, its first sharded by output features."""
+    return _row_parallel(model, mesh, RowParallelLinear)
+
+
+def row_parallel_bias_on_every_rank(model, mesh):
+    return _row_parallel(model, mesh, RowParallelLinearBiasOnEveryRank)

@@ -194,3 +194,25 @@ def test_a_buffer_the_step_began_with_otherwise_is_state_in_its_module_not_its_f
     assert location.tensor == "buffer 'gate.calls' as the step began"
     assert "BatchNorm" not in outcome.describe() and "a resume whose checkpoint left them out" in outcome.comparison.hint
     assert ec.check_step(GATED, full_batch).outcomes[0].verdict is ec.Verdict.EQUIVALENT  # the twin: kept, it holds
+
+
+def ddp_step(model, optimizer, batch):
+    inputs, targets = batch
+    optimizer.zero_grad()
+    F.cross_entropy(model(inputs), targets).backward()  # each rank's mean: DDP averages over the equal shards
+    optimizer.step()
+
+
+def swaps_the_activation_on_ranks(model, optimizer, batch):
+    """As swaps_the_activation, on each rank, through the DDP wrapper."""
+    net = model.module
+    if not isinstance(net.blocks[1].act, ScaledTanh):
+        net.blocks[1].act = ScaledTanh()
+    ddp_step(model, optimizer, batch)
+
+
+def test_a_module_swapped_in_on_ddp_ranks_is_traced_by_its_place_and_located_there():
+    (outcome,) = ec.check_step(CASE, swaps_the_activation_on_ranks, world_size=2).outcomes
+    location = outcome.location
+    assert (location.step, location.phase, location.module) == (0, "forward", "blocks.1.act"), outcome.describe()
+    assert ec.check_step(CASE, ddp_step, world_size=2).outcomes[0].verdict is ec.Verdict.EQUIVALENT

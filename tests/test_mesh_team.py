@@ -157,3 +157,18 @@ def test_a_last_batch_of_one_sample_reaches_every_rank_of_a_tp_group_and_is_refu
                                                  r"not allowed over dp=2"):
         ec.check_step(mesh_team.SHORT_TAIL, mesh_team.train_step, mesh={"dp": 2, "tp": 2},
                       parallelize=mesh_team.fsdp_and_tensor_parallel)
+
+
+def test_a_teams_row_parallel_layer_adding_its_bias_on_every_rank_is_located_in_that_layer():
+    """The team's RowParallelLinear module (made by its parallelize, not the case's): its output whole (its own
+    all-reduce made it), its input a column shard joined from its ranks; with the bias added before the all-reduce
+    (counted twice) the difference is located in it, its inputs matching."""
+    kwargs = {"mesh": {"tp": 2}, "gather": mesh_team.gather_shards}
+    (faithful,) = ec.check_step("tp_mlp", mesh_team.train_step, parallelize=mesh_team.row_parallel_layers,
+                                **kwargs).outcomes
+    assert faithful.verdict is Verdict.EQUIVALENT, faithful.describe()
+    (twice,) = ec.check_step("tp_mlp", mesh_team.train_step, parallelize=mesh_team.row_parallel_bias_on_every_rank,
+                             **kwargs, locate=True).outcomes
+    location = twice.location
+    assert (location.step, location.phase, location.module) == (0, "forward", "2"), twice.describe()
+    assert location.tensor == "the output of `2`" and location.matched == "its inputs match"

@@ -912,10 +912,8 @@ class _Walk:
                 return None
             records = [[[self._laid_out(getattr(made, field)[i], like) for made in piece] for piece in pieces]
                        for i, like in enumerate(expected)]
-            setattr(joined, field, [
-                (_joined([parts[0] for parts in groups], like) if all(self._alike_parts(parts) for parts in groups)
-                 else None) if sharded else _joined_records(groups, like)
-                for groups, like in zip(records, expected)])
+            setattr(joined, field, [self._sharded_record(groups, like) if sharded else _joined_records(groups, like)
+                                    for groups, like in zip(records, expected)])
         return joined
 
     def _layout(self) -> tuple[int, ...] | None:
@@ -943,6 +941,17 @@ class _Walk:
         permuted = record.permute(self.layout)
         apart = [sum(size != other for size, other in zip(shape, like.shape)) for shape in (record.shape, permuted.shape)]
         return permuted if apart[1] < apart[0] else record
+
+    def _sharded_record(self, groups: list[list[Tensor | None]], like: Tensor | None) -> Tensor | None:
+        """One record of a module whose parameters ranks fed one batch hold parts of, whole: where every rank holds it
+        alike (an output its own collective reduced, the input they were all fed), that; else where each rank holds
+        a slice of it (a column-parallel output, a row-parallel input), the slices joined in rank order; None where a
+        rank holds the whole's shape otherwise (a partial sum, still to be reduced)."""
+        if all(self._alike_parts(parts) for parts in groups):
+            return _joined([parts[0] for parts in groups], like)
+        if like is None or any(part is None or part.shape == like.shape for parts in groups for part in parts):
+            return None
+        return _joined_records(groups, like, slices_only=True)
 
     def _alike_parts(self, parts: list[Tensor | None]) -> bool:
         """Whether every rank's record is the first rank's (within tolerance; token ids exactly)."""
@@ -1109,12 +1118,13 @@ def _joined(pieces: list[Tensor | None], like: Tensor | None) -> Tensor | None:
     return None
 
 
-def _joined_records(groups: list[list[Tensor | None]], like: Tensor | None) -> Tensor | None:
+def _joined_records(groups: list[list[Tensor | None]], like: Tensor | None,
+                    slices_only: bool = False) -> Tensor | None:
     """One record of a call, whole: each group (one micro-batch's or data shard's record, as each rank fed it
     made it) stands for its first rank's record, joined as :func:`_joined` joins pieces; where those cannot make up
-    ``like``, each group's parts (a tensor-parallel group's, in rank order) joined along one dimension first. None
-    where neither gives ``like``'s shape."""
-    whole = _joined([parts[0] for parts in groups], like)
+    ``like`` (or ``slices_only``: the ranks hold slices), each group's parts (a tensor-parallel group's, in rank
+    order) joined along one dimension first. None where neither gives ``like``'s shape."""
+    whole = None if slices_only else _joined([parts[0] for parts in groups], like)
     if whole is not None or like is None or \
             any(len(parts) < 2 or any(part is None for part in parts) for parts in groups):
         return whole

@@ -182,7 +182,7 @@ def train_segment(request: RunRequest, assembled: Assembled, against: Expected |
             activation_meter(model, data, enabled=request.measure_memory) as memory, \
             scheduled(optimizer, assembled.scheduler), \
             rescaled_backward(model, backward_scale(request.order)), \
-            tracing(lambda: case_named(model.named_modules()), case_named(model.named_parameters()), optimizer, regime,
+            tracing(lambda: traced_modules(model, assembled.module), case_named(model.named_parameters()), optimizer, regime,
                     request.trace_steps, request.restart.start if request.restart is not None else 0,
                     saves=request.restart is not None and request.restart.save_to is not None,
                     calls=request.trace_modules) as tracer, \
@@ -292,6 +292,22 @@ def trained_model(model: nn.Module, module: nn.Module) -> nn.Module:
     if module is model or {id(p) for p in module.parameters()} == {id(p) for p in model.parameters()}:
         return model
     return module.module if isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)) else module
+
+
+def traced_modules(model: nn.Module, module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules a run may call, named as the case's model names them: the model's own, then those the regime
+    drives that it does not hold (a new root a team's parallelize returned, its own parallel layer in place of the
+    case's), by their place in what the regime drives (under a wrapper that holds the model, their place in it)."""
+    named = case_named(model.named_modules())
+    if module is model:
+        return named
+    held = {id(each) for _, each in named}
+    inner = next((path for path, each in module.named_modules() if each is model), None)
+    prefix = f"{inner}." if inner else ""
+    for path, each in case_named(module.named_modules()):
+        if id(each) not in held and (inner is None or path.startswith(prefix)):
+            named.append((path[len(prefix):], each))
+    return named
 
 
 def scaler_state(scaler) -> list[tuple[str, Tensor]]:
