@@ -213,7 +213,7 @@ def _at(index: tuple[int, ...], parts: bool) -> str:
 COMPUTED_IN = "the precision it computed in"
 
 # The phases of an optimizer step, in the order it runs them, where a run can first part from its reference.
-PHASES = ("forward", "loss", "backward", "gradient", "communication", "optimizer", "state")
+PHASES = ("forward", "loss", "backward", "gradient", "communication", "optimizer", "state", "compiler")
 
 
 @dataclasses.dataclass(frozen=True)

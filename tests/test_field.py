@@ -25,8 +25,6 @@ NOT_WHERE_THE_FIX_ACTS = {
                   "is never called as a module; the fix acts at backward k_norm",
     "pytorch_91468": "located at backward in 0 (replayed with its parameters hooked alone: module 1 holds none); the "
                      "fix acts at backward 1",
-    "pytorch_117758": "unsaid: replayed with module hooks it trains otherwise (compiled), and its loss parts; the fix "
-                      "acts at forward 0",
     "pytorch_190758": "located at backward in 3 (replayed with its parameters hooked alone: the recomputed dropout "
                       "holds none); the fix acts at backward 2",
     "pytorch_193279": "unsaid: replayed with module hooks it trains otherwise (compiled), and torch.func.grad's "

@@ -40,9 +40,7 @@ def clips_each_micro_batch(model, optimizer, batch):
     optimizer.step()
 
 
-@pytest.fixture(autouse=True)
-def _locating(locating):
-    yield
+pytestmark = pytest.mark.usefixtures("locating")  # failed checks say where their runs part, as users get it
 
 
 def test_a_hint_that_presumes_an_accumulation_loop_is_dropped_for_a_step_without_one():

@@ -37,9 +37,7 @@ CASE = ec.Case(name="hair_off", model=Net, data=lambda: (torch.randn(72, 6), tor
                optimizer=lambda parameters: torch.optim.SGD(parameters, lr=3.0))
 
 
-@pytest.fixture(autouse=True)
-def _locating(locating):
-    yield
+pytestmark = pytest.mark.usefixtures("locating")  # failed checks say where their runs part, as users get it
 
 
 def test_a_difference_under_the_tolerance_is_located_where_it_begins_and_says_where_it_fails():

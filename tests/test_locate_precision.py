@@ -41,9 +41,7 @@ def _bf16_kernels_run() -> bool:
     return kernels.probe(PRECISIONS["bf16-autocast"], kernels.DEFAULT) == "ran"
 
 
-@pytest.fixture(autouse=True)
-def _locating(locating):
-    yield
+pytestmark = pytest.mark.usefixtures("locating")  # failed checks say where their runs part, as users get it
 
 
 def test_a_block_the_step_computes_in_bf16_is_located_as_the_runs_precision():

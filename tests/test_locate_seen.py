@@ -65,9 +65,7 @@ def patches_the_activation(model, optimizer, batch):
     full_batch(model, optimizer, batch)
 
 
-@pytest.fixture(autouse=True)
-def _locating(locating):
-    yield
+pytestmark = pytest.mark.usefixtures("locating")  # failed checks say where their runs part, as users get it
 
 
 def test_a_module_patched_in_place_is_located_in_it():

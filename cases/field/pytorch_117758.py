@@ -25,7 +25,7 @@ from equivcheck.suites.field import Bug
 
 BUG = Bug("pytorch/pytorch", "issue", 117758, "compile",
           "forward hook registered after the first compiled call: the graph traced without it reused, never run",
-          fixed_by="on torch 2.13, skip_nnmodule_hook_guards=False", fix_acts="forward 0")
+          fixed_by="on torch 2.13, skip_nnmodule_hook_guards=False", fix_acts="compiler")
 
 FIRST_LAYER_SCALE = 0.5
 WARM_UP_STEPS = 1

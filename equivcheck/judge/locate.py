@@ -39,8 +39,9 @@ from ..precision import Tolerance
 from ..result import RunResult
 from ..trace import ModuleCall, StepTrace
 
-# both runs again with steps traced: (steps, whether the modules' calls are recorded too) -> (reference, candidate)
-Replay = Callable[[tuple[int, ...], bool], tuple[RunResult, RunResult]]
+# both runs again with steps traced: (steps, whether the modules' calls are recorded too, whether torch.compile's code
+# runs uncompiled: the eager twin) -> (reference, candidate)
+Replay = Callable[[tuple[int, ...], bool, bool], tuple[RunResult, RunResult]]
 
 
 # the argument that judges a run under the precision its modules computed in
@@ -138,12 +139,15 @@ class _Replayed:
     """Both runs replayed once with ``steps`` traced (on first use), walked step by step; each replay in one process
     held to the run it replays first: the gradients its optimizer read at the step must be the run's (where the run
     recorded them). Replays whose module hooks change how they train (a compiled step that traces the hooks) are
-    replayed again with the parameters and the optimizer traced alone."""
+    replayed again with the parameters and the optimizer traced alone; where that too trains otherwise, or where
+    modules went unrecorded (compiled away), as the run's eager twin (torch.compile's code left uncompiled, from the
+    same state): an eager twin that trains as the run did is walked as any eager run; one that trains as the
+    reference did, where the compiled replay did not, says the compiled code is where the run parts."""
 
     def __init__(self, comparison: Comparison, reference: RunResult, candidate: RunResult, replay: Replay,
                  steps: tuple[int, ...]) -> None:
         self.comparison, self.steps, self.recorded = comparison, steps, (reference, candidate)
-        self._runs = functools.cache(lambda modules: replay(steps, modules))
+        self._runs = functools.cache(lambda modules, eager=False: replay(steps, modules, eager))
 
     def walk(self, step: int, state_only: bool = False) -> Location | None:
         try:
@@ -152,17 +156,59 @@ class _Replayed:
             try:
                 ours, theirs = self._traced(step, modules=False)
             except ReplayDiffers:
-                raise hooked from None  # it trains otherwise however it is replayed: state kept across runs
+                return self._eager_twin(step, state_only, hooked)
+            found = self._walked(ours, theirs, step, state_only)  # no module recorded: the eager twin may say more
+            return found if found is not None and found.module else self._eager_twin(step, state_only, None) or found
+        found = self._walked(ours, theirs, step, state_only)
+        if found is not None and UNSEEN in found.matched and self._compiled(step):
+            return self._eager_twin(step, state_only, None) or found
+        return found
+
+    def _walked(self, ours: list[StepTrace], theirs: list[StepTrace], step: int, state_only: bool,
+                how: str = "") -> Location | None:
         if not ours or not theirs:
             return None
         walk = _Walk(ours[0], theirs, self.comparison, step)
         found = walk.carried_into() if state_only else walk.first()
         forwards = sum(call.module == "" for call in theirs[0].calls) or None
-        return None if found is None else dataclasses.replace(found, forwards=forwards)
+        return None if found is None else dataclasses.replace(
+            found, forwards=forwards, matched="; ".join(filter(None, (found.matched, how))))
 
-    def _traced(self, step: int, modules: bool) -> tuple[list[StepTrace], list[StepTrace]]:
+    def _compiled(self, step: int) -> bool:
+        """Whether the run's replay with its parameters hooked alone and its eager twin read other gradients at
+        ``step``: torch.compile's code computes otherwise than the same code uncompiled."""
+        compiled = [t for t in self._runs(False)[1].traces if t.step == step]
+        eager = [t for t in self._runs(True, True)[1].traces if t.step == step]
+        if not compiled or len(compiled) != len(eager):
+            return False
+        return any(name not in theirs.read or not torch.equal(read, theirs.read[name])
+                   for ours, theirs in zip(compiled, eager) for name, read in ours.read.items())
+
+    def _eager_twin(self, step: int, state_only: bool, hooked: ReplayDiffers | None) -> Location | None:
+        """Where the run parts, read from its eager twin; ``hooked``: why its compiled replays say nothing (raised
+        again where the eager twin does not say either)."""
+        try:
+            ours, theirs = self._traced(step, modules=True, eager=True)
+            return self._walked(ours, theirs, step, state_only,
+                                "replayed as its eager twin (torch.compile off, from the same state): it parts "
+                                "there too")
+        except ReplayDiffers:
+            pass
+        reference, candidate = self._runs(True, True)
+        theirs = [trace for trace in candidate.traces if trace.step == step]
+        if len(theirs) == 1 and self._compiled(step) and \
+                not _not_as_recorded(self.recorded[0], theirs[0], step, self.comparison.tolerance):
+            return Location(step, "compiler", "", "the compiled code", None,
+                            f"its eager twin (torch.compile off, from the same state) reads the reference's gradients "
+                            f"at step {step}, its compiled replay other ones: the compiled code computes otherwise "
+                            "than the code it was compiled from")
+        if hooked is not None:
+            raise hooked  # it trains otherwise however it is replayed: state kept across runs
+        return None
+
+    def _traced(self, step: int, modules: bool, eager: bool = False) -> tuple[list[StepTrace], list[StepTrace]]:
         """The reference's and the candidate's traces of ``step`` (each rank's), from replays held to their runs."""
-        reference, candidate = self._runs(modules)
+        reference, candidate = self._runs(modules, eager)
         theirs = [trace for trace in candidate.traces if trace.step == step]
         ours = [trace for trace in reference.traces if trace.step == step]
         for run, traces, which in ((self.recorded[0], ours, "reference"), (self.recorded[1], theirs, "run")):
@@ -170,7 +216,8 @@ class _Replayed:
                 continue
             apart = _not_as_recorded(run, traces[0], step, self.comparison.tolerance)
             if apart:
-                hooked = "with hooks" if modules else "with its parameters hooked alone"
+                hooked = "as its eager twin" if eager else "with hooks" if modules else \
+                    "with its parameters hooked alone"
                 raise ReplayDiffers(f"replayed {hooked}, the {which} read another gradient of {apart} at step {step} "
                                     "than it did: its records would not say where it parted")
         return ours, theirs

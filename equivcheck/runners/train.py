@@ -188,7 +188,8 @@ def train_segment(request: RunRequest, assembled: Assembled, against: Expected |
                     calls=request.trace_modules) as tracer, \
             anchored(request, assembled, recorder, held):
         watched = StepWatch(batches, recorder)
-        with regime.random_streams(model, optimizer, [batch.inputs for batch in batches]):
+        with regime.random_streams(model, optimizer, [batch.inputs for batch in batches]), \
+                eager_twin(request.trace_eager):
             try:
                 losses = tuple(None if loss is None else float(loss)
                                for loss in regime.train(assembled.module, optimizer,
@@ -292,6 +293,19 @@ def trained_model(model: nn.Module, module: nn.Module) -> nn.Module:
     if module is model or {id(p) for p in module.parameters()} == {id(p) for p in model.parameters()}:
         return model
     return module.module if isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)) else module
+
+
+@contextlib.contextmanager
+def eager_twin(eager: bool) -> Iterator[None]:
+    """While training: torch.compile's code run uncompiled where ``eager`` (a failed compiled run's eager twin, which
+    the localizer replays from the same state), else as it is."""
+    if not eager:
+        yield
+        return
+    import torch._dynamo
+
+    with torch._dynamo.config.patch(disable=True):
+        yield
 
 
 def traced_modules(model: nn.Module, module: nn.Module) -> list[tuple[str, nn.Module]]:
