@@ -991,13 +991,15 @@ class _Walk:
 
     def _sharded_record(self, groups: list[list[Tensor | None]], like: Tensor | None) -> Tensor | None:
         """One record of a module whose parameters ranks fed one batch hold parts of, whole: where every rank holds it
-        alike (an output its own collective reduced, the input they were all fed), that; else where each rank holds
-        a slice of it (a column-parallel output, a row-parallel input), the slices joined in rank order; None where a
-        rank holds the whole's shape otherwise (a partial sum, still to be reduced)."""
+        alike (an output its own collective reduced, the input they were all fed), that; else where each rank of the
+        one group fed the whole batch holds a slice of it (a column-parallel output, a row-parallel input), the
+        slices joined in rank order; None where a rank holds the whole's shape otherwise (a partial sum, still to be
+        reduced), or where several groups each hold slices of their own rows (the two joins' dimensions could be
+        swapped and still make the whole's shape)."""
         if all(self._alike_parts(parts) for parts in groups):
             return _joined([parts[0] for parts in groups], like)
-        if like is None or any(part is None or part.shape == like.shape for parts in groups for part in parts):
-            return None
+        if like is None or len(groups) != 1 or any(part is None or part.shape == like.shape for part in groups[0]):
+            return None  # of several micro-batches' or data shards' slices, which dimension is whose is not told
         return _joined_records(groups, like, slices_only=True)
 
     def _alike_parts(self, parts: list[Tensor | None]) -> bool:
