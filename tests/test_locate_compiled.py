@@ -59,3 +59,38 @@ def test_the_compiler_is_named_where_the_eager_twin_trains_as_the_reference_and_
     assert (location.step, location.phase, location.module) == (1, "compiler", ""), outcome.describe()
     assert "its eager twin (torch.compile off, from the same state) reads the reference's gradients" in location.matched
     assert module.fixed().outcomes[0].verdict is ec.Verdict.EQUIVALENT
+
+
+def _runs_reading(*reads: float, step: int = 0):
+    """A stand-in replay's runs: the reference's and the candidate's traces of ``step``, each reading ``w`` as given."""
+    from equivcheck.result import RunResult
+    from equivcheck.trace import StepTrace
+
+    def run(read: float) -> RunResult:
+        trace = StepTrace(step, 0, [], [], {}, {"w": torch.tensor([read], dtype=torch.float64)}, {}, [])
+        return RunResult("c", "r", (None,), ({"w": torch.tensor([read], dtype=torch.float64)},), {}, {}, 0.0,
+                         traces=(trace,))
+    return tuple(run(read) for read in reads)
+
+
+def _eager_twin_says(compiled_read: float, eager_read: float):
+    """What the localizer says of a run whose recorded gradient (2.0) no compiled replay reproduces (they read
+    ``compiled_read``) and whose eager twin reads ``eager_read``; the reference reads 1.0 throughout."""
+    from equivcheck.judge import locate as localizer
+    from equivcheck.judge.compare import compare
+
+    reference, candidate = _runs_reading(1.0, 2.0)
+    replays = {False: _runs_reading(1.0, compiled_read), True: _runs_reading(1.0, eager_read)}
+    comparison = compare(reference, candidate, tolerance=ec.Tolerance(1e-7, 1e-7))
+    walked = localizer._Replayed(comparison, reference, candidate,
+                                 lambda steps, modules, eager: replays[eager], (0,))
+    return walked.walk(0)
+
+
+def test_the_compiler_is_named_only_where_the_eager_twin_computes_otherwise_than_the_compiled_replay():
+    assert _eager_twin_says(compiled_read=3.0, eager_read=1.0).phase == "compiler"
+    # replays that train otherwise than the run, compiled or not alike (state kept across runs): no compiler claim
+    from equivcheck.judge import locate as localizer
+
+    with pytest.raises(localizer.ReplayDiffers):
+        _eager_twin_says(compiled_read=1.0, eager_read=1.0)
