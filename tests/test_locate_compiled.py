@@ -47,6 +47,7 @@ def test_a_compiled_model_with_a_changed_block_is_located_in_that_block():
     assert ec.check_step(CASE, compiled_step).outcomes[0].verdict is ec.Verdict.EQUIVALENT  # the twin
 
 
+@pytest.mark.full_only  # make test-full: two compiled checks (13 s); the rule's stand-in test below is in make test
 def test_the_compiler_is_named_where_the_eager_twin_trains_as_the_reference_and_the_compiled_code_does_not():
     """pytorch/pytorch#117758 as the field reproduces it: a forward hook registered after the first compiled call,
     never run by the graph compiled without it. Replayed eagerly the hook runs and the run reads the reference's
