@@ -157,7 +157,9 @@ class _Replayed:
                 ours, theirs = self._traced(step, modules=False)
             except ReplayDiffers:
                 return self._eager_twin(step, state_only, hooked)
-            found = self._walked(ours, theirs, step, state_only)  # no module recorded: the eager twin may say more
+            # its modules unrecorded, a location in none of them (or none) is all it can say: the eager twin may say
+            # more
+            found = self._walked(ours, theirs, step, state_only)
             return found if found is not None and found.module else self._eager_twin(step, state_only, None) or found
         found = self._walked(ours, theirs, step, state_only)
         if found is not None and UNSEEN in found.matched and self._compiled(step):
@@ -421,7 +423,7 @@ class _Walk:
         reference = ", ".join(sorted({d.removeprefix("torch.") for module in apart for d in ours[module]}))
         judged = " or ".join(JUDGED_IN[dtype] for dtype in run if dtype in JUDGED_IN)
         named = _shown([module for module in apart if module]) or "the model"  # the root's follows its children's
-        return Location(self.step, "forward", _common_module([f"{module}.x" for module in apart]), COMPUTED_IN,
+        return Location(self.step, "forward", _common_ancestor(apart), COMPUTED_IN,
                         None, f"{named} computed in {', '.join(run)}, the reference's in {reference}: the run's "
                         "precision (a wrap's MixedPrecisionPolicy, autocast or a cast in the step), not a module's "
                         f"code; {f'judge it under that precision ({judged}) or ' if judged else ''}give the "
@@ -1129,7 +1131,12 @@ def _ancestors(name: str) -> list[str]:
 
 def _common_module(names: list[str]) -> str:
     """The innermost module that holds every parameter in ``names``."""
-    paths = [module_of(name).split(".") for name in names]
+    return _common_ancestor([module_of(name) for name in names])
+
+
+def _common_ancestor(modules: list[str]) -> str:
+    """The innermost module that holds (or is) every module in ``modules`` ("" for the root)."""
+    paths = [module.split(".") for module in modules]
     common = []
     for parts in zip(*paths):
         if len(set(parts)) != 1:

@@ -69,8 +69,11 @@ class StepTracer:
         self._optimizer, self._regime = optimizer, regime
         self._steps, self._offset = frozenset(steps), offset
         self._modules, self._parameters, self._hooks_calls = modules, parameters, calls
-        self._names: dict[int, str] = {}  # each hooked module's place in the model, as the model held it last
-        self._strangers: set[int] = set()  # modules called that the model did not hold when it was last read
+        # each hooked module's place in the model, as the model held it last, by id; and the modules themselves, kept
+        # alive while traced: a module the step dropped, freed, could leave its id to one it swaps in later
+        self._names: dict[int, str] = {}
+        self._hooked: list[nn.Module] = []
+        self._strangers: dict[int, nn.Module] = {}  # modules called that the model did not hold when last read
         self._steps_taken = 0
         ranks = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         self._rank = torch.distributed.get_rank() if ranks else 0
@@ -115,6 +118,7 @@ class StepTracer:
         self._strangers.clear()
         for name, module in self._modules():
             if id(module) not in self._names:
+                self._hooked.append(module)
                 # first, before a parallel plan's own input hooks: the gradient caught at an input is the one the
                 # module sends back to its caller, after any collective those hooks put on the way back
                 self._exits.callback(module.register_forward_pre_hook(self._entering, with_kwargs=True,
@@ -131,7 +135,7 @@ class StepTracer:
             return None
         self._follow()
         if key not in self._names:
-            self._strangers.add(key)  # not the model's (a loss module, a wrapper around the model)
+            self._strangers[key] = module  # not the model's (a loss module, a wrapper around the model)
             return None
         entered = self._entering(module, args, {})
         return None if entered is None else entered[0]
