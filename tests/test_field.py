@@ -23,15 +23,6 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 NOT_WHERE_THE_FIX_ACTS = {
     "veomni_419": "unsaid: one autograd function runs the q/k/v projections, their norms and all-to-alls, so k_norm "
                   "is never called as a module; the fix acts at backward k_norm",
-    "pytorch_91468": "located at backward in 0 (replayed with its parameters hooked alone: module 1 holds none); the "
-                     "fix acts at backward 1",
-    "pytorch_190758": "located at backward in 3 (replayed with its parameters hooked alone: the recomputed dropout "
-                      "holds none); the fix acts at backward 2",
-    "pytorch_193279": "unsaid: replayed with module hooks it trains otherwise (compiled), and torch.func.grad's "
-                      "gradients pass no parameter hook; the fix acts at backward 0",
-    "pytorch_198102": "located at forward in the code that calls module 1 (its input differs while module 0 computes "
-                      "alike: an in-place change to 0's output, made in the team's wrapper, no module of the model); "
-                      "the fix acts at forward 0",
     "transformers_48687": "unsaid: the experts' parts of their input gradient are not told apart from a reduction's; "
                           "the fix acts at backward experts",
     "megatron_lm_2121": "located at forward; the fix acts at loss",

@@ -95,3 +95,49 @@ def test_the_compiler_is_named_only_where_the_eager_twin_computes_otherwise_than
 
     with pytest.raises(localizer.ReplayDiffers):
         _eager_twin_says(compiled_read=1.0, eager_read=1.0)
+
+
+def test_a_step_that_sets_its_gradients_by_hand_is_traced_with_its_parameters_hooked_alone():
+    """torch.func computes gradients no parameter hook sees and the step sets them itself: the replay with its
+    parameters hooked alone (how a compiled step that module hooks change is replayed) still records what the
+    optimizer read. Without it that replay would be held to the run with nothing to hold, and read nothing."""
+    from equivcheck.regimes.local import FullBatch
+    from equivcheck.runners.tracing import TraceComplete, tracing
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    parameters = list(model.named_parameters())
+    with pytest.raises(TraceComplete), \
+            tracing(lambda: list(model.named_modules()), parameters, optimizer, FullBatch(), (0,), calls=False) as tracer:
+        grads = torch.func.grad(lambda params: torch.func.functional_call(model, params, torch.ones(4, 3)).sum())(
+            dict(parameters))
+        for name, parameter in parameters:
+            parameter.grad = grads[name]
+        optimizer.step()
+    (trace,) = tracer.traces
+    assert sorted(trace.read) == ["bias", "weight"]
+    assert torch.equal(trace.read["bias"], torch.full((2,), 4.0))
+
+
+def _held_twin_says(eager_read: float):
+    """What the eager twin adds to a location the run's compiled replay (held to the run: it reads the run's 2.0)
+    found in code no module hook saw; the reference reads 1.0, the twin ``eager_read``."""
+    from equivcheck.diff import Location
+    from equivcheck.judge import locate as localizer
+    from equivcheck.judge.compare import compare
+
+    reference, candidate = _runs_reading(1.0, 2.0)
+    replays = {False: _runs_reading(1.0, 2.0), True: _runs_reading(1.0, eager_read)}
+    comparison = compare(reference, candidate, tolerance=ec.Tolerance(1e-7, 1e-7))
+    walked = localizer._Replayed(comparison, reference, candidate,
+                                 lambda steps, modules, eager: replays[eager], (0,))
+    seen = Location(0, "forward", "", "the input of `1`", 5.0, "every module that ran before it computes alike")
+    return walked._eager_twin(0, False, None, held=True, seen=seen)
+
+
+def test_a_location_outside_every_module_is_the_compilers_where_the_eager_twin_reads_the_references_gradients():
+    location = _held_twin_says(eager_read=1.0)
+    assert location.phase == "compiler"
+    assert "(its compiled replay first differs at the input of `1`)" in location.matched
+    # an eager twin that reads what the compiled replay read: nothing compiled computes otherwise, nothing added
+    assert _held_twin_says(eager_read=2.0) is None

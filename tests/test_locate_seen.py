@@ -125,6 +125,7 @@ def test_a_child_the_run_never_called_is_named_unseen_and_its_parents_own_code_i
     assert "`blocks.1.act` not recorded in the run" in location.matched, location.matched
     assert "its own code is not claimed" in location.matched
     assert "`blocks.1.fc1`" in location.matched.split("compute alike")[0]  # what was seen alike is still said
+    assert "eager twin" not in location.matched  # nothing compiled: its eager twin, replayed, reads what it read
 
 
 class ScaledBlock(Block):

@@ -24,7 +24,7 @@ from equivcheck.suites.field import Bug
 
 BUG = Bug("pytorch/pytorch", "issue", 117265, "compile",
           "full_backward_pre_hook registered after the first compiled call: the cached graph never runs it",
-          fixed_by="on torch 2.13, skip_nnmodule_hook_guards=False (in torch: pull #186507)", fix_acts="backward 2")
+          fixed_by="on torch 2.13, skip_nnmodule_hook_guards=False (in torch: pull #186507)", fix_acts="compiler")
 
 HEAD_GRADIENT_SCALE = 0.5
 WARM_UP_STEPS = 1

@@ -28,7 +28,7 @@ from equivcheck.suites.field import Bug
 
 BUG = Bug("pytorch/pytorch", "issue", 190758, "compile",
           "activation_memory_budget < 1: partitioner recomputed dropout in backward with a fresh mask",
-          fixed_by="pulls #190759, #191684 (open); on torch 2.13, the budget left at 1.0", fix_acts="backward 2")
+          fixed_by="pulls #190759, #191684 (open); on torch 2.13, the budget left at 1.0", fix_acts="compiler")
 
 REPORTED_BUDGET = 0.5
 

@@ -33,7 +33,7 @@ from equivcheck.suites.field import Bug
 BUG = Bug("pytorch/pytorch", "issue", 193279, "compile",
           "torch.compile(torch.func.grad(...)) inlined an autograd.Function's forward, dropped its backward",
           fixed_by="on torch 2.13, torch.func.grad outside the compiled region", torch_before="2.15",
-          fix_acts="backward 0")
+          fix_acts="compiler")
 
 
 class RoundSTE(torch.autograd.Function):

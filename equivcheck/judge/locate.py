@@ -157,13 +157,12 @@ class _Replayed:
                 ours, theirs = self._traced(step, modules=False)
             except ReplayDiffers:
                 return self._eager_twin(step, state_only, hooked)
-            # its modules unrecorded, a location in none of them (or none) is all it can say: the eager twin may say
-            # more
+            # its modules unrecorded, a location is read from its parameters alone: the eager twin may say more
             found = self._walked(ours, theirs, step, state_only)
-            return found if found is not None and found.module else self._eager_twin(step, state_only, None) or found
+            return self._eager_twin(step, state_only, None, held=False, seen=found) or found
         found = self._walked(ours, theirs, step, state_only)
-        if found is not None and UNSEEN in found.matched and self._compiled(step):
-            return self._eager_twin(step, state_only, None) or found
+        if found is not None and _outside_modules(found):
+            return self._eager_twin(step, state_only, None, held=True, seen=found) or found
         return found
 
     def _walked(self, ours: list[StepTrace], theirs: list[StepTrace], step: int, state_only: bool,
@@ -176,19 +175,25 @@ class _Replayed:
         return None if found is None else dataclasses.replace(
             found, forwards=forwards, matched="; ".join(filter(None, (found.matched, how))))
 
-    def _compiled(self, step: int) -> bool:
-        """Whether the run's replay with its parameters hooked alone and its eager twin read other gradients at
-        ``step``: torch.compile's code computes otherwise than the same code uncompiled."""
-        compiled = [t for t in self._runs(False)[1].traces if t.step == step]
+    def _compiled(self, step: int, modules: bool = False) -> bool:
+        """Whether the run's replay (with its modules hooked, or its parameters alone) and its eager twin read other
+        gradients at ``step``: torch.compile's code computes otherwise than the same code uncompiled."""
+        compiled = [t for t in self._runs(modules)[1].traces if t.step == step]
         eager = [t for t in self._runs(True, True)[1].traces if t.step == step]
         if not compiled or len(compiled) != len(eager):
             return False
         return any(name not in theirs.read or not torch.equal(read, theirs.read[name])
                    for ours, theirs in zip(compiled, eager) for name, read in ours.read.items())
 
-    def _eager_twin(self, step: int, state_only: bool, hooked: ReplayDiffers | None) -> Location | None:
+    def _eager_twin(self, step: int, state_only: bool, hooked: ReplayDiffers | None,
+                    held: bool | None = None, seen: Location | None = None) -> Location | None:
         """Where the run parts, read from its eager twin; ``hooked``: why its compiled replays say nothing (raised
-        again where the eager twin does not say either)."""
+        again where the eager twin does not say either); ``held``: whether the replay held to the run hooked its
+        modules (True) or its parameters alone (False), where one was: a twin that reads what it read says nothing
+        more (the run compiled nothing that computes otherwise); ``seen``: where that replay first parts, if it
+        says."""
+        if held is not None and not self._compiled(step, held):
+            return None
         try:
             ours, theirs = self._traced(step, modules=True, eager=True)
             return self._walked(ours, theirs, step, state_only,
@@ -198,12 +203,13 @@ class _Replayed:
             pass
         reference, candidate = self._runs(True, True)
         theirs = [trace for trace in candidate.traces if trace.step == step]
-        if len(theirs) == 1 and self._compiled(step) and \
+        if len(theirs) == 1 and self._compiled(step, bool(held)) and \
                 not _not_as_recorded(self.recorded[0], theirs[0], step, self.comparison.tolerance):
             return Location(step, "compiler", "", "the compiled code", None,
                             f"its eager twin (torch.compile off, from the same state) reads the reference's gradients "
                             f"at step {step}, its compiled replay other ones: the compiled code computes otherwise "
-                            "than the code it was compiled from")
+                            "than the code it was compiled from" + (
+                                "" if seen is None else f" (its compiled replay first differs at {seen.tensor})"))
         if hooked is not None:
             raise hooked  # it trains otherwise however it is replayed: state kept across runs
         return None
@@ -223,6 +229,12 @@ class _Replayed:
                 raise ReplayDiffers(f"replayed {hooked}, the {which} read another gradient of {apart} at step {step} "
                                     "than it did: its records would not say where it parted")
         return ours, theirs
+
+
+def _outside_modules(found: Location) -> bool:
+    """Whether a location names code no module hook saw: a module not recorded, or the code between modules (where
+    a compiled step's code may be what parts)."""
+    return UNSEEN in found.matched or (found.phase in ("forward", "backward") and not found.module)
 
 
 def _not_as_recorded(run: RunResult, trace: StepTrace, step: int, tol: Tolerance) -> str:

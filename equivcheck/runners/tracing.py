@@ -174,7 +174,8 @@ class StepTracer:
 
     def _before_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
         trace = self.trace
-        if not self._open or not (trace.root_inputs or trace.delivered):  # no forward, no backward: nothing to record
+        if not self._open or not (trace.root_inputs or trace.delivered  # no forward, no backward, no gradient set
+                                  or any(p.grad is not None for _, p in self._parameters)):  # by hand (torch.func)
             return
         self._closed = True
         trace.read = {name: _local(p.grad) for name, p in self._parameters if p.grad is not None}

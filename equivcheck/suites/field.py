@@ -62,7 +62,8 @@ class Bug:
     torch_from: str = ""  # a bug in torch itself: the first version it was measured in
     torch_before: str = ""  # and the first it was measured gone from
     # Where the fix acted, read from the fixing change: the phase of a step (diff.PHASES) and, where it has one, the
-    # module of the check's model it acts in ("backward blocks.1", "loss"); the caught row's location is held to it.
+    # module of the check's model it acts in ("backward blocks.1", "loss"), or "compiler" where torch.compile's code
+    # is what was fixed (its eager source trains right); the caught row's location is held to it.
     fix_acts: str = ""
 
     def __post_init__(self) -> None:
