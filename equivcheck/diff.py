@@ -212,13 +212,15 @@ def _at(index: tuple[int, ...], parts: bool) -> str:
 # The tensor a location names where the run's modules computed in another dtype than the reference's
 COMPUTED_IN = "the precision it computed in"
 
-# The phases of an optimizer step, in the order it runs them, where a run can first part from its reference.
-PHASES = ("forward", "loss", "backward", "gradient", "communication", "optimizer", "state", "compiler")
+# The phases of an optimizer step, in the order it runs them, where a run can first part from its reference; an
+# evaluation parts in its forward or after it, in the metric made of the model's outputs (judge/eval_location.py).
+PHASES = ("forward", "loss", "backward", "gradient", "communication", "optimizer", "state", "compiler", "metric")
 
 
 @dataclasses.dataclass(frozen=True)
 class Location:
-    """The first place a run leaves its reference: optimizer ``step``, ``phase`` (one of :data:`PHASES`) and
+    """The first place a run leaves its reference: optimizer ``step`` (None: an evaluation, which takes none),
+    ``phase`` (one of :data:`PHASES`) and
     ``module`` (a dotted name in the case's model; "" for the root, or where no module applies), with the evidence:
     the ``tensor`` that differs first and its ``margin``, and what was seen to match around it (``matched``).
     ``own_code``: the module's children compute alike from what they are given, so the difference is made in the
@@ -226,7 +228,7 @@ class Location:
     None where its modules were not traced), which says what a hint may presume the step has. ``below_tolerance``: it
     parts here by less than the verdict's tolerance, and fails the verdict later (judge/noise_floor.py)."""
 
-    step: int
+    step: int | None
     phase: str
     module: str
     tensor: str
@@ -240,7 +242,8 @@ class Location:
         where = f" in `{self.module}`" if self.module else ""
         margin = "" if self.margin is None else f", margin {self.margin:.3g}"
         matched = f"; {self.matched}" if self.matched else ""
-        return f"parts at step {self.step}, {self.phase}{where} ({self.tensor} differs{margin}{matched})"
+        when = "in evaluation" if self.step is None else f"at step {self.step}"
+        return f"parts {when}, {self.phase}{where} ({self.tensor} differs{margin}{matched})"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,6 +22,8 @@ import dataclasses
 import math
 
 from .case import Case
+from .diff import Location
+from .judge.eval_location import locate_eval
 from .precision import Tolerance
 from .runners.ranks import launcher, pool
 from .runners.ranks.jobs import EvalJob
@@ -77,6 +79,8 @@ class EvalReport:
     metrics: tuple[MetricDiff, ...]
     problems: tuple[str, ...] = ()
     hint: str = ""
+    location: Location | None = None  # where the ranks' metric parts from one process's (judge/eval_location.py)
+    unlocated: str = ""  # why no location is said, where the metric parts and none is
 
     @property
     def ok(self) -> bool:
@@ -98,6 +102,8 @@ class EvalReport:
                  f"{verdict} ({self.tolerance}), margin {self.margin:.3g}"]
         if self.hint and not self.ok:
             lines.append(f"hint: {self.hint}")
+        if self.location is not None or self.unlocated:
+            lines.append(f"where: {self.location.describe() if self.location is not None else self.unlocated}")
         lines += self.problems
         lines += [m.describe() for m in self.metrics]
         return "\n".join(lines)
@@ -165,8 +171,12 @@ def _compare(case: Case, path: str, world_size: int, single: dict, replies: list
             problems.append(f"ranks disagree on {metric.name!r} ({', '.join(f'{v:.6g}' for v in metric.ranks)}): "
                             "each rank reports its own shard's value; the metric was not all-reduced")
     hint = "" if problems else _hint(single["samples"], world_size)  # ranks that disagree say it all
-    return EvalReport(case.name, path.partition(":")[2], world_size, single["samples"], tolerance, metrics,
-                      tuple(problems), hint)
+    report = EvalReport(case.name, path.partition(":")[2], world_size, single["samples"], tolerance, metrics,
+                        tuple(problems), hint)
+    if report.ok:
+        return report
+    location, unlocated = locate_eval(single, replies, tolerance, report.margin)
+    return dataclasses.replace(report, location=location, unlocated=unlocated)
 
 
 def _hint(samples: int, world_size: int) -> str:

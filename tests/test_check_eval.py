@@ -102,6 +102,56 @@ def test_an_average_of_per_rank_averages_on_uneven_shards_is_caught():
     assert "unpadded shards hold 5 to 6 samples" in report.hint
 
 
+def evaluate_dropping_the_last_batch(model, dataset):
+    """Bug: sums and counts all-reduced over unpadded shards whose loaders drop their last short batch."""
+    total = summed(model, DataLoader(my_shard(dataset), batch_size=4, drop_last=dist.is_initialized()))
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return {"loss": total[0] / total[2], "accuracy": total[1] / total[2]}
+
+
+def evaluate_with_other_weights_on_rank_1(model, dataset):
+    """Bug: rank 1 evaluates weights of its own (a checkpoint it loaded late, an average it never swapped in)."""
+    if dist.is_initialized() and dist.get_rank() == 1:
+        model[0].bias.add_(0.01)
+    return evaluate_sums_and_counts(model, dataset)
+
+
+def evaluate_on_scaled_inputs(model, dataset):
+    """The team's code scales every sample before the model sees it: its calls read back to no sample."""
+    total = torch.zeros(3, dtype=torch.float64)
+    for x, y in DataLoader(my_shard(dataset), batch_size=4):
+        logits = model(x * 2)
+        total += torch.stack([F.cross_entropy(logits, y, reduction="sum"), (logits.argmax(1) == y).sum().double(),
+                              torch.tensor(float(len(y)))])
+    if dist.is_initialized():
+        total[0] *= 1.5  # and a bug of its own on the ranks
+        dist.all_reduce(total)
+    return {"loss": total[0] / total[2]}
+
+
+def test_where_a_metric_parts_is_said_from_the_samples_the_model_was_fed_and_what_it_output():
+    """After the model (every sample evaluated, every output alike: the metric), in its forward (a sample no rank
+    evaluated, an output computed otherwise), or not said where the model's calls do not read back to samples."""
+    padded = ec.check_eval(ELEVEN, evaluate_with_distributed_sampler, world_size=2).location
+    assert padded.phase == "metric" and padded.step is None, padded
+    assert "1 evaluated more often than in one process (sample 0: a sampler's padding" in padded.matched
+    averaged = ec.check_eval(ELEVEN, evaluate_average_of_averages, world_size=2).location
+    assert averaged.phase == "metric" and "more often" not in averaged.matched, averaged
+    dropped = ec.check_eval(ELEVEN, evaluate_dropping_the_last_batch, world_size=2).location
+    assert (dropped.phase, dropped.tensor) == ("forward", "the samples the model was fed"), dropped
+    assert "3 of the samples one process evaluates no rank evaluated (sample 8, sample 9, sample 10)" in dropped.matched
+    other = ec.check_eval(ELEVEN, evaluate_with_other_weights_on_rank_1, world_size=2).location
+    assert (other.phase, other.tensor) == ("forward", "the model's output for sample 1 on rank 1"), other
+    assert other.margin > 1e3 and "fed the same sample, the model computed otherwise" in other.matched
+    scaled = ec.check_eval(ELEVEN, evaluate_on_scaled_inputs, world_size=2)
+    assert scaled.location is None and not scaled.ok
+    assert scaled.unlocated == ("not said: on one process, the model was fed a row the dataset does not hold (the "
+                                "team's code changed its samples)")
+    assert "where: not said: on one process" in scaled.describe()
+    assert ec.check_eval(ELEVEN, evaluate_sums_and_counts, world_size=2).location is None  # the twin: nothing parts
+
+
 def test_a_metric_never_all_reduced_shows_as_ranks_that_disagree():
     report = ec.check_eval(ELEVEN, evaluate_without_all_reduce, world_size=2)
     assert not report.ok and report.metrics[0].name == "metric"
@@ -143,3 +193,35 @@ def test_the_fixture_fails_the_test_on_padding(pytester):
     result = pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*pads them to 12, repeating 1 sample(s)*"])
+
+
+def test_an_output_digest_parts_only_where_its_rows_part_beyond_what_the_tolerance_allows_their_sums():
+    """Outputs too large to keep whole (an LM's logits) are kept as three sums each: rows within the tolerance
+    elementwise never part, a row whose sums part beyond it does, and a digest of another size is apart whatever its
+    sums. (One element off by less than the whole row's allowance is not seen: the location then says digests.)"""
+    from equivcheck.judge.eval_location import _apart, digests
+
+    tolerance = ec.Tolerance(1e-7, 1e-7)
+    rows = torch.randn(4, 1000, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    within = rows + (tolerance.atol + tolerance.rtol * rows.abs()) * torch.sign(torch.randn(4, 1000))
+    beyond = rows.clone()
+    beyond[2] += 1e-5
+    expected = digests(rows)
+    assert all(_apart(a, e, tolerance) <= 1 for a, e in zip(digests(within), expected))
+    assert [_apart(a, e, tolerance) > 1 for a, e in zip(digests(beyond), expected)] == [False, False, True, False]
+    assert _apart(digests(rows[:1, :999])[0], expected[0], tolerance) == float("inf")
+
+
+def test_a_side_past_its_budget_keeps_every_output_as_its_digest(monkeypatch):
+    from torch.utils.data import TensorDataset
+
+    from equivcheck.judge.eval_location import digests
+    from equivcheck.runners import evaluate
+
+    monkeypatch.setattr(evaluate, "KEPT_WHOLE", 10)
+    inputs = torch.arange(8.0).reshape(4, 2)
+    seen = evaluate.SamplesSeen(TensorDataset(inputs, torch.zeros(4)))
+    seen.called((inputs[:2],), {}, torch.ones(2, 4))
+    assert "outputs" in seen.result()
+    seen.called((inputs[2:],), {}, torch.ones(2, 4))
+    assert seen.result()["digests"] == digests(torch.ones(4, 4))

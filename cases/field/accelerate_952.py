@@ -19,7 +19,7 @@ from equivcheck.suites.field import Bug
 
 BUG = Bug("huggingface/accelerate", "issue", 952, "evaluation",
           "gather_for_metrics sliced the last batch to len % total_batch_size: remainder 0 dropped it all",
-          fixed_by="pull #982", fix_acts="forward")
+          fixed_by="pull #982", fix_acts="metric")
 
 EVEN_EVAL = ec.register_case(ec.Case(
     name="field_accelerate_even_eval", model=ec.get_case("mlp").model,

@@ -19,7 +19,7 @@ from equivcheck.suites.field import Bug
 
 BUG = Bug("mosaicml/composer", "pull", 2218, "evaluation",
           "eval metrics updated with DistributedSampler's padded duplicates: N + padding samples counted",
-          fix_acts="forward")
+          fix_acts="metric")
 
 # mlp's model on 9 samples: over 2 ranks DistributedSampler pads to 10, repeating sample 0 on rank 1.
 ODD_EVAL = ec.register_case(ec.Case(

@@ -19,7 +19,7 @@ from equivcheck.suites.field import Bug
 
 BUG = Bug("Lightning-AI/pytorch-lightning", "issue", 21859, "evaluation",
           "sync_dist epoch mean: the integer batch-size total mean-synced, floored", fixed_by="pull #21839",
-          fix_acts="loss")
+          fix_acts="metric")
 
 # 11 validation samples over 2 ranks: shards of 6 and 5, whose mean count 5.5 floors to 5.
 SAMPLES = ec.register_case(ec.Case(

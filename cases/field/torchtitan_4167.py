@@ -21,7 +21,7 @@ from equivcheck.suites.field import Bug
 
 BUG = Bug("pytorch/torchtitan", "pull", 4167, "evaluation",
           "validation loss: per-batch token means averaged equally over steps, not the global token mean",
-          fix_acts="loss")
+          fix_acts="metric")
 
 IGNORE = -100
 LOCAL_BATCH_SIZE = 4

@@ -20,7 +20,7 @@ from equivcheck.suites.field import Bug
 
 BUG = Bug("huggingface/trl", "issue", 7010, "evaluation",
           "per-rank metric mean passed to gather_for_metrics: the padded duplicates stayed in the logged mean",
-          fix_acts="loss")
+          fix_acts="metric")
 
 PADDED_EVAL = ec.register_case(ec.Case(
     name="field_trl_padded_eval", model=ec.get_case("mlp").model,

@@ -151,10 +151,10 @@ def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch
         names = sorted(m.name for m in mismatches if m.kind == "buffer")
         if any(name.rpartition(".")[2] in BATCH_STATISTICS for name in names):
             return Hint(("forward", "state"),
-                        f"running statistics differ ({_few(names)}): likely BatchNorm seeing other batch statistics "
+                        f"running statistics differ ({few(names)}): likely BatchNorm seeing other batch statistics "
                         "per micro-batch or rank; use a layer without batch statistics, or SyncBatchNorm under DDP")
         return Hint(("forward", "state"),
-                    f"buffers of the model's own differ ({_few(names)}): likely updated from a micro-batch's or a "
+                    f"buffers of the model's own differ ({few(names)}): likely updated from a micro-batch's or a "
                     "rank's counts alone (a router's load or bias), or carried otherwise between steps (a resume "
                     "whose checkpoint left them out, code that resets them)")
     if loss_first == 0 and _over_tp(candidate):  # dropout masks drawn otherwise: the random stream (``state``)
@@ -172,8 +172,8 @@ def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch
         return tp_rule
     if first_grads and len(first_grads) < len(reference.grads[0]):
         exact = sorted(set(reference.grads[0]) - first_grads)
-        return Hint(("backward",), f"at step 0 only some gradients differ ({_few(sorted(first_grads))}) while "
-                f"{_few(exact)} match: the backward pass was cut upstream; likely a detach between per-token or "
+        return Hint(("backward",), f"at step 0 only some gradients differ ({few(sorted(first_grads))}) while "
+                f"{few(exact)} match: the backward pass was cut upstream; likely a detach between per-token or "
                 "per-chunk backward calls (an RNN hidden state detached = truncated BPTT)", between_modules=True)
     if first_grads and not _losses_compared(reference, candidate):
         return Hint(("loss", "gradient"),
@@ -202,7 +202,7 @@ def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch
 FEW = 4  # names a hint lists before it counts the rest: the location says where, the hint only what kind
 
 
-def _few(names: list[str]) -> str:
+def few(names: list[str]) -> str:
     """``a, b, c, d and 40 more``: a hint names a few, never a model's every parameter."""
     shown = ", ".join(names[:FEW])
     return shown + (f" and {len(names) - FEW} more" if len(names) > FEW else "")

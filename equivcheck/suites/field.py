@@ -145,7 +145,7 @@ def finding_of(report: Report | EvalReport) -> Finding:
     if isinstance(report, EvalReport):
         if report.ok:
             return Finding("equivalent", report.margin)
-        return Finding("caught", report.margin, detail="; ".join(report.problems))
+        return Finding("caught", report.margin, detail="; ".join(report.problems), location=report.location)
     if not isinstance(report, Report):
         raise InvalidArgument(f"a field check returned {report!r}: expected an equivcheck Report or EvalReport "
                               "(what check_step, check_loop or check_eval return)")
@@ -184,11 +184,10 @@ class Row:
     @property
     def located(self) -> bool | None:
         """Whether the caught run was located where its fix acts (``Bug.fix_acts``): the same phase, and inside the
-        declared module where one is declared. None where the row declares none, was not caught, or checks a metric
-        (``check_eval``: no training step to locate)."""
+        declared module where one is declared. None where the row declares none or was not caught."""
         declared = self.bug.fix_location
-        if declared is None or self.buggy is None or self.buggy.state != "caught" or self.bug.family == "evaluation":
-            return None  # nothing to hold it to (a metric's check trains no step to locate)
+        if declared is None or self.buggy is None or self.buggy.state != "caught":
+            return None  # nothing to hold it to
         found = self.buggy.location
         if found is None or found.phase != declared[0]:
             return False
