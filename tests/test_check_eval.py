@@ -225,3 +225,19 @@ def test_a_side_past_its_budget_keeps_every_output_as_its_digest(monkeypatch):
     assert "outputs" in seen.result()
     seen.called((inputs[2:],), {}, torch.ones(2, 4))
     assert seen.result()["digests"] == digests(torch.ones(4, 4))
+
+
+def test_a_call_that_cannot_be_read_back_leaves_the_evaluation_unlocated_and_running(monkeypatch):
+    from torch.utils.data import TensorDataset
+
+    from equivcheck.runners import evaluate
+
+    def unreadable(rows):
+        raise RuntimeError("a layout the reader does not know")
+
+    inputs = torch.arange(8.0).reshape(4, 2)
+    seen = evaluate.SamplesSeen(TensorDataset(inputs, torch.zeros(4)))
+    monkeypatch.setattr(evaluate, "_keys", unreadable)
+    seen.called((inputs,), {}, torch.ones(4, 3))
+    assert seen.result() == {"unread": "the model's calls could not be read back to samples (RuntimeError: a layout "
+                                       "the reader does not know)"}

@@ -67,8 +67,15 @@ class SamplesSeen:
         self.unread = ""
 
     def called(self, args: tuple, kwargs: dict, output: object) -> None:
+        """A call of the model, read back; one that cannot be leaves the evaluation unlocated, never failed."""
         if self.unread:
             return
+        try:
+            self._read(args, kwargs, output)
+        except Exception as error:  # noqa: BLE001 - a record the team's evaluation must not die of
+            self.unread = f"the model's calls could not be read back to samples ({type(error).__name__}: {error})"
+
+    def _read(self, args: tuple, kwargs: dict, output: object) -> None:
         fed = next((leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, Tensor)), None)
         if fed is None or fed.shape[1:] != self._shape or fed.dtype != self._dtype:
             self.unread = "the model was called on other tensors than the dataset's samples (another shape or dtype)"
