@@ -130,17 +130,17 @@ class Plan:
 
     def run(self, spec: Regime, dtype: Precision, measure_memory: bool, order: str = "given",
             against: Expected | None = None, trace_steps: tuple[int, ...] = (),
-            trace_modules: bool = True, anchor_to: str = "", trace_eager: bool = False) -> RunResult:
+            trace_modules: bool = True, anchor_to: str = "", trace_eager: bool | tuple[str, ...] = False) -> RunResult:
         """One run of this plan's case under ``spec``, with the plan's seed, timeout and threads; its samples in
         ``order`` (a witness: witness.py); compared as it trains where ``against`` says with what (compare.py); a
-        replay that traces ``trace_steps`` (its modules' calls too, where ``trace_modules``; uncompiled, where
-        ``trace_eager``) and stops after them (runners/tracing.py); saving the state each step starts from to ``anchor_to`` (runners/anchors.py)."""
+        replay that traces ``trace_steps`` (its modules' calls too, where ``trace_modules``; uncompiled, or those
+        modules of it, where ``trace_eager``) and stops after them (runners/tracing.py); saving the state each step starts from to ``anchor_to`` (runners/anchors.py)."""
         return self.start(spec, dtype, measure_memory, order, against, trace_steps, trace_modules, anchor_to,
                           trace_eager).result()
 
     def start(self, spec: Regime, dtype: Precision, measure_memory: bool, order: str = "given",
               against: Expected | None = None, trace_steps: tuple[int, ...] = (),
-              trace_modules: bool = True, anchor_to: str = "", trace_eager: bool = False) -> Started:
+              trace_modules: bool = True, anchor_to: str = "", trace_eager: bool | tuple[str, ...] = False) -> Started:
         """That run begun (on its ranks, for a distributed regime); an error starting it is read with its result."""
         # Every argument was checked when the plan was made: the request is trusted from here to the ranks.
         request = RunRequest(self.case, spec, resolve_precision(dtype), self.seed, measure_memory,
@@ -377,8 +377,10 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
     levels = None if precision.autocast is None else functools.cache(
         lambda: witness.rounding_levels(plan.run(reference, PRECISIONS["float32"], False)))
     against = (lambda spec: Expected(ref, plan.tolerance(spec, loss_precision))) if streams else (lambda spec: None)
+    # (a replay with some modules uncompiled is held to the reference's recording alone: its eager twin stands in)
     traced_reference = functools.cache(lambda steps, modules, eager: plan.run(
         reference, precision, False, trace_steps=steps, trace_modules=modules, trace_eager=eager))
+    traced_reference_of = (lambda steps, modules, eager: traced_reference(steps, modules, bool(eager)))
     for index, spec in enumerate(plan.specs):
         if spec == reference:
             yield judge(case, spec, self_check, ref_seconds / 2, rerun, ref, reference)
@@ -438,7 +440,7 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
         outcome = judge(case, spec, comparison, time.perf_counter() - started, result, ref, reference)
         if plan.locate:
             outcome = _located(outcome, ref, result, lambda steps, modules, eager: (
-                traced_reference(steps, modules, eager), plan.run(spec, precision, False, trace_steps=steps,
+                traced_reference_of(steps, modules, eager), plan.run(spec, precision, False, trace_steps=steps,
                                                                   trace_modules=modules, trace_eager=eager)),
                                self_check.max_abs)
         yield dataclasses.replace(outcome, reason="; ".join(filter(None, (outcome.reason, loss_note))))

@@ -84,7 +84,7 @@ def _eager_twin_says(compiled_read: float, eager_read: float):
     replays = {False: _runs_reading(1.0, compiled_read), True: _runs_reading(1.0, eager_read)}
     comparison = compare(reference, candidate, tolerance=ec.Tolerance(1e-7, 1e-7))
     walked = localizer._Replayed(comparison, reference, candidate,
-                                 lambda steps, modules, eager: replays[eager], (0,))
+                                 lambda steps, modules, eager: replays[bool(eager)], (0,))
     return walked.walk(0)
 
 
@@ -130,7 +130,7 @@ def _held_twin_says(eager_read: float):
     replays = {False: _runs_reading(1.0, 2.0), True: _runs_reading(1.0, eager_read)}
     comparison = compare(reference, candidate, tolerance=ec.Tolerance(1e-7, 1e-7))
     walked = localizer._Replayed(comparison, reference, candidate,
-                                 lambda steps, modules, eager: replays[eager], (0,))
+                                 lambda steps, modules, eager: replays[bool(eager)], (0,))
     seen = Location(0, "forward", "", "the input of `1`", 5.0, "every module that ran before it computes alike")
     return walked._eager_twin(0, False, None, held=True, seen=seen)
 
@@ -141,3 +141,63 @@ def test_a_location_outside_every_module_is_the_compilers_where_the_eager_twin_r
     assert "(its compiled replay first differs at the input of `1`)" in location.matched
     # an eager twin that reads what the compiled replay read: nothing compiled computes otherwise, nothing added
     assert _held_twin_says(eager_read=2.0) is None
+
+
+MODULES = ["a.x", "a.y", "a", "b"]  # the eager twin's calls, children before their parents
+
+
+def _narrowed(parts_when):
+    """``_compiled_alone`` over stand-in replays: a replay reads the run's gradient (2.0, the reference's 1.0) where
+    ``parts_when(compiled)`` holds of the modules it left compiled (every module not uncompiled, nor inside one)."""
+    from equivcheck.judge import locate as localizer
+    from equivcheck.judge.compare import compare
+    from equivcheck.trace import ModuleCall, StepTrace
+
+    reference, candidate = _runs_reading(1.0, 2.0)
+    replayed = []
+
+    def replay(steps, modules, eager):
+        compiled = {name for name in MODULES if not any(name == off or name.startswith(f"{off}.") for off in eager)}
+        replayed.append(eager)
+        return _runs_reading(1.0, 2.0 if parts_when(compiled) else 1.0)
+
+    comparison = compare(reference, candidate, tolerance=ec.Tolerance(1e-7, 1e-7))
+    walked = localizer._Replayed(comparison, reference, candidate, replay, (0,))
+    twin = StepTrace(0, 0, [ModuleCall(name, 0, [], []) for name in MODULES], [], {}, {}, {}, [])
+    module, said = walked._compiled_alone(0, twin)
+    return module, said, replayed
+
+
+def test_the_compiler_is_narrowed_to_the_one_module_whose_compiled_form_alone_makes_the_run_part():
+    module, said, replayed = _narrowed(lambda compiled: "a.y" in compiled)
+    assert module == "a.y" and "`a.y`'s own code (its children uncompiled too) makes the run part" in said
+    # the model's own code first (its children uncompiled), then each child alone: a; a's own code, then its
+    # children alone: a.x, a.y, whose own code is a.y alone again (replayed once)
+    assert replayed == [("a", "b"), ("b",), ("a.x", "a.y", "b"), ("a.y", "b"), ("a.x", "b")]
+    module, said, _ = _narrowed(lambda compiled: True)  # the difference made between the modules
+    assert module == "" and "the model's own code between its modules" in said
+    module, said, _ = _narrowed(lambda compiled: {"a.x", "b"} <= compiled)  # two compiled together, neither alone
+    assert module == "" and "it parts where several are compiled together" in said
+    module, said, _ = _narrowed(lambda compiled: {"a.x", "a.y"} <= compiled)
+    assert module == "a" and "`a` compiled alone makes the run part, and none of its children compiled alone" in said
+
+
+class ComputesOtherwiseCompiled(torch.nn.Module):
+    """A module whose compiled form computes otherwise than its eager one (a compiler's wrong kernel, in miniature)."""
+
+    def forward(self, x):
+        return x * 1.01 if torch.compiler.is_compiling() else x
+
+
+def test_a_module_left_uncompiled_runs_its_eager_forward_inside_the_compiled_model():
+    from equivcheck.runners.train import eager_twin
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), ComputesOtherwiseCompiled())
+    inputs = torch.ones(2, 3)
+    eager = model(inputs)
+    torch._dynamo.reset()
+    assert not torch.equal(torch.compile(model, backend="aot_eager")(inputs), eager)
+    torch._dynamo.reset()
+    with eager_twin(("1",), lambda: list(model.named_modules())):
+        assert torch.equal(torch.compile(model, backend="aot_eager")(inputs), eager)
+    assert "forward" not in vars(model[1])  # its class's forward again

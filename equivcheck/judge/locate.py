@@ -40,8 +40,12 @@ from ..result import RunResult
 from ..trace import ModuleCall, StepTrace
 
 # both runs again with steps traced: (steps, whether the modules' calls are recorded too, whether torch.compile's code
-# runs uncompiled: the eager twin) -> (reference, candidate)
-Replay = Callable[[tuple[int, ...], bool, bool], tuple[RunResult, RunResult]]
+# runs uncompiled: True, the eager twin; or the modules named, each uncompiled inside the compiled code) ->
+# (reference, candidate)
+Replay = Callable[[tuple[int, ...], bool, bool | tuple[str, ...]], tuple[RunResult, RunResult]]
+
+# the most replays spent narrowing the compiler's location to one module (each with one module alone compiled)
+NARROWING_REPLAYS = 24
 
 
 # the argument that judges a run under the precision its modules computed in
@@ -147,7 +151,7 @@ class _Replayed:
     def __init__(self, comparison: Comparison, reference: RunResult, candidate: RunResult, replay: Replay,
                  steps: tuple[int, ...]) -> None:
         self.comparison, self.steps, self.recorded = comparison, steps, (reference, candidate)
-        self._runs = functools.cache(lambda modules, eager=False: replay(steps, modules, eager))
+        self._runs = functools.cache(lambda modules, eager=False: replay(steps, modules, eager))  # eager: Replay's
 
     def walk(self, step: int, state_only: bool = False) -> Location | None:
         try:
@@ -203,16 +207,68 @@ class _Replayed:
             pass
         reference, candidate = self._runs(True, True)
         theirs = [trace for trace in candidate.traces if trace.step == step]
-        if len(theirs) == 1 and self._compiled(step, bool(held)) and \
-                not _not_as_recorded(self.recorded[0], theirs[0], step, self.comparison.tolerance):
-            return Location(step, "compiler", "", "the compiled code", None,
+        if len(theirs) == 1 and self._compiled(step, bool(held)) and self._reads_the_references(theirs[0], step):
+            module, said = self._compiled_alone(step, theirs[0])
+            return Location(step, "compiler", module, "the compiled code", None,
                             f"its eager twin (torch.compile off, from the same state) reads the reference's gradients "
                             f"at step {step}, its compiled replay other ones: the compiled code computes otherwise "
                             "than the code it was compiled from" + (
-                                "" if seen is None else f" (its compiled replay first differs at {seen.tensor})"))
+                                "" if seen is None else f" (its compiled replay first differs at {seen.tensor})")
+                            + said)
         if hooked is not None:
             raise hooked  # it trains otherwise however it is replayed: state kept across runs
         return None
+
+    def _reads_the_references(self, trace: StepTrace, step: int) -> bool:
+        """Whether ``trace`` read, at ``step``, every gradient the reference recorded there, as it recorded it."""
+        recorded = self.recorded[0].grads[step] if step < len(self.recorded[0].grads) else {}
+        return bool(recorded) and recorded.keys() <= trace.read.keys() and \
+            not _not_as_recorded(self.recorded[0], trace, step, self.comparison.tolerance)
+
+    def _compiled_alone(self, step: int, twin: StepTrace) -> tuple[str, str]:
+        """The narrowest module whose compiled form alone makes the run part at ``step``, as torch's accuracy
+        minifier narrows a graph: every other module of the model run uncompiled (a graph break around each), from
+        the model's children down, in the order the eager ``twin`` called them. A module's own code (its children
+        uncompiled too) that parts is where it stops; "" where it is the model's own code between its modules (or
+        code outside them), or where no module alone parts (the difference needs several compiled together); with
+        what was said of it."""
+        called = list(dict.fromkeys(call.module for call in twin.calls if call.module))
+        if not called:
+            return "", ""  # no module of the model recorded: none to narrow it to
+        children = {parent: [name for name in called if module_of(name) == parent] for parent in ("", *called)}
+
+        def uncompiled(module: str, own: bool) -> tuple[str, ...]:
+            """Every module but ``module`` (and the ancestors whose code calls it): its siblings and theirs; and its
+            children, where only its ``own`` code stays compiled."""
+            path = [module, *_ancestors(module)] if module else [""]
+            others = [name for inner in path[:-1] for name in children[module_of(inner)] if name != inner]
+            return tuple(sorted(others + (children[module] if own else [])))
+
+        tried = 0
+
+        def parts(left_uncompiled: tuple[str, ...]) -> bool:
+            nonlocal tried
+            tried += 1
+            theirs = [t for t in self._runs(False, left_uncompiled)[1].traces if t.step == step]
+            return len(theirs) == 1 and bool(theirs[0].read) and not self._reads_the_references(theirs[0], step)
+
+        found = ""
+        while tried < NARROWING_REPLAYS:
+            if parts(uncompiled(found, own=True)):
+                return found, ("; compiled alone (every other module of the model uncompiled), " + (
+                    f"`{found}`'s own code (its children uncompiled too)" if found else
+                    "the model's own code between its modules (or code outside them)") + " makes the run part")
+            child = next((child for child in children[found] if tried < NARROWING_REPLAYS
+                          and parts(uncompiled(child, own=False))), None)
+            if child is None:
+                break
+            found = child
+        if tried >= NARROWING_REPLAYS:
+            return found, f"; {tried} replays spent narrowing it to one module compiled alone, {found or 'none'} so far"
+        return found, ("; " + (f"`{found}` compiled alone makes the run part" if found else "no module") +
+                       (", and none of its children compiled alone does" if found else
+                        " of the model compiled alone makes the run part: it parts where several are compiled "
+                        "together"))
 
     def _traced(self, step: int, modules: bool, eager: bool = False) -> tuple[list[StepTrace], list[StepTrace]]:
         """The reference's and the candidate's traces of ``step`` (each rank's), from replays held to their runs."""

@@ -82,7 +82,9 @@ class RunRequest:
     wide_threads: int = 1  # where nobody chose: what a large model in this process trains on (process/threads.py)
     trace_steps: tuple[int, ...] = ()  # a failed check's replay: these optimizer steps traced, the run stopped after
     trace_modules: bool = True  # and its modules' calls recorded (False: its parameters' gradients alone)
-    trace_eager: bool = False  # the replay as its eager twin: torch.compile's code left uncompiled (dynamo off)
+    # the replay as its eager twin: torch.compile's code left uncompiled (True: dynamo off), or only these modules'
+    # forwards (by their names in the case's model) run uncompiled inside the compiled code
+    trace_eager: bool | tuple[str, ...] = False
     anchor_to: str = ""  # a folder: the state each step starts from saved there, for runs anchored to it (anchors.py)
 
     @classmethod

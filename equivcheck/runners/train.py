@@ -22,7 +22,7 @@ from ..case import Batch, Case, Objective
 from . import anchors, checkpoints, clipping
 from .request import RunRequest
 from .closure import evaluate_closure
-from .tracing import TraceComplete, traced, tracing
+from .tracing import Modules, TraceComplete, traced, tracing
 from ..judge.compare import Expected
 from ..judge.witness import backward_scale
 from ..diff import SCALER_PREFIX, Measurement
@@ -189,7 +189,7 @@ def train_segment(request: RunRequest, assembled: Assembled, against: Expected |
             anchored(request, assembled, recorder, held):
         watched = StepWatch(batches, recorder)
         with regime.random_streams(model, optimizer, [batch.inputs for batch in batches]), \
-                eager_twin(request.trace_eager):
+                eager_twin(request.trace_eager, lambda: traced_modules(model, assembled.module)):
             try:
                 losses = tuple(None if loss is None else float(loss)
                                for loss in regime.train(assembled.module, optimizer,
@@ -296,16 +296,31 @@ def trained_model(model: nn.Module, module: nn.Module) -> nn.Module:
 
 
 @contextlib.contextmanager
-def eager_twin(eager: bool) -> Iterator[None]:
+def eager_twin(eager: bool | tuple[str, ...], modules: Modules) -> Iterator[None]:
     """While training: torch.compile's code run uncompiled where ``eager`` (a failed compiled run's eager twin, which
-    the localizer replays from the same state), else as it is."""
+    the localizer replays from the same state), or only the forwards of the ``modules`` it names (a graph break
+    around each: which module's compiled form makes the difference), else as it is."""
     if not eager:
         yield
         return
     import torch._dynamo
 
-    with torch._dynamo.config.patch(disable=True):
+    if eager is True:
+        with torch._dynamo.config.patch(disable=True):
+            yield
+        return
+    named = dict(modules())
+    uncompiled = [(named[name], vars(named[name]).get("forward")) for name in eager if name in named]
+    for module, _ in uncompiled:
+        module.forward = torch._dynamo.disable(module.forward)
+    try:
         yield
+    finally:
+        for module, own in uncompiled:  # the forward it had: its class's, or one set on it
+            if own is None:
+                del module.forward
+            else:
+                module.forward = own
 
 
 def traced_modules(model: nn.Module, module: nn.Module) -> list[tuple[str, nn.Module]]:
