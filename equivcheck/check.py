@@ -80,7 +80,7 @@ def check(
     where every run trains (``'cpu'``, the default, or ``'cuda'``: equivcheck.device), the reference, its
     repeat, the witness and the float64 shadows included; ranks take a GPU each where there are enough, else
     train over gloo on the CPU, the verdict saying so. Without CUDA, ``device='cuda'`` skips every check.
-    ``locate``: a failed check says where its run parts (judge/locate.py: its first step that parts replayed with
+    ``locate``: a failed check says where its run parts (judge/locate/: its first step that parts replayed with
     module hooks; default :data:`LOCATE_BY_DEFAULT`, on); ``False`` spares the replays where the verdict is all a
     caller reads.
     """
@@ -116,7 +116,7 @@ class Plan:
     device: str = DEFAULT_DEVICE  # where every run trains (equivcheck.device)
     # a large model may train on torch's own thread count: decided once, so every run of the check takes the same
     wide_threads: int = 1
-    locate: bool = True  # a failed outcome says where its run parts (judge/locate.py)
+    locate: bool = True  # a failed outcome says where its run parts (judge/locate/)
     runner: IsolatedRunner | None = dataclasses.field(default=None, compare=False, repr=False)  # while it runs
 
     def tolerance(self, spec: Regime, loss_precision: Precision | None = None) -> Tolerance:
@@ -468,7 +468,7 @@ def _anchored(plan: Plan, spec: Regime, precision: Precision, measure_memory: bo
 
 def _located(outcome: Outcome, reference: RunResult, result: RunResult, replay: localizer.Replay,
              repeat_apart: float) -> Outcome:
-    """A failed outcome with where its run first parts from the reference (judge/locate.py), its hint kept only where
+    """A failed outcome with where its run first parts from the reference (judge/locate/), its hint kept only where
     it agrees. Nothing is replayed for an outcome as equivalent as its reference: an equivalent check costs what it
     did. A replay that fails leaves the outcome as judged, saying why it cannot say where."""
     comparison = outcome.comparison

@@ -258,7 +258,7 @@ class Comparison:
     margin: float
     hint: str = ""  # the likely pitfall, where the pattern of mismatches is recognisable: set by hints.diagnose
     note: str = ""  # how a low-precision run was judged: what float64 shadows showed (rounding.py), or anchored
-    location: Location | None = None  # where the run first parts from the reference (judge/locate.py)
+    location: Location | None = None  # where the run first parts from the reference (judge/locate/)
 
     @property
     def ok(self) -> bool:

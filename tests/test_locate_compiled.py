@@ -83,7 +83,7 @@ def _eager_twin_says(compiled_read: float, eager_read: float):
     reference, candidate = _runs_reading(1.0, 2.0)
     replays = {False: _runs_reading(1.0, compiled_read), True: _runs_reading(1.0, eager_read)}
     comparison = compare(reference, candidate, tolerance=ec.Tolerance(1e-7, 1e-7))
-    walked = localizer._Replayed(comparison, reference, candidate,
+    walked = localizer.Replayed(comparison, reference, candidate,
                                  lambda steps, modules, eager: replays[bool(eager)], (0,))
     return walked.walk(0)
 
@@ -129,7 +129,7 @@ def _held_twin_says(eager_read: float):
     reference, candidate = _runs_reading(1.0, 2.0)
     replays = {False: _runs_reading(1.0, 2.0), True: _runs_reading(1.0, eager_read)}
     comparison = compare(reference, candidate, tolerance=ec.Tolerance(1e-7, 1e-7))
-    walked = localizer._Replayed(comparison, reference, candidate,
+    walked = localizer.Replayed(comparison, reference, candidate,
                                  lambda steps, modules, eager: replays[bool(eager)], (0,))
     seen = Location(0, "forward", "", "the input of `1`", 5.0, "every module that ran before it computes alike")
     return walked._eager_twin(0, False, None, held=True, seen=seen)
@@ -162,7 +162,7 @@ def _narrowed(parts_when):
         return _runs_reading(1.0, 2.0 if parts_when(compiled) else 1.0)
 
     comparison = compare(reference, candidate, tolerance=ec.Tolerance(1e-7, 1e-7))
-    walked = localizer._Replayed(comparison, reference, candidate, replay, (0,))
+    walked = localizer.Replayed(comparison, reference, candidate, replay, (0,))
     twin = StepTrace(0, 0, [ModuleCall(name, 0, [], []) for name in MODULES], [], {}, {}, {}, [])
     module, said = walked._compiled_alone(0, twin)
     return module, said, replayed

@@ -202,11 +202,15 @@ def ddp_step(model, optimizer, batch):
     optimizer.step()
 
 
+def swap_on_ranks(model, activation):
+    """blocks.1's activation replaced with an ``activation()`` at its first call, on each rank (the DDP wrapper's)."""
+    if not isinstance(model.module.blocks[1].act, activation):
+        model.module.blocks[1].act = activation()
+
+
 def swaps_the_activation_on_ranks(model, optimizer, batch):
     """As swaps_the_activation, on each rank, through the DDP wrapper."""
-    net = model.module
-    if not isinstance(net.blocks[1].act, ScaledTanh):
-        net.blocks[1].act = ScaledTanh()
+    swap_on_ranks(model, ScaledTanh)
     ddp_step(model, optimizer, batch)
 
 

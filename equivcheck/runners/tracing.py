@@ -145,9 +145,9 @@ class StepTracer:
         return self.trace is not None and not self._closed
 
     def _open_window(self) -> None:
-        """A traced step begins: recorded from now; its weights and the optimizer's state read now on ranks, else as
-        its first forward starts (whatever the code does after the previous ``optimizer.step()`` is part of what the
-        step starts from)."""
+        """A traced step begins: recorded from now; its weights and the optimizer's state read now on ranks (their
+        buffers again as the first forward starts), else as its first forward starts (whatever the code does after
+        the previous ``optimizer.step()`` is part of what the step starts from)."""
         self.trace = StepTrace(self._steps_taken + self._offset, self._rank, [], [], {}, {}, {}, [])
         self._closed, self._calls, self._stack, self._arrived, self._recomputed = False, {}, {}, set(), {}
         self._last_pass = {}
@@ -156,15 +156,19 @@ class StepTracer:
 
     def _read_state(self) -> None:
         self.trace.weights_before = self._whole_weights()
-        self.trace.buffers_before = {
-            f"{name}.{own}" if name else own: buffer.detach().to("cpu", copy=True)
-            for name, module in self._modules() for own, buffer in module.named_buffers(recurse=False)
-            if buffer is not None and (buffer.is_floating_point() or buffer.is_complex()) and not is_dtensor(buffer)}
+        self._read_buffers()
         names = {id(p): name for name, p in self._parameters}
         self.trace.optimizer_state = {
             f"{names[id(p)]}/{key}": _local(value) for group in self._optimizer.param_groups for p in group["params"]
             if id(p) in names for key, value in self._optimizer.state.get(p, {}).items()
             if isinstance(value, Tensor) and (value.is_floating_point() or value.is_complex())}
+
+    def _read_buffers(self) -> None:
+        """Every buffer as the model holds it now (a rank's own: no collective)."""
+        self.trace.buffers_before = {
+            f"{name}.{own}" if name else own: buffer.detach().to("cpu", copy=True)
+            for name, module in self._modules() for own, buffer in module.named_buffers(recurse=False)
+            if buffer is not None and (buffer.is_floating_point() or buffer.is_complex()) and not is_dtensor(buffer)}
 
     def _whole_weights(self) -> dict[str, Tensor]:
         """The weights whole (the regime's read-back, left out of the counts), as plain CPU copies."""
@@ -217,6 +221,8 @@ class StepTracer:
                 self.trace.root_inputs = [_local(t) for t in leaves if isinstance(t, Tensor)]
                 if self._weights_at_first_forward:
                     self._read_state()
+                else:  # on ranks the buffers again: what the team's code did before its forward is part of the step
+                    self._read_buffers()
             return self._hooked_inputs(call, leaves, spec, id(module), record=True)
         except Exception as error:  # a record missing is said, never a training stopped
             self._broken(name, error)

@@ -130,7 +130,7 @@ class Finding:
     margin: float | None = None
     by_count: bool = False
     detail: str = ""
-    location: Location | None = None  # where a caught run parts from its reference (judge/locate.py)
+    location: Location | None = None  # where a caught run parts from its reference (judge/locate/)
 
     def describe(self) -> str:
         if self.state == "caught":
