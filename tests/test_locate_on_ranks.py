@@ -1,6 +1,9 @@
 """Only what was seen is said on DDP ranks too (issue 65): a buffer a rank's resume lost is `state` in its module, a
-child no rank called as a module is named unseen, and a difference under the verdict's tolerance is located where it
-begins at float64's noise floor; each beside its twin on the same ranks, equivalent."""
+child no rank called as a module is named unseen, a difference under the verdict's tolerance is located where it
+begins at float64's noise floor, and a block changed in a DDP model the step compiles is located in it; each beside
+its twin on the same ranks, equivalent."""
+
+import weakref
 
 import pytest
 import torch
@@ -8,7 +11,7 @@ import torch
 import equivcheck as ec
 
 from test_locate_below_tolerance import CASE as HAIR_OFF, TanhAHairOff
-from test_locate_seen import CASE, GATED, ddp_step, swap_on_ranks
+from test_locate_seen import CASE, GATED, ScaledTanh, ddp_step, swap_on_ranks
 
 pytestmark = pytest.mark.usefixtures("locating")  # failed checks say where their runs part, as users get it
 
@@ -57,3 +60,26 @@ def test_a_difference_under_the_tolerance_on_ranks_is_located_where_it_begins():
     assert (location.step, location.phase, location.module) == (0, "forward", "blocks.1.act"), outcome.describe()
     assert location.below_tolerance and "under the verdict's tolerance" in location.matched
     assert ec.check_step(HAIR_OFF, ddp_step, world_size=2).outcomes[0].verdict is ec.Verdict.EQUIVALENT  # the twin
+
+
+COMPILED = weakref.WeakKeyDictionary()  # each rank's compiled DDP model, made at its first step
+
+
+def compiled_ddp_step(model, optimizer, batch):
+    if optimizer not in COMPILED:
+        torch._dynamo.reset()
+        COMPILED[optimizer] = torch.compile(model, backend="aot_eager")
+    ddp_step(COMPILED[optimizer], optimizer, batch)
+
+
+def compiles_with_another_activation_on_ranks(model, optimizer, batch):
+    swap_on_ranks(model, ScaledTanh)
+    compiled_ddp_step(model, optimizer, batch)
+
+
+@pytest.mark.full_only  # make test-full: two compiled checks on ranks (12 s); in process, tests/test_locate_compiled.py
+def test_a_compiled_ddp_model_with_a_changed_block_is_located_in_that_block():
+    (outcome,) = ec.check_step(CASE, compiles_with_another_activation_on_ranks, world_size=2).outcomes
+    location = outcome.location
+    assert (location.step, location.phase, location.module) == (0, "forward", "blocks.1.act"), outcome.describe()
+    assert ec.check_step(CASE, compiled_ddp_step, world_size=2).outcomes[0].verdict is ec.Verdict.EQUIVALENT
