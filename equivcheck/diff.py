@@ -226,7 +226,8 @@ class Location:
     ``own_code``: the module's children compute alike from what they are given, so the difference is made in the
     module's own code between them. ``forwards``: the model's calls on one rank in the traced step (its micro-batches;
     None where its modules were not traced), which says what a hint may presume the step has. ``below_tolerance``: it
-    parts here by less than the verdict's tolerance, and fails the verdict later (judge/noise_floor.py)."""
+    parts here by less than the verdict's tolerance, and fails the verdict later (judge/noise_floor.py). ``in_shards``:
+    the parameter it names was held in shards, each rank's optimizer stepping its own (FSDP2, tensor parallelism)."""
 
     step: int | None
     phase: str
@@ -237,6 +238,7 @@ class Location:
     own_code: bool = False
     forwards: int | None = None
     below_tolerance: bool = False  # found at float64's noise floor, before the run first fails the verdict
+    in_shards: bool = False  # an optimizer location: its parameter stepped shard by shard on the ranks
 
     def describe(self) -> str:
         where = f" in `{self.module}`" if self.module else ""

@@ -110,7 +110,7 @@ def test_the_location_reaches_every_report():
     location = report.outcomes[0].location
     assert row["location"] == {"step": 0, "phase": "backward", "module": "blocks.1", "tensor": location.tensor,
                                "margin": location.margin, "matched": location.matched, "own_code": True,
-                               "forwards": 3, "below_tolerance": False}
+                               "forwards": 3, "below_tolerance": False, "in_shards": False}
     json.dumps(row)
     from equivcheck.render.html import render_html
     from equivcheck.render.markdown import render_markdown

@@ -43,9 +43,12 @@ class Hint(str):
 def agreeing(comparison: Comparison) -> Comparison:
     """``comparison`` with its hint dropped where the run was found to part in another phase than the pitfalls it
     names, in a module's own code where they act between modules, or in a step that called the model once where they
-    need an accumulation loop: a located run never reads a hint that contradicts its location."""
+    need an accumulation loop: a located run never reads a hint that contradicts its location. An optimizer location on a
+    parameter stepped shard by shard gets the hint its location tells (:data:`SHARDED_UPDATE`)."""
     location, hint = comparison.location, comparison.hint
     phases = getattr(hint, "phases", ())
+    if location is not None and location.phase == "optimizer" and location.in_shards:
+        return dataclasses.replace(comparison, hint=SHARDED_UPDATE)  # what the location alone tells
     if location is None or not hint:
         return comparison
     # the run's precision is the whole finding; a difference under the verdict's tolerance is not what the hints'
@@ -59,6 +62,14 @@ def agreeing(comparison: Comparison) -> Comparison:
         return comparison
     return dataclasses.replace(comparison, hint="")
 
+
+# What an optimizer location on a parameter stepped shard by shard says: the update read the shard for the matrix
+SHARDED_UPDATE = Hint(("optimizer",), (
+    "every gradient the optimizer read matches and the update does not, on a parameter each rank stepped its shard of: "
+    "likely an optimizer whose update reads the whole matrix (Muon's Newton-Schulz, Shampoo's or SOAP's "
+    "preconditioners, a norm or a learning-rate scale of the matrix's shape) computing it from each rank's shard; "
+    "gather each matrix for its update (as distributed Muon does), or shard the optimizer by whole parameters "
+    "(ZeRO's partitions)"))
 
 # The buffers a BatchNorm layer keeps: a difference in them is one of batch statistics
 BATCH_STATISTICS = frozenset({"running_mean", "running_var", "num_batches_tracked"})

@@ -10,6 +10,7 @@ or ``not applicable`` (the model has no BatchNorm). ``warn_blind_spots`` is its 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 from collections.abc import Callable, Iterable, Sequence
@@ -48,6 +49,8 @@ BATCHNORM = "BatchNorm statistics per micro-batch"
 DROPOUT = "dropout masks drawn per micro-batch"
 CLIPPING = "clipping per micro-batch"
 EPOCH_END = "end of epoch: the last, smaller window"
+GRADIENT_SCALE = "a constant gradient scale under a scale-free optimizer"
+SCALE_FREE = 1e-3  # an update this near itself (relative) with every gradient tripled: the optimizer is scale-free
 # The classes the audit probes on a case, in its findings' order.
 PROBED = (UNEVEN_MEAN, TOKEN_NORMALISATION, RANK_MEAN, SAMPLER_PAD, SAMPLER_DROP, ZERO_GRAD_INSIDE,
           STEP_PER_MICRO_BATCH, UNSCALE_PER_MICRO_BATCH, BATCHNORM, DROPOUT, CLIPPING, EPOCH_END)
@@ -278,7 +281,8 @@ def audit(case: Case | str, *, seed: int = DEFAULT_SEED, timeout: float | None =
     findings = [_finding(p, outcomes, registered) for p in probes]
     findings.append(_clipping(case, options))
     findings.append(_epoch_end(case))
-    return Audit(case.name, tuple(findings))
+    scale_free = _scale_free(case, seed)
+    return Audit(case.name, tuple(findings) + ((scale_free,) if scale_free is not None else ()))
 
 
 def _against_twins(case: Case, pairs: Iterable[tuple[str, str]], options: dict) -> dict[tuple[str, str], Outcome]:
@@ -335,6 +339,38 @@ def _epoch_end(case: Case) -> Finding:
                        "last_batch='keep' with a remainder (and epochs=2 for gradients leaking across epochs)")
     return Finding(pitfall, Sensitivity.NOT_RUN, f"the case has {'a smaller last batch' if case.last_batch == 'keep' else 'full batches'} "
                    f"over {case.epochs} epoch(s): the bugs live in a team's loop, so check that loop with check_loop")
+
+
+def _scale_free(case: Case, seed: int) -> Finding | None:
+    """Where the case's optimizer makes about the same update of every gradient tripled (Muon's orthogonalisation,
+    Adam's normalisation, a sign-based one): a gradient scaled by a constant (a missing / K) hardly moves the weights,
+    and the gradients show it. Measured on one step from the model's first weights, by 3 (a power of two scales a
+    float exactly, and would hide the rounding through which a low-precision update, as torch's Muon's bfloat16
+    Newton-Schulz, shows it); None where the update grows with the gradient or its rounding shows the scale."""
+    with seeded(seed):
+        model = case.model()
+        gradients = [torch.randn_like(p) for p in model.parameters()]
+    updates = []
+    try:
+        for scale in (1.0, 3.0):
+            stepped = copy.deepcopy(model)
+            optimizer = case.build_optimizer(stepped)
+            for parameter, gradient in zip(stepped.parameters(), gradients):
+                parameter.grad = gradient * scale
+            optimizer.step()
+            updates.append(torch.cat([(after.detach() - before.detach()).reshape(-1)
+                                      for after, before in zip(stepped.parameters(), model.parameters())]))
+    except Exception as error:  # noqa: BLE001 - the rest of the audit stands
+        return Finding(GRADIENT_SCALE, Sensitivity.NOT_RUN, f"one step of the case's optimizer on gradients of its "
+                       f"own failed: {type(error).__name__}: {error}")
+    moved = float(updates[0].abs().max())
+    apart = float((updates[1] - updates[0]).abs().max()) / moved if moved else 0.0
+    if apart > SCALE_FREE:
+        return None
+    return Finding(GRADIENT_SCALE, Sensitivity.CATCHES, (
+        f"{type(case.build_optimizer(copy.deepcopy(model))).__name__} makes the same update of every gradient tripled "
+        f"(measured: {apart:.2g} apart, relative, in one step): the weights hardly show a constant scale (a missing / "
+        "K), the gradients do, and equivcheck compares both at every step"))
 
 
 def engaging_scale(case: Case, norms: list[float]) -> float:

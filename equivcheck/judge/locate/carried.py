@@ -26,8 +26,11 @@ class Carried(Records):
             if settings:
                 return Location(self.step - 1, "state", "", settings, None,
                                 f"the optimizer's settings carried into step {self.step} differ")
+            in_shards = name in self.held_in_parts
             return Location(self.step - 1, "optimizer", module_of(name), f"weight {name!r} after the step",
-                            diff.margin, f"every gradient the optimizer read at step {self.step - 1} matches")
+                            diff.margin, f"every gradient the optimizer read at step {self.step - 1} matches" + (
+                                f"; each rank held a shard of {name!r} and its optimizer stepped that shard"
+                                if in_shards else ""), in_shards=in_shards)
         return None
 
     def _buffers_carried(self) -> Location | None:
