@@ -8,7 +8,10 @@ whole's (every gradient matches at step 0, the weights after it do not: margin 5
 ``WholeMatrixMuon`` gathers a sharded matrix's momentum for Newton-Schulz and applies its own rows of the update, as
 distributed Muon implementations do: equivalent on FSDP2 too (``muon_whole_matrix``). The same Muon reading its
 learning-rate scale from the rank's shard's shape (``muon_scale_from_shard``, as Megatron's split of QKV read the local
-shard's shape) steps each shard by another size.
+shard's shape) steps each shard by another size. Under tensor parallelism (``tp_mlp``'s plan) the gathering Muon is
+equivalent (``muon_tp_mlp``), and one that orthogonalises each rank's column or row shard, as DeepSpeed's under AutoTP
+did (deepspeedai/DeepSpeed#8437), makes an update that depends on the TP degree (``muon_tp_shards``, margin 1.2e+05
+in ``0.weight``).
 """
 
 import dataclasses
@@ -18,6 +21,7 @@ from torch import nn
 import equivcheck as ec
 
 from .mlp import mlp
+from .tensor_parallel import tp_mlp
 
 LR = 0.02
 NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)  # torch.optim.Muon's (Keller Jordan's quintic)
@@ -43,15 +47,18 @@ def orthogonalised(matrix: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> t
 
 
 class WholeMatrixMuon(torch.optim.Optimizer):
-    """Muon on whole matrices: a parameter each rank holds a shard of (a DTensor: FSDP2) has its momentum gathered
-    for Newton-Schulz, and each rank applies its own shard of the update; a whole parameter is stepped as it is.
-    Otherwise torch.optim.Muon's update: momentum, Nesterov, the learning-rate scale of the matrix's shape (no weight
-    decay). ``scale_from_shard``: the pitfall of that scale read from the rank's own shard's shape instead."""
+    """Muon on whole matrices: a parameter each rank holds a shard of (a DTensor: FSDP2's rows, a tensor-parallel
+    column or row split) has its momentum gathered for Newton-Schulz, and each rank applies its own shard of the
+    update; a whole parameter is stepped as it is. Otherwise torch.optim.Muon's update: momentum, Nesterov, the
+    learning-rate scale of the matrix's shape (no weight decay). A parameter that is no matrix (a bias) takes the same
+    momentum step unorthogonalised, as Muon's recipes hand such parameters to another optimizer. The pitfalls:
+    ``from_shards``, Newton-Schulz of the rank's own shard (torch's Muon on FSDP2, DeepSpeed's under AutoTP);
+    ``scale_from_shard``, the learning-rate scale read from the shard's shape."""
 
     def __init__(self, params, lr: float = LR, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
-                 scale_from_shard: bool = False):
+                 from_shards: bool = False, scale_from_shard: bool = False):
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-                                      scale_from_shard=scale_from_shard))
+                                      from_shards=from_shards, scale_from_shard=scale_from_shard))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -66,7 +73,15 @@ class WholeMatrixMuon(torch.optim.Optimizer):
                     state["momentum_buffer"] = torch.zeros_like(parameter.grad)
                 momentum = state["momentum_buffer"].mul_(group["momentum"]).add_(parameter.grad)
                 update = parameter.grad.add(momentum, alpha=group["momentum"]) if group["nesterov"] else momentum
+                if update.ndim != 2:
+                    parameter.add_(update, alpha=-group["lr"])
+                    continue
                 sharded = isinstance(update, DTensor)
+                if sharded and group["from_shards"]:
+                    local = update.to_local()
+                    step = orthogonalised(local, group["ns_steps"]) * max(1.0, local.shape[0] / local.shape[1]) ** 0.5
+                    parameter.to_local().add_(step, alpha=-group["lr"])
+                    continue
                 whole = update.full_tensor() if sharded else update
                 rows, columns = (update.to_local() if sharded and group["scale_from_shard"] else whole).shape
                 step = orthogonalised(whole, group["ns_steps"]) * max(1.0, rows / columns) ** 0.5
@@ -92,6 +107,24 @@ muon_whole_matrix = ec.register_case(dataclasses.replace(
     regimes=("full_batch", "accumulate:chunks=3", "zero:world_size=2", "fsdp:world_size=2"),
     expect_mismatch={},
     description="Muon that gathers a sharded matrix for Newton-Schulz: FSDP2 equivalent too",
+))
+
+muon_tp_mlp = ec.register_case(dataclasses.replace(
+    tp_mlp,
+    name="muon_tp_mlp",
+    optimizer=lambda parameters: WholeMatrixMuon(parameters, lr=LR),
+    regimes=("full_batch", "accumulate:chunks=3", "tp:world_size=2"),
+    expect_mismatch={},
+    description="tp_mlp under a Muon that gathers each tensor-parallel shard for Newton-Schulz: tp equivalent",
+))
+
+muon_tp_shards = ec.register_case(dataclasses.replace(
+    muon_tp_mlp,
+    name="muon_tp_shards",
+    optimizer=lambda parameters: WholeMatrixMuon(parameters, lr=LR, from_shards=True),
+    regimes=("full_batch", "tp:world_size=2"),
+    expect_mismatch={"tp": "Newton-Schulz of each rank's column or row shard: the update depends on the TP degree"},
+    description="pitfall: Muon orthogonalising each tensor-parallel shard (DeepSpeed#8437's class); twin: muon_tp_mlp",
 ))
 
 muon_scale_from_shard = ec.register_case(dataclasses.replace(

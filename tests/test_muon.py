@@ -12,7 +12,8 @@ import torch
 import equivcheck as ec
 from equivcheck import Verdict
 from equivcheck.judge.hints import SHARDED_UPDATE
-from equivcheck_cases.muon import muon_mlp, muon_scale_from_shard, muon_whole_matrix, orthogonalised
+from equivcheck_cases.muon import (muon_mlp, muon_scale_from_shard, muon_tp_mlp, muon_tp_shards, muon_whole_matrix,
+                                   orthogonalised)
 
 from test_anchored import CHECK, anchored  # noqa: F401 - the fixture: anchoring forced, whole and in blocks
 
@@ -37,12 +38,22 @@ def test_a_muon_that_gathers_each_sharded_matrix_is_equivalent_on_fsdp2():
     assert outcomes["fsdp:world_size=2"] is Verdict.EQUIVALENT, outcomes
 
 
-def test_a_learning_rate_scale_read_from_the_shards_shape_is_caught_at_the_optimizer():
-    (outcome,) = [o for o in ec.check(muon_scale_from_shard).outcomes if o.regime == "fsdp:world_size=2"]
+@pytest.mark.parametrize("case, regime", [(muon_scale_from_shard, "fsdp:world_size=2"),
+                                          (muon_tp_shards, "tp:world_size=2")],
+                         ids=["scale from an FSDP2 shard", "Newton-Schulz of a TP shard"])
+def test_a_muon_reading_its_shard_for_the_matrix_is_caught_at_the_optimizer(case, regime):
+    """The learning-rate scale read from an FSDP2 shard's shape; Newton-Schulz of each tensor-parallel rank's column
+    or row shard (DeepSpeed#8437's class): every gradient matches, the update parts, in the first matrix."""
+    (outcome,) = [o for o in ec.check(case).outcomes if o.regime == regime]
     assert outcome.verdict is Verdict.EXPECTED_MISMATCH, outcome.describe()
     location = outcome.location
     assert (location.step, location.phase, location.module, location.in_shards) == (0, "optimizer", "0", True)
     assert outcome.comparison.hint == SHARDED_UPDATE
+
+
+def test_a_muon_that_gathers_each_tensor_parallel_shard_is_equivalent_under_tp():
+    outcomes = {o.regime: o.verdict for o in ec.check(muon_tp_mlp).outcomes}
+    assert outcomes["tp:world_size=2"] is Verdict.EQUIVALENT and outcomes["accumulate:chunks=3"] is Verdict.EQUIVALENT
 
 
 def test_an_optimizer_location_on_whole_parameters_gets_no_shard_hint():
