@@ -141,14 +141,20 @@ def check_eval(case: Case | str, evaluate_fn: EvaluateFn, *, world_size: int = 2
     if missing:
         raise Unavailable(missing)
 
-    with intra_op.using(intra_op.resolve(None)):
-        single = evaluate(case, evaluate_fn, seed=seed)
-    job = EvalJob(case.name, source, path, seed)
-    if launcher.active():
-        replies = launcher.run_job(group.placement(DEFAULT_DEVICE).backend, world_size, job)
-    else:
-        replies = pool.run_job(group.placement(DEFAULT_DEVICE).backend, world_size, job, timeout)
+    def both(records: bool) -> tuple[dict, list[dict]]:
+        """The evaluation in this process and on every rank (recording the samples each side's model was fed)."""
+        with intra_op.using(intra_op.resolve(None)):
+            single = evaluate(case, evaluate_fn, seed=seed, records=records)
+        job = EvalJob(case.name, source, path, seed, records)
+        backend = group.placement(DEFAULT_DEVICE).backend
+        if launcher.active():
+            return single, launcher.run_job(backend, world_size, job)
+        return single, pool.run_job(backend, world_size, job, timeout)
+
+    single, replies = both(records=False)
     report = _compare(case, path, world_size, single, replies, tolerance)
+    if not report.ok:  # evaluated again, recording what each side's model was fed: where it parts
+        report = _located(report, *both(records=True), tolerance)
     if single["samples"] % world_size == 0:
         warn(BlindSpotWarning(
             f"case {case.name!r} holds {single['samples']} samples, which divide evenly over {world_size} ranks: a "
@@ -171,10 +177,19 @@ def _compare(case: Case, path: str, world_size: int, single: dict, replies: list
             problems.append(f"ranks disagree on {metric.name!r} ({', '.join(f'{v:.6g}' for v in metric.ranks)}): "
                             "each rank reports its own shard's value; the metric was not all-reduced")
     hint = "" if problems else _hint(single["samples"], world_size)  # ranks that disagree say it all
-    report = EvalReport(case.name, path.partition(":")[2], world_size, single["samples"], tolerance, metrics,
-                        tuple(problems), hint)
-    if report.ok:
-        return report
+    return EvalReport(case.name, path.partition(":")[2], world_size, single["samples"], tolerance, metrics,
+                      tuple(problems), hint)
+
+
+def _located(report: EvalReport, single: dict, replies: list[dict], tolerance: Tolerance) -> EvalReport:
+    """A failed report with where its metric parts, read from a second evaluation that recorded each side's samples
+    (the evaluation is deterministic: a fresh model from the seed, the same data); one whose metrics came out
+    otherwise the second time says so instead."""
+    again = [reply["metrics"] for reply in replies]
+    if single["metrics"] != {m.name: m.single for m in report.metrics} or \
+            any(tuple(metrics.get(m.name) for metrics in again) != m.ranks for m in report.metrics):
+        return dataclasses.replace(report, unlocated="not said: evaluated again to record its samples, it gave other "
+                                                     "metrics than the first time")
     location, unlocated = locate_eval(single, replies, tolerance, report.margin)
     return dataclasses.replace(report, location=location, unlocated=unlocated)
 

@@ -241,3 +241,21 @@ def test_a_call_that_cannot_be_read_back_leaves_the_evaluation_unlocated_and_run
     seen.called((inputs,), {}, torch.ones(4, 3))
     assert seen.result() == {"unread": "the model's calls could not be read back to samples (RuntimeError: a layout "
                                        "the reader does not know)"}
+
+
+CALLS = [0]  # evaluations in this process (each rank's process keeps its own count)
+
+
+def evaluate_differently_each_time(model, dataset):
+    """Not deterministic: each call's metric moves with how many came before it (a team's cache, a drifting seed)."""
+    CALLS[0] += 1
+    return evaluate_sums_and_counts(model, dataset)["loss"] + 0.01 * CALLS[0] * (1 + dist.is_initialized())
+
+
+def test_an_evaluation_that_gives_other_metrics_when_evaluated_again_is_left_unlocated():
+    """Where it parts is read from a second evaluation that records the samples; one whose metrics came out otherwise
+    the second time cannot say where the first parted, and says so."""
+    report = ec.check_eval(ELEVEN, evaluate_differently_each_time, world_size=2)
+    assert not report.ok and report.location is None
+    assert report.unlocated == ("not said: evaluated again to record its samples, it gave other metrics than the first "
+                                "time")

@@ -1,10 +1,10 @@
 """Evaluating: a team's metric on a case's freshly built model, in this process: on one rank of a process
 group (its sampler and its all-reduce decide what it sees), or alone on all the data (the reference).
 
-:mod:`equivcheck.evaluation` compares the two; this module is what each side runs. Each side also records what its
-model was called on, read back to the dataset's samples (:class:`SamplesSeen`): how many times each sample was
-evaluated and what the model output for it, so that a metric that parts can be said to part in the model's outputs or
-after them (:mod:`equivcheck.judge.eval_location`).
+:mod:`equivcheck.evaluation` compares the two; this module is what each side runs. A failed check's second
+evaluation records on each side what its model was called on, read back to the dataset's samples
+(:class:`SamplesSeen`): how many times each sample was evaluated and what the model output for it, so that a metric
+that parts can be said to part in the model's outputs or after them (:mod:`equivcheck.judge.eval_location`).
 """
 
 from __future__ import annotations
@@ -30,17 +30,21 @@ EvaluateFn = Callable[[nn.Module, TensorDataset], "float | Mapping[str, float]"]
 METRIC = "metric"  # the name of a metric given as one number
 
 
-def evaluate(case: Case, fn: EvaluateFn, *, seed: int, device: torch.device | None = None) -> dict:
+def evaluate(case: Case, fn: EvaluateFn, *, seed: int, device: torch.device | None = None,
+             records: bool = False) -> dict:
     """``fn(model, dataset)`` on the case's model built from ``seed`` (in eval mode, without gradients) and
-    one epoch of its data; the metrics by name, and how many samples the data holds."""
+    one epoch of its data; the metrics by name, and how many samples the data holds; where it ``records``, the
+    samples its model's calls were fed too (a failed check's second evaluation: an equivalent one records nothing)."""
     precision = resolve_precision(None, default=case.dtype)
     with seeded(seed), default_dtype(precision.dtype):
         model = build_model(case, precision, device).eval()
         batches = load_batches(case, precision, device)
     dataset = epoch_dataset(batches, case.epochs)
-    with default_dtype(precision.dtype), torch.no_grad(), exits_as_errors(), samples_seen(model, dataset) as seen:
+    with default_dtype(precision.dtype), torch.no_grad(), exits_as_errors(), samples_seen(model, dataset,
+                                                                                       records) as seen:
         value = fn(model, dataset)
-    return {"metrics": metrics_of(value), "samples": len(dataset), "seen": seen.result()}
+    evaluated = {"metrics": metrics_of(value), "samples": len(dataset)}
+    return evaluated | ({"seen": seen.result()} if records else {})
 
 
 # The output elements a side keeps whole (float64: 32 MiB); beyond, every sample's output is kept as its digest.
@@ -128,8 +132,11 @@ def _keys(rows: Tensor) -> list[bytes]:
 
 
 @contextlib.contextmanager
-def samples_seen(model: nn.Module, dataset: TensorDataset) -> Iterator[SamplesSeen]:
-    """While evaluating: every call of ``model`` read back to the samples it was fed."""
+def samples_seen(model: nn.Module, dataset: TensorDataset, records: bool = True) -> Iterator[SamplesSeen | None]:
+    """While evaluating: every call of ``model`` read back to the samples it was fed (where it ``records``)."""
+    if not records:
+        yield None
+        return
     seen = SamplesSeen(dataset)
     hook = model.register_forward_hook(lambda _, args, kwargs, output: seen.called(args, kwargs, output),
                                        with_kwargs=True)

@@ -59,6 +59,7 @@ class EvalJob:
     source: str
     fn: str  # the evaluation function's import path
     seed: int
+    records: bool = False  # and the samples its model's calls were fed (a failed check's second evaluation)
 
     def describe(self) -> str:
         return f"job {self.case} under evaluate:{self.fn}"
@@ -67,7 +68,7 @@ class EvalJob:
         case = load_case(self.case, self.source)
         device = (torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
                   if dist.get_backend() == "nccl" else None)
-        return evaluate(case, resolve(self.fn), seed=self.seed, device=device)
+        return evaluate(case, resolve(self.fn), seed=self.seed, device=device, records=self.records)
 
 
 Job = TrainJob | EvalJob
