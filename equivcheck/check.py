@@ -134,7 +134,8 @@ class Plan:
         """One run of this plan's case under ``spec``, with the plan's seed, timeout and threads; its samples in
         ``order`` (a witness: witness.py); compared as it trains where ``against`` says with what (compare.py); a
         replay that traces ``trace_steps`` (its modules' calls too, where ``trace_modules``; uncompiled, or those
-        modules of it, where ``trace_eager``) and stops after them (runners/tracing.py); saving the state each step starts from to ``anchor_to`` (runners/anchors.py)."""
+        modules of it, where ``trace_eager``) and stops after them (runners/tracing.py); saving the state each step
+        starts from to ``anchor_to`` (runners/anchors.py)."""
         return self.start(spec, dtype, measure_memory, order, against, trace_steps, trace_modules, anchor_to,
                           trace_eager).result()
 

@@ -63,7 +63,6 @@ def locate_eval(single: dict, replies: Sequence[dict], tolerance: Tolerance,
                     f"{repeats}: the team's code that gathers and reduces them parts"), ""
 
 
-
 def _few(indices: list[int]) -> str:
     return few([f"sample {index}" for index in indices])
 

@@ -368,7 +368,7 @@ def _scale_free(case: Case, seed: int) -> Finding | None:
     if apart > SCALE_FREE:
         return None
     return Finding(GRADIENT_SCALE, Sensitivity.CATCHES, (
-        f"{type(case.build_optimizer(copy.deepcopy(model))).__name__} makes the same update of every gradient tripled "
+        f"{type(optimizer).__name__} makes the same update of every gradient tripled "
         f"(measured: {apart:.2g} apart, relative, in one step): the weights hardly show a constant scale (a missing / "
         "K), the gradients do, and equivcheck compares both at every step"))
 

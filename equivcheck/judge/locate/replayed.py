@@ -91,7 +91,8 @@ class Replayed:
         modules (True) or its parameters alone (False), where one was: a twin that reads what it read says nothing
         more (the run compiled nothing that computes otherwise); ``seen``: where that replay first parts, if it
         says."""
-        if held is not None and not self._compiled(step, held):
+        compiled = self._compiled(step, bool(held))
+        if held is not None and not compiled:
             return None
         try:
             ours, theirs = self._traced(step, modules=True, eager=True)
@@ -102,7 +103,7 @@ class Replayed:
             pass
         reference, candidate = self._runs(True, True)
         theirs = [trace for trace in candidate.traces if trace.step == step]
-        if len(theirs) == 1 and self._compiled(step, bool(held)) and self._reads_the_references(theirs[0], step):
+        if len(theirs) == 1 and compiled and self._reads_the_references(theirs[0], step):
             module, said = self._compiled_alone(step, theirs[0])
             return Location(step, "compiler", module, "the compiled code", None,
                             f"its eager twin (torch.compile off, from the same state) reads the reference's gradients "
@@ -116,7 +117,7 @@ class Replayed:
 
     def _reads_the_references(self, trace: StepTrace, step: int) -> bool:
         """Whether ``trace`` read, at ``step``, every gradient the reference recorded there, as it recorded it."""
-        recorded = self.recorded[0].grads[step] if step < len(self.recorded[0].grads) else {}
+        recorded = _recorded_at(self.recorded[0], step)
         return bool(recorded) and recorded.keys() <= trace.read.keys() and \
             not _not_as_recorded(self.recorded[0], trace, step, self.comparison.tolerance)
 
@@ -188,11 +189,15 @@ def _outside_modules(found: Location) -> bool:
     return UNSEEN in found.matched or (found.phase in ("forward", "backward") and not found.module)
 
 
+def _recorded_at(run: RunResult, step: int) -> dict:
+    """The gradients ``run`` recorded at ``step``: none where it took fewer steps."""
+    return run.grads[step] if step < len(run.grads) else {}
+
+
 def _not_as_recorded(run: RunResult, trace: StepTrace, step: int, tol: Tolerance) -> str:
     """The first parameter whose gradient ``trace`` read at ``step`` is not the one ``run`` recorded there (where it
     recorded one, whole as the trace holds it), quoted; "" where they agree."""
-    recorded = run.grads[step] if step < len(run.grads) else {}
-    for name, grad in recorded.items():
+    for name, grad in _recorded_at(run, step).items():
         read = trace.read.get(name)
         if read is not None and read.shape == grad.shape and TensorDiff.of(read, grad, tol).margin > 1:
             return repr(name)
