@@ -373,9 +373,9 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
         reference, precision, False, order, against=None if tolerance is None else Expected(ref, tolerance)))
     witnesses = (lambda orders: [witness_run(order) for order in orders])
     initial = functools.cache(lambda: initial_weights(case, precision, seed, plan.device))
-    # where the runs' gradients are at rounding level: the reference's own, or under autocast (whose 16-bit products
+    # where the runs' gradients are at rounding level: the reference's own, or in a 16-bit mode (whose 16-bit products
     # make a zero gradient's noise as large as real small ones) the reference's trained in float32 (witness.py)
-    levels = None if precision.autocast is None else functools.cache(
+    levels = None if not precision.low else functools.cache(
         lambda: witness.rounding_levels(plan.run(reference, PRECISIONS["float32"], False)))
     against = (lambda spec: Expected(ref, plan.tolerance(spec, loss_precision))) if streams else (lambda spec: None)
     # (a replay with some modules uncompiled is held to the reference's recording alone: its eager twin stands in)

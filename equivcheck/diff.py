@@ -21,6 +21,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from .arrays import from_array, to_array
+
 from .precision import Tolerance
 
 
@@ -360,10 +362,10 @@ class Measurement:
     def __getstate__(self) -> dict:
         """Crossing processes (a rank's, the isolating child's), the kept weights go as numpy arrays: a tensor would
         go as shared memory, which a process that already ended cannot serve."""
-        return {**self.__dict__, "strayed": {name: t.numpy() for name, t in self.strayed.items()}}
+        return {**self.__dict__, "strayed": {name: to_array(t) for name, t in self.strayed.items()}}
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state, strayed={name: torch.from_numpy(a) for name, a in state["strayed"].items()})
+        self.__dict__.update(state, strayed={name: from_array(a) for name, a in state["strayed"].items()})
 
     def add(self, kind: str, step: int | None, actual: Mapping[str, Tensor], expected: Mapping[str, Tensor]) -> None:
         """The differences of ``actual`` from ``expected``, name by name (``step`` None: final values)."""

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from .device import DEFAULT_DEVICE, DEVICES
 from .device import missing as missing_device
@@ -42,6 +43,21 @@ class Precision:
     draw_dtype: torch.dtype | None = None
     # The kernel path a CPU autocast mode runs on in this process (kernels.py), once probed; None: not yet.
     kernels: str | None = None
+    # The dtype the forward and backward compute in where the parameters are kept in ``dtype`` (master weights): each
+    # module's own parameters and floating inputs cast to it as its forward begins, so its gradients come back to the
+    # ``dtype`` parameters, are accumulated and stepped there (FSDP2's MixedPrecisionPolicy(param_dtype=...)).
+    compute: torch.dtype | None = None
+
+    @property
+    def computes_in(self) -> torch.dtype:
+        """The dtype the model's matmuls run in: autocast's, the compute copy's, or the parameters' own."""
+        return self.autocast or self.compute or self.dtype
+
+    @property
+    def low(self) -> bool:
+        """Whether the model computes in a 16-bit type (its kernels probed on the CPU, its zero gradients' noise as
+        large as small real ones: witness.rounding_levels)."""
+        return self.computes_in in (torch.bfloat16, torch.float16)
 
     @property
     def kernel_path(self) -> KernelPath:
@@ -70,7 +86,8 @@ class Precision:
         return f"precision {self.name!r}: {missing}" if missing else None
 
     def prepare(self, model: nn.Module, device: torch.device | str) -> nn.Module:
-        """Move ``model`` to this mode's dtype and device; wrap each module's forward in autocast.
+        """Move ``model`` to this mode's dtype and device; wrap each module's forward in autocast, or on a compute copy
+        of its parameters (``compute``).
 
         Autocast wraps the forward passes only, never backward or the optimizer step (as AMP asks),
         and every module's, so a regime that calls a part of the model (a trunk, a head) gets it too.
@@ -83,6 +100,12 @@ class Precision:
         if self.autocast is not None:
             for module in model.modules():
                 module.forward = self.autocasting(module.forward, device)
+        if self.compute is not None:  # a module with running statistics keeps its parameters beside them (FSDP1 leaves
+            # BatchNorm out of mixed precision so), computing on the 16-bit input it is handed
+            for module in model.modules():
+                if any(p.is_floating_point() for p in module.parameters(recurse=False)) and \
+                        not any(b.is_floating_point() for b in module.buffers(recurse=False)):
+                    module.forward = _computing(module, module.forward, self.compute)
         return model
 
     def autocasting(self, function: Callable, device: torch.device | str) -> Callable:
@@ -112,6 +135,28 @@ class Precision:
 GRAD_SCALER_INIT = 2.0**8
 
 
+def _computing(module: nn.Module, forward: Callable, dtype: torch.dtype) -> Callable:
+    """``module``'s ``forward`` on a ``dtype`` copy of its own parameters and floating inputs: the cast is part of
+    the graph, so each gradient reaches its master parameter in the master's dtype and accumulates there. Whatever
+    holds a parameter as the forward begins (a sharding wrapper's unsharded one) is what is cast, and is put back."""
+    def cast(value):
+        return value.to(dtype) if isinstance(value, Tensor) and value.is_floating_point() else value
+
+    @functools.wraps(forward)
+    def compute_call(*args, **kwargs):
+        own = module._parameters
+        held = dict(own)
+        for name, parameter in held.items():
+            if parameter is not None and parameter.is_floating_point():
+                own[name] = parameter.to(dtype)
+        try:
+            return forward(*tree_map(cast, args), **tree_map(cast, kwargs))
+        finally:
+            own.update(held)
+
+    return compute_call
+
+
 def _moved(tensor: Tensor, device: torch.device | str, dtype: torch.dtype) -> Tensor:
     """``tensor`` on ``device``: a floating-point one in ``dtype``, a complex one in the complex dtype of that width
     (``Module.to`` would cast it to ``dtype`` itself, dropping its imaginary part), any other in its own dtype."""
@@ -129,13 +174,19 @@ PRECISIONS: dict[str, Precision] = {p.name: p for p in (
               description="float32 weights, bfloat16 autocast"),
     Precision("fp16-autocast", torch.float32, rtol=2**-9, atol=2**-11, autocast=torch.float16, devices=("cuda",),
               grad_scaler=True, description="float32 weights, float16 autocast and GradScaler on CUDA"),
+    Precision("bf16", torch.bfloat16, rtol=1.6e-2, atol=2**-8, draw_dtype=torch.float32,
+              description="bfloat16 weights, gradients and optimizer state (pure bf16), drawn in float32"),
+    Precision("bf16-master", torch.float32, rtol=1.6e-2, atol=2**-8, compute=torch.bfloat16,
+              description="float32 master weights, gradients and optimizer state; bfloat16 parameters and "
+                          "activations in forward and backward (FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16))"),
     Precision(SHADOW, torch.float64, rtol=1e-7, atol=1e-7, draw_dtype=torch.float32,
               description="float64 from the float32 draws: the exact maths beside a float32 or autocast run"),
     Precision(SCALED_SHADOW, torch.float64, rtol=1e-7, atol=1e-7, draw_dtype=torch.float32, grad_scaler=True,
               description="float64-shadow through a GradScaler: the exact maths beside an fp16-autocast run"),
 )}
 PUBLIC_PRECISIONS = tuple(name for name in PRECISIONS if name not in (SHADOW, SCALED_SHADOW))  # what users choose from
-NAMES_OF_DTYPES = {torch.float64: "float64", torch.float32: "float32"}
+NAMES_OF_DTYPES = {torch.float64: "float64", torch.float32: "float32"}  # what a case may train in
+MODES_OF_DTYPES = {**NAMES_OF_DTYPES, torch.bfloat16: "bf16"}  # a plain dtype= a check is asked for
 
 
 def resolve_precision(dtype: str | torch.dtype | Precision | None, default: torch.dtype = torch.float64) -> Precision:
@@ -145,9 +196,9 @@ def resolve_precision(dtype: str | torch.dtype | Precision | None, default: torc
     if isinstance(dtype, Precision):
         return dtype
     if isinstance(dtype, torch.dtype):
-        if dtype not in NAMES_OF_DTYPES:
-            raise InvalidArgument.value("dtype", dtype, "torch.float64 or torch.float32 (or a mode name)")
-        return PRECISIONS[NAMES_OF_DTYPES[dtype]]
+        if dtype not in MODES_OF_DTYPES:
+            raise InvalidArgument.value("dtype", dtype, f"{', '.join(map(str, MODES_OF_DTYPES))} (or a mode name)")
+        return PRECISIONS[MODES_OF_DTYPES[dtype]]
     if not isinstance(dtype, str):
         raise InvalidArgument.type("dtype", dtype, f"a precision name ({', '.join(PRECISIONS)}) or a torch.dtype")
     if KERNELS_SEPARATOR in dtype:  # from another process: the mode on the kernel path that process chose

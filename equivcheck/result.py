@@ -10,6 +10,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .arrays import from_array, to_array
+
 from .trace import StepTrace
 
 if TYPE_CHECKING:
@@ -107,8 +109,8 @@ class RunResult:
 
 
 def _to_numpy(tensors: dict[str, Tensor]) -> dict[str, np.ndarray]:
-    return {name: t.detach().cpu().numpy().copy() for name, t in tensors.items()}
+    return {name: to_array(t) for name, t in tensors.items()}
 
 
 def _to_torch(arrays: dict[str, np.ndarray]) -> dict[str, Tensor]:
-    return {name: torch.from_numpy(a) for name, a in arrays.items()}
+    return {name: from_array(a) for name, a in arrays.items()}

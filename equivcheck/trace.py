@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .arrays import from_array, to_array
+
 
 @dataclasses.dataclass
 class ModuleCall:
@@ -77,11 +79,11 @@ class StepTrace:
 
     def to_plain(self) -> dict:
         """Numpy arrays and builtins only: what crosses from a rank or a forked child."""
-        return _mapped(dataclasses.asdict(self), Tensor, lambda t: t.detach().cpu().numpy().copy())
+        return _mapped(dataclasses.asdict(self), Tensor, to_array)
 
     @classmethod
     def from_plain(cls, plain: dict) -> StepTrace:
-        fields = _mapped(plain, np.ndarray, torch.from_numpy)
+        fields = _mapped(plain, np.ndarray, from_array)
         fields["calls"] = [ModuleCall(**call) for call in fields["calls"]]
         fields["backward_order"] = [tuple(key) for key in fields["backward_order"]]
         fields["placed"] = {name: (tuple(shape), tuple(offset)) for name, (shape, offset) in fields["placed"].items()}

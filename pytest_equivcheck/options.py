@@ -14,7 +14,7 @@ import pytest
 
 # equivcheck.precision.PUBLIC_PRECISIONS, written out so that loading the plugin imports no torch: the modes a user
 # chooses from (the float64 shadows are equivcheck's own, run beside a low-precision check, never asked for).
-DTYPES = ("float64", "float32", "bf16-autocast", "fp16-autocast")
+DTYPES = ("float64", "float32", "bf16-autocast", "fp16-autocast", "bf16", "bf16-master")
 DEVICES = ("cpu", "cuda")  # equivcheck.device.DEVICES
 # equivcheck.errors' bounds, written out for the same reason.
 MAX_TIMEOUT = 86_400.0

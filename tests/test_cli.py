@@ -109,7 +109,7 @@ def test_dtype_offers_the_public_precision_modes_only(argv, capsys):
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert f"argument --dtype: invalid choice: {argv[-1]!r}" in err
-    assert "(choose from 'float64', 'float32', 'bf16-autocast', 'fp16-autocast')" in err
+    assert "(choose from 'float64', 'float32', 'bf16-autocast', 'fp16-autocast', 'bf16', 'bf16-master')" in err
 
 
 @pytest.mark.parametrize(("source", "message"), [

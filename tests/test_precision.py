@@ -69,8 +69,8 @@ def test_fp16_autocast_is_skipped_here_and_never_faked():
 
 
 @pytest.mark.parametrize(("dtype", "message"), [
-    ("float16", "unknown dtype 'float16'; known dtypes: bf16-autocast, float32, float64, float64-shadow, float64-shadow-scaled, "
-                "fp16-autocast"),
+    ("float16", "unknown dtype 'float16'; known dtypes: bf16, bf16-autocast, bf16-master, float32, float64, float64-shadow, "
+                "float64-shadow-scaled, fp16-autocast"),
     (torch.float16, "dtype=torch.float16 is not allowed"),
     (16, "Expected a precision name"),
 ])

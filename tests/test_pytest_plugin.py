@@ -242,7 +242,7 @@ def test_wide_tolerance_hides_the_pitfall(equivcheck):
         ("dtype='float16'", "@pytest.mark.equivcheck dtype='float16' is not allowed: expected 'float64' or 'float32'"),
         # equivcheck's own float64 shadows, run beside a low-precision check, are not a mode to ask for
         ("dtype='float64-shadow'", "@pytest.mark.equivcheck dtype='float64-shadow' is not allowed: expected 'float64' or "
-                                   "'float32' or 'bf16-autocast' or 'fp16-autocast'"),
+                                   "'float32' or 'bf16-autocast' or 'fp16-autocast' or 'bf16' or 'bf16-master'"),
         ("dtype='float64-shadow-scaled'", "@pytest.mark.equivcheck dtype='float64-shadow-scaled' is not allowed"),
         ("timeout=0", "@pytest.mark.equivcheck timeout=0 is not allowed: expected a finite number of seconds > 0"),
         ("timeout=float('inf')", "@pytest.mark.equivcheck timeout=inf is not allowed: expected a finite number"),
@@ -269,7 +269,7 @@ def test_marker_mistakes_are_usage_errors(pytester, marker, message):
         (["--equivcheck-timeout", "-1"], "--equivcheck-timeout=-1.0 is not allowed: expected a finite number of seconds > 0"),
         (["--equivcheck-dtype", "float16"], "--equivcheck-dtype: invalid choice: 'float16'"),
         (["--equivcheck-dtype", "float64-shadow"], "--equivcheck-dtype: invalid choice: 'float64-shadow' (choose from "
-                                                   "'float64', 'float32', 'bf16-autocast', 'fp16-autocast')"),
+                                                   "'float64', 'float32', 'bf16-autocast', 'fp16-autocast', 'bf16', 'bf16-master')"),
         (["--equivcheck-dtype", "float64-shadow-scaled"], "--equivcheck-dtype: invalid choice: 'float64-shadow-scaled'"),
         (["--equivcheck-timeout", "inf"], "--equivcheck-timeout=inf is not allowed: expected a finite number"),
         (["--equivcheck-rtol", "inf", "--equivcheck-atol", "inf"], "--equivcheck-rtol=inf is not allowed"),

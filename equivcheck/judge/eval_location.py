@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..arrays import from_array
 from ..diff import Location, TensorDiff
 from ..precision import Tolerance
 from .hints import few
@@ -71,7 +72,7 @@ def _outputs(seen: dict, whole: bool) -> list:
     """A side's output rows, whole (tensors) where every side kept them so, else as digests."""
     if "digests" in seen:
         return seen["digests"]
-    rows = [None if out is None else torch.from_numpy(out) for out in seen["outputs"]]
+    rows = [None if out is None else from_array(out) for out in seen["outputs"]]
     return rows if whole else [None if row is None else digests(row[None])[0] for row in rows]
 
 

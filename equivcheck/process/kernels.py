@@ -106,8 +106,8 @@ def decisions() -> dict[str, Decision]:
 
 
 def needs_probe(precision, device: str) -> bool:
-    """Only the CPU's autocast kernels die with their process (a GPU kernel's fault reaches Python as an exception)."""
-    return precision.autocast is not None and device == "cpu"
+    """Only the CPU's 16-bit kernels die with their process (a GPU kernel's fault reaches Python as an exception)."""
+    return precision.low and device == "cpu"
 
 
 def decide(precision) -> Decision:
@@ -172,7 +172,7 @@ def _probe_in_fresh_interpreter(precision, path: KernelPath) -> str:
     """The probe in a new interpreter (a second's import of torch): on a machine with a GPU no fork of a process that
     may have trained can run backward."""
     try:
-        autocast = str(precision.autocast).removeprefix("torch.")
+        autocast = str(precision.computes_in).removeprefix("torch.")
         done = subprocess.run([sys.executable, "-c", PROBE_COMMAND, autocast, path.name],
                               env=os.environ | dict(path.environment) | {"PYTHONPATH": os.pathsep.join(search_path())},
                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -188,12 +188,12 @@ def probe_main() -> None:
     torch.set_num_threads(1)
     autocast, path = sys.argv[1:3]
     with path_named(path).applied():
-        probe_kernels(types.SimpleNamespace(autocast=getattr(torch, autocast)))
+        probe_kernels(types.SimpleNamespace(computes_in=getattr(torch, autocast)))
 
 
 def probe_kernels(precision) -> None:
     """What autocast sends to the fast kernels, forward and backward, at sizes that take them (a 32 x 32 linear
-    reaches oneDNN's AMX brgemm; an 8 x 8 one does not)."""
+    reaches oneDNN's AMX brgemm; an 8 x 8 one does not): a mode whose parameters are 16-bit runs the same kernels."""
     torch.manual_seed(0)
     workloads = [(nn.Linear(128, 128), torch.randn(64, 128)),
                  (nn.Conv2d(16, 32, 3, padding=1), torch.randn(8, 16, 16, 16)),
@@ -201,7 +201,7 @@ def probe_kernels(precision) -> None:
                  (lambda x: torch.bmm(x, x.transpose(1, 2)), torch.randn(8, 64, 64, requires_grad=True))]
     for forward, inputs in workloads:
         with contextlib.suppress(Exception):  # an op that raises kills nothing: the runs will say what it raised
-            with torch.autocast("cpu", dtype=precision.autocast):
+            with torch.autocast("cpu", dtype=precision.computes_in):
                 output = forward(inputs)
                 output = output[0] if isinstance(output, tuple) else output
             output.float().square().mean().backward()

@@ -129,8 +129,8 @@ def probe(device: str, dtype: str, causal: bool = True, backends: tuple[str, ...
 
 
 def attention_dtype(precision) -> torch.dtype:
-    """The dtype attention computes in: autocast's where the mode has one, else the parameters'."""
-    return precision.autocast or precision.dtype
+    """The dtype attention computes in: autocast's or the compute copy's where the mode has one, else the parameters'."""
+    return precision.computes_in
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.data import TensorDataset
 
+from ..arrays import to_array
 from ..case import Case
 from ..errors import InvalidArgument, NonFinite, exits_as_errors
 from ..judge.eval_location import digests
@@ -122,7 +123,7 @@ class SamplesSeen:
             return {"unread": self.unread or "the model was never called on a sample"}
         if self.digested:
             return {"counts": self.counts, "digests": self.outputs}
-        return {"counts": self.counts, "outputs": [None if out is None else out.numpy() for out in self.outputs]}
+        return {"counts": self.counts, "outputs": [None if out is None else to_array(out) for out in self.outputs]}
 
 
 def _keys(rows: Tensor) -> list[bytes]:

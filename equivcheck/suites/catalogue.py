@@ -18,7 +18,7 @@ from ..judge.verdict import Outcome, Verdict
 from ..check import Plan, isolated, iter_outcomes, plan
 from ..errors import InvalidArgument
 from ..process.kernels import decisions
-from ..precision import PRECISIONS, PUBLIC_PRECISIONS, Tolerance, resolve_precision
+from ..precision import PRECISIONS, Tolerance, resolve_precision
 from ..regimes import Pitfall, parse_regime
 from ..registry import all_cases, get_case
 from ..render.rows import json_number
@@ -33,7 +33,9 @@ TWIN_HEADROOM = {"float64": 100.0}
 # its measured error of room (fp16 over 2 ranks: about 10), not orders of magnitude.
 OWN_BOUND_PITFALL_MARGIN = 10.0
 OWN_BOUND_TWIN_HEADROOM = 2.0
-DEFAULT_DTYPES = PUBLIC_PRECISIONS  # every mode a check can be asked for
+# The four modes every pitfall is measured in by default; the precision policies (bf16, bf16-master) on request
+# (--dtype), their own tests holding a faithful regime and a planted fault under each.
+DEFAULT_DTYPES = ("float64", "float32", "bf16-autocast", "fp16-autocast")
 
 
 @dataclasses.dataclass(frozen=True)

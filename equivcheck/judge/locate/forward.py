@@ -16,7 +16,9 @@ from .records import ancestors, common_ancestor, described_call, drew_otherwise,
 
 
 # the argument that judges a run under the precision its modules computed in
-JUDGED_IN = {"bfloat16": 'dtype="bf16-autocast"', "float16": 'dtype="fp16-autocast"', "float32": "dtype=torch.float32"}
+JUDGED_IN = {"bfloat16": 'dtype="bf16-master" (bfloat16 parameters over float32 master weights, as a MixedPrecisionPolicy '
+                         'casts them), dtype="bf16-autocast" (autocast) or dtype=torch.bfloat16 (pure bf16)',
+             "float16": 'dtype="fp16-autocast"', "float32": "dtype=torch.float32"}
 
 
 class Forward(Records):

@@ -1,0 +1,86 @@
+"""Precision policies (issue 66), each applied to the reference and to every regime alike: pure bf16 (parameters,
+gradients and optimizer state in bfloat16: ``dtype=torch.bfloat16``) and bf16 over float32 master weights
+(``dtype="bf16-master"``: FSDP2's ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``
+as a single process computes it). Under each, faithful regimes are equivalent and a planted fault is caught; the FSDP2
+recipe a team's wrap sets is equivalent judged under the policy it sets, and a fault in that team's step is caught."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import equivcheck as ec
+from equivcheck import Verdict
+from equivcheck.precision import PRECISIONS
+from equivcheck.process import kernels
+
+from precision_wraps import shard_in_bf16
+from test_team_parallel import DEFAULT_MESH_FITS, train_step, train_step_forgetting_zero_grad
+
+POLICIES = ("bf16", "bf16-master")
+
+
+@pytest.fixture(autouse=True)
+def bf16_kernels_run():
+    if kernels.probe(PRECISIONS["bf16"], kernels.DEFAULT) != "ran":
+        pytest.skip("this CPU's default bf16 kernels die (oneDNN on AMX): bf16 parameters cannot compute here")
+
+
+def test_pure_bf16_keeps_parameters_gradients_and_optimizer_state_in_bf16_on_ranks_too():
+    for spec in ("full_batch", "ddp:world_size=2"):
+        result = ec.run("mlp", spec, dtype=torch.bfloat16)
+        assert result.precision == "bf16"
+        assert {t.dtype for t in result.weights.values()} == {torch.bfloat16}, spec  # crossed from its ranks as bf16
+        assert {t.dtype for step in result.grads for t in step.values()} == {torch.bfloat16}, spec
+        parameters, _, state = result.state_bytes
+        elements = sum(t.numel() for t in result.weights.values())
+        assert parameters == state == 2 * elements, "the weights and SGD's momentum held at 2 bytes an element"
+
+
+def test_bf16_master_keeps_float32_weights_and_gradients_and_computes_in_bf16():
+    master, float32 = ec.run("mlp", "full_batch", dtype="bf16-master"), ec.run("mlp", "full_batch", dtype="float32")
+    assert {t.dtype for t in master.weights.values()} == {torch.float32}
+    assert {t.dtype for step in master.grads for t in step.values()} == {torch.float32}
+    assert ec.compare(float32, master).margin > 10, "the forward and backward really ran in bfloat16"
+
+
+@pytest.mark.parametrize("dtype", POLICIES)
+def test_faithful_regimes_are_equivalent_under_each_policy(dtype):
+    specs = ["accumulate:chunks=5", "ddp:world_size=2", "ddp_no_sync:world_size=2,chunks=3", "fsdp:world_size=2"]
+    report = ec.check("mlp", specs, dtype=dtype)
+    assert [o.verdict for o in report.outcomes] == [Verdict.EQUIVALENT] * len(specs), report
+    assert all(o.comparison.tolerance == ec.Tolerance(1.6e-2, 2**-8) for o in report.outcomes)
+
+
+@pytest.mark.parametrize("dtype", POLICIES)
+@pytest.mark.parametrize(("case", "pitfall", "twin"), [
+    ("naive_scaling_uneven_chunks", "naive_accumulate:chunks=5", "accumulate:chunks=5"),
+    ("ddp_uneven_shards", "ddp_mean_loss:world_size=2", "ddp:world_size=2"),
+])
+def test_a_planted_fault_is_caught_under_each_policy_and_its_twin_passes(dtype, case, pitfall, twin):
+    outcomes = {o.regime: o for o in ec.check(case, [pitfall, twin], dtype=dtype).outcomes}
+    caught = outcomes[pitfall]
+    assert caught.verdict in (Verdict.MISMATCH, Verdict.EXPECTED_MISMATCH), caught.describe()
+    # beyond the policy's tolerance, and no rounding of its: the float64 runs from the same draws differ too
+    assert caught.comparison.margin > 2 and "the maths differs" in caught.comparison.note, caught.describe()
+    assert outcomes[twin].verdict is Verdict.EQUIVALENT, outcomes[twin].describe()
+
+
+@DEFAULT_MESH_FITS
+def test_the_fsdp2_bf16_recipe_is_judged_under_the_policy_it_sets_and_its_teams_fault_is_caught():
+    """Judged at float32 the recipe computes in bf16 and its reference does not, which the location names with the
+    argument that judges it (test_locate_precision.py); under that argument the recipe is equivalent."""
+    (recipe,) = ec.check_step("mlp", train_step, world_size=2, wrap=shard_in_bf16, dtype="bf16-master").outcomes
+    assert recipe.verdict is Verdict.EQUIVALENT, recipe.describe()
+    (fault,) = ec.check_step("mlp", train_step_forgetting_zero_grad, world_size=2, wrap=shard_in_bf16,
+                             dtype="bf16-master").outcomes
+    assert fault.verdict is Verdict.MISMATCH and fault.comparison.margin > 10, fault.describe()
+
+
+def test_bfloat16_is_a_dtype_a_check_takes_and_a_case_does_not():
+    assert ec.resolve_precision(torch.bfloat16) is PRECISIONS["bf16"]
+    with pytest.raises(ec.InvalidArgument, match=r"dtype=torch.float16 is not allowed: expected torch.float64, "
+                                                  r"torch.float32, torch.bfloat16 \(or a mode name\)"):
+        ec.resolve_precision(torch.float16)
+    with pytest.raises(ec.InvalidArgument, match="dtype=torch.bfloat16 is not allowed"):
+        dataclasses.replace(ec.get_case("mlp"), dtype=torch.bfloat16)  # a case draws in float64 or float32
