@@ -83,3 +83,33 @@ def test_a_compiled_ddp_model_with_a_changed_block_is_located_in_that_block():
     location = outcome.location
     assert (location.step, location.phase, location.module) == (0, "forward", "blocks.1.act"), outcome.describe()
     assert ec.check_step(CASE, compiled_ddp_step, world_size=2).outcomes[0].verdict is ec.Verdict.EQUIVALENT
+
+
+
+def zero_scaling_the_gradients_from_its_second_step(optimizer):
+    """The team's ZeRO stage 1, whose step scales the gradients it was handed by 1.5 from its second step on."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    class Scaling(ZeroRedundancyOptimizer):
+        def step(self, closure=None, **kwargs):
+            self.taken = getattr(self, "taken", 0) + 1
+            if self.taken > 1:
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        p.grad.mul_(1.5)
+            return super().step(closure, **kwargs)
+
+    return Scaling(optimizer.param_groups[0]["params"], optimizer_class=type(optimizer), **optimizer.defaults)
+
+
+def test_a_sharded_optimizers_state_is_read_from_the_rank_that_holds_it_not_claimed_missing():
+    """ZeRO keeps each parameter's momentum in its owner's local optimizer alone (the wrapper's own ``state`` stays
+    empty). Read from the wrapper, every state looked missing; read from rank 0 only, the state of each parameter rank 1
+    owns did: either way this update fault at step 1 was located at `state` (in `0`, then in `1.norm`)."""
+    from test_team_parallel import train_step
+
+    (outcome,) = ec.check_step("block_stack", train_step, world_size=2,
+                               optimizer_wrap=zero_scaling_the_gradients_from_its_second_step).outcomes
+    location = outcome.location
+    assert outcome.verdict is ec.Verdict.MISMATCH and (location.step, location.phase) == (1, "optimizer"), \
+        outcome.describe()

@@ -219,3 +219,48 @@ def test_a_module_swapped_in_on_ddp_ranks_is_traced_by_its_place_and_located_the
     location = outcome.location
     assert (location.step, location.phase, location.module) == (0, "forward", "blocks.1.act"), outcome.describe()
     assert ec.check_step(CASE, ddp_step, world_size=2).outcomes[0].verdict is ec.Verdict.EQUIVALENT
+
+
+class HeadInTheLoss(torch.autograd.Function):
+    """A fused linear cross entropy: the head's weight and the hidden states go in, the head module is never called;
+    ``off`` scales the weight's gradient it hands back (1: exact)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, off):
+        with torch.enable_grad():
+            hidden, weight, bias = (t.detach().requires_grad_() for t in (hidden, weight, bias))
+            loss = F.cross_entropy(F.linear(hidden, weight, bias), targets)
+            grads = torch.autograd.grad(loss, (hidden, weight, bias))
+        ctx.save_for_backward(grads[0], grads[1] * off, grads[2])
+        return loss.detach()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return *(grad * grad_output for grad in ctx.saved_tensors), None, None
+
+
+def fused_loss(model, optimizer, batch, off=1.0):
+    inputs, targets = batch
+    optimizer.zero_grad()
+    hidden = inputs
+    for block in model.blocks:
+        hidden = block(hidden)
+    loss = HeadInTheLoss.apply(hidden, model.head.weight, model.head.bias, targets, off)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def fused_loss_off(model, optimizer, batch):
+    return fused_loss(model, optimizer, batch, off=1.001)
+
+
+def test_a_parameter_read_outside_its_never_called_module_is_located_in_that_module_with_no_hint():
+    """The run never calls ``head``; its weight's gradient, made by the fused loss, is where backward parts. Before,
+    nothing was said, and the hint named a detach between per-token backward calls the step never made."""
+    (outcome,) = ec.check_step(CASE, fused_loss_off).outcomes
+    location = outcome.location
+    assert (location.step, location.phase, location.module) == (0, "backward", "head"), outcome.describe()
+    assert location.tensor == "the gradient backward delivered to 'head.weight'"
+    assert "the run never called `head`" in location.matched and not outcome.comparison.hint
+    assert ec.check_step(CASE, fused_loss).outcomes[0].verdict is ec.Verdict.EQUIVALENT  # the twin: exact, it holds

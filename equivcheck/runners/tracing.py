@@ -158,9 +158,10 @@ class StepTracer:
         self.trace.weights_before = self._whole_weights()
         self._read_buffers()
         names = {id(p): name for name, p in self._parameters}
+        held = self._regime.local_optimizer(self._optimizer)  # a sharded optimizer's own part holds this rank's state
         self.trace.optimizer_state = {
-            f"{names[id(p)]}/{key}": _local(value) for group in self._optimizer.param_groups for p in group["params"]
-            if id(p) in names for key, value in self._optimizer.state.get(p, {}).items()
+            f"{names[id(p)]}/{key}": _local(value) for group in held.param_groups for p in group["params"]
+            if id(p) in names for key, value in held.state.get(p, {}).items()
             if isinstance(value, Tensor) and (value.is_floating_point() or value.is_complex())}
 
     def _read_buffers(self) -> None:

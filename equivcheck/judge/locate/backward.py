@@ -28,6 +28,9 @@ class Backward(Records):
                 if found is not None:
                     return found
             if theirs is None:
+                found = self._read_outside(module, owned.get(module, ()))
+                if found is not None:
+                    return found
                 told.unseen(module, UNSEEN)
                 continue
             outputs = [self._diff(self._averaged(a), self._unscaled(e))
@@ -63,6 +66,21 @@ class Backward(Records):
                                     diff.margin, matched, own_code)
             told.alike(module)
         return self._changed_on_its_way() or self._never_summed() or self._by_parameters()
+
+    def _read_outside(self, module: str, parameters: tuple[str, ...] | list[str]) -> Location | None:
+        """A module the run never called, whose parameters backward still delivered to: code outside its forward read
+        them (a fused loss handed the lm_head's weight, a functional call). Where what it delivered differs, backward
+        parts there, in the code that stood in for the module's forward. None where the run called it (its records
+        could not be made whole: nothing is said) or every such gradient matches."""
+        if any(call.module == module for trace in self.ranks for call in trace.calls):
+            return None
+        for name in parameters:
+            diff = self._diff(self._delivered(name), self._reference_delivered(name))
+            if diff is not None and diff.margin > 1:
+                return Location(self.step, "backward", module, f"the gradient backward delivered to {name!r}",
+                                diff.margin, f"the run never called `{module}`: code outside its forward read its "
+                                "parameters (a fused loss, a functional call) and made this gradient", own_code=True)
+        return None
 
     def _by_parameters(self) -> Location | None:
         """A step traced without its modules' calls (their hooks change how it trains), whose loss matches (its

@@ -56,6 +56,16 @@ class Carried(Records):
                     return f"the optimizer's {key} of parameter group {group} ({actual[key]:.6g}, the reference's {value:.6g})"
         return ""
 
+    def _held_state(self) -> dict:
+        """The optimizer's state as the ranks held it, each tensor from the first rank that holds it: a sharded
+        optimizer (ZeRO's partitions, a distributor's) keeps a parameter's state on its owner alone, and state no rank
+        holds is the only state the run lacks."""
+        held: dict = {}
+        for trace in self.ranks:
+            for key, value in trace.optimizer_state.items():
+                held.setdefault(key, value)
+        return held
+
     def carried_into(self) -> Location | None:
         """What the step began with besides the weights, where it differs: the optimizer's settings (a schedule) or
         its state (moments, momentum, step counts: a resume that lost them); None where the weights it began from
@@ -67,7 +77,7 @@ class Carried(Records):
         settings = self._settings_apart()
         if settings:
             return Location(self.step, "state", "", settings, None, f"the weights step {self.step} began from match")
-        theirs = self.ranks[0].optimizer_state
+        theirs = self._held_state()
         for key, expected in self.reference.optimizer_state.items():
             actual = theirs.get(key)
             diff = self._diff(actual, expected)
