@@ -154,7 +154,7 @@ INF, NAN = float("inf"), float("nan")
         ({"rtol": "1e-3", "atol": 1e-3}, "Expected a number >= 0 and <= 1 but got rtol='1e-3' (type=str)"),
         ({"rtol": 0, "atol": 0}, "atol=0 is not allowed: expected rtol or atol above 0"),
         ({"atol": 1e-3}, "atol=0.001 is not allowed: expected rtol and atol given together"),
-        ({"dtype": "float16"}, "unknown dtype 'float16'; known dtypes: bf16-autocast, float32, float64"),
+        ({"dtype": "float16"}, "unknown dtype 'float16'; known dtypes: bf16, bf16-autocast, bf16-master, float32, float64"),
         ({"dtype": torch.int64}, "dtype=torch.int64 is not allowed"),
         ({"reference": "bogus"}, "unknown regime 'bogus'"),
         ({"backend": "mpi", "regimes": ["ddp:world_size=2"]}, "backend='mpi' is not allowed"),

@@ -230,6 +230,9 @@ WHERE_IT_PARTS = {
     # unsaid: the ranks of each tensor-parallel group were fed other micro-batches, so no join gives the model's output
     ("tp_blocks", "pp_fsdp_tp_ranks_differ:pp=2,dp=2,tp=2"): None,
     ("tp_mlp_clipped", "tp_clip_local:world_size=2,max_norm=0.05"): ("gradient", "0"),
+    # the norm computed otherwise scales every gradient after FSDP2's reductions left them right
+    ("clip_on_shards", "fsdp_clip_averaged:world_size=2,max_norm=0.1"): ("gradient", "0"),
+    ("clip_on_shards", "hsdp_clip_over_replicas:replicate=2,shard=1,max_norm=0.1"): ("gradient", "0"),
 }
 
 

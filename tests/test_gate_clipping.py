@@ -106,3 +106,20 @@ def test_clip_scale_leaves_torchs_clipping_as_it_was_after_the_run():
 def test_clip_scale_must_be_a_positive_number(scale):
     with pytest.raises(ec.InvalidArgument, match=r"clip_scale=.*(is not allowed: expected a finite number > 0|type=)"):
         dataclasses.replace(QUIET, clip_scale=scale)
+
+
+@pytest.mark.parametrize("pitfall", ["fsdp_clip_averaged:world_size=2,max_norm=0.1",
+                                     "hsdp_clip_over_replicas:replicate=2,shard=1,max_norm=0.1"])
+def test_a_norm_on_shards_counted_otherwise_is_caught_at_the_gradient_with_the_clips_hint(pitfall):
+    """FSDP2's and HSDP's own clip (clip_grad_norm_ over DTensors) counts each element once and is equivalent to the
+    reference clipped once; a mean of the ranks' shard norms, or squares summed over the replicas too, scale every
+    gradient by one factor, which the hint reads as a clip's norm where both runs clip (issue 66)."""
+    twin = pitfall.replace("_clip_averaged", "").replace("_clip_over_replicas", "")
+    outcomes = {o.regime: o for o in ec.check("clip_on_shards", [pitfall, twin], reference="full_batch:max_norm=0.1",
+                                              locate=True).outcomes}
+    caught = outcomes[pitfall]
+    assert caught.verdict is ec.Verdict.EXPECTED_MISMATCH and caught.comparison.margin > 100, caught.describe()
+    assert (caught.location.step, caught.location.phase) == (0, "gradient")
+    assert "both runs clip: likely the clipping norm computed otherwise" in caught.comparison.hint
+    assert outcomes[twin].verdict is ec.Verdict.EQUIVALENT, outcomes[twin].describe()
+    assert f"{twin}: clipping engaged at 3 of 3 steps" in outcomes[twin].reason

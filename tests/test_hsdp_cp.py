@@ -147,7 +147,7 @@ def test_hsdp_specs_leave_the_derived_world_size_out():
     assert ec.parse_regime("hsdp:replicate=2,shard=1,reshard_after_forward=0").reshard_after_forward is False
     with pytest.raises(ec.InvalidArgument, match=r"world_size=2 is not allowed: expected replicate \* shard = 4"):
         ec.parse_regime("hsdp:replicate=2,shard=2,world_size=2")
-    assert ec.regimes.spec_usage("hsdp") == "hsdp:replicate=N,shard=N[,backend=auto,reshard_after_forward=1]"
+    assert ec.regimes.spec_usage("hsdp") == "hsdp:replicate=N,shard=N[,backend=auto,reshard_after_forward=1,max_norm=inf]"
 
 
 # --- context parallelism -----------------------------------------------------------------------------------------

@@ -146,6 +146,12 @@ def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch
                 f"loss divided by the TP size (each TP rank counted as a data-parallel one){pipeline}" if factor < 1 else
                 f"every gradient is {factor:.6g} x the reference's from step 0 on a tensor-parallel mesh: likely the "
                 "loss summed over the TP ranks, each of which computes the whole loss")
+    if factor is not None and reference.grad_norms and candidate.grad_norms:  # both clip, and by other factors
+        return Hint(("loss", "gradient"),
+                f"every gradient is {factor:.6g} x the reference's from step 0, and both runs clip: likely the "
+                "clipping norm computed otherwise than the whole gradient's (a mean of the ranks' norms, each "
+                "replica's or tied copy's elements counted again, a rank's own shards alone), or loss scaling "
+                "(sum vs mean, a missing or extra / K)")
     if factor is not None:
         clipping = (", or gradient clipping that engages in only one of the two (clip_grad_norm_ scales every "
                     "gradient by one factor below 1): give the reference the same clipping"

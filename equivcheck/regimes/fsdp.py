@@ -13,18 +13,19 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import math
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from ..case import Objective
 from ..device import DEFAULT_DEVICE
 from ..errors import InvalidArgument, expect_int
-from ..process.torch_imports import fsdp2, fsdp2_missing
-from .base import Pitfall
-from .ddp import Accumulating, Ddp, Distributed
+from ..process.torch_imports import fsdp2, fsdp2_missing, is_dtensor
+from .base import Pitfall, expect_max_norm, finish_step
+from .ddp import Accumulating, Distributed
 
 
 def shard_blocks(model: nn.Module, mesh, reshard_after_forward: bool) -> nn.Module:
@@ -63,16 +64,60 @@ class ShardedByFsdp:
         return shard_blocks(model, mesh, self.reshard_after_forward)
 
 
+class ClipsShards:
+    """``max_norm=M``: clip the whole gradient to M before each step, as ``clip_grad_norm_`` over FSDP2's DTensor
+    gradients does (every logical element counted once: each shard's squares summed over the ranks that hold it)."""
+
+    max_norm: float
+
+    def clips_at(self) -> float | None:
+        return self.max_norm if self.max_norm < math.inf else None
+
+    def train_step(self, model, optimizer, batch, objective):
+        mine = self.rank_shard(batch)
+        local = self.rank_part(objective, batch)(objective.forward(model, mine.inputs, mine.targets), mine.targets)
+        objective.backward(local)
+        if self.max_norm < math.inf:
+            objective.scaler.unscale_(optimizer)
+            scale_to(optimizer, self.max_norm, self.total_norm(optimizer))
+        finish_step(optimizer, objective)
+        return local.detach() / self.world_size
+
+    def total_norm(self, optimizer) -> Tensor:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in _parameters(optimizer) if p.grad is not None])
+        return norm.full_tensor() if is_dtensor(norm) else norm
+
+
 @dataclasses.dataclass(frozen=True)
-class Fsdp(ShardedByFsdp, Distributed):
+class Fsdp(ClipsShards, ShardedByFsdp, Distributed):
     name = "fsdp"
-    summary = "FSDP2 fully_shard per block and root, W ranks each its shard; reduce-scatter averages like DDP"
+    summary = ("FSDP2 fully_shard per block and root, W ranks each its shard; reduce-scatter averages like DDP; "
+               "max_norm=M clips the whole gradient")
     reshard_after_forward: bool = True
-    train_step = Ddp.train_step  # the same step: FSDP2 averages ranks as DDP does
+    max_norm: float = math.inf
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        expect_max_norm(self.max_norm)
 
 
 @dataclasses.dataclass(frozen=True)
-class Hsdp(ShardedByFsdp, Distributed):
+class FsdpClipAveraged(Fsdp):
+    """Each rank's norm of the shards it holds, averaged over the ranks, as DeepSpeed's clip divided the ranks' summed
+    norms by the data-parallel size (deepspeedai/DeepSpeed#8475): a mean of partial norms is no norm of the whole."""
+
+    name = "fsdp_clip_averaged"
+    summary = "PITFALL: clipping by each rank's norm of its own shards, averaged over the ranks"
+    pitfall = Pitfall("clipping by a norm averaged over the ranks (FSDP2)", twin="fsdp")
+
+    def total_norm(self, optimizer) -> Tensor:
+        norm = _local_norm(optimizer)
+        dist.all_reduce(norm)
+        return norm / dist.get_world_size()
+
+
+@dataclasses.dataclass(frozen=True)
+class Hsdp(ClipsShards, ShardedByFsdp, Distributed):
     """HSDP: FSDP2 on a ``replicate x shard`` mesh (``fully_shard(..., mesh=mesh)`` with a 2-D mesh): R replicas, each
     sharding the model over its S ranks. A block's gradient is reduce-scattered within its shard group, then its shard
     all-reduced across the replicas; both average, so the R * S ranks are averaged as DDP averages ranks and a rank's
@@ -91,9 +136,10 @@ class Hsdp(ShardedByFsdp, Distributed):
     replicate: int = dataclasses.field(kw_only=True)
     shard: int = dataclasses.field(kw_only=True)
     reshard_after_forward: bool = True
-    train_step = Ddp.train_step  # each rank its shard, loss sum * world size / items: FSDP2 averages all R * S ranks
+    max_norm: float = math.inf  # each rank its shard, loss sum * world size / items: FSDP2 averages all R * S ranks
 
     def __post_init__(self) -> None:
+        expect_max_norm(self.max_norm)
         expect_int("replicate", self.replicate)
         expect_int("shard", self.shard)
         if self.world_size not in (0, self.replicate * self.shard):
@@ -114,6 +160,40 @@ class Hsdp(ShardedByFsdp, Distributed):
         mesh = init_device_mesh(next(model.parameters()).device.type, (self.replicate, self.shard),
                                 mesh_dim_names=("replicate", "shard"))
         return shard_blocks(model, mesh, self.reshard_after_forward)
+
+
+@dataclasses.dataclass(frozen=True)
+class HsdpClipOverReplicas(Hsdp):
+    """The squares of each rank's shards summed over every rank, replicas too: each element is counted once per
+    replica (as a clip that sums a replicated parameter's squares over a group that holds it several times does:
+    veomni#184, hyper-parallel#526)."""
+
+    name = "hsdp_clip_over_replicas"
+    summary = "PITFALL: clipping by a norm whose squares are summed over every rank, each replica's counted again"
+    pitfall = Pitfall("clipping by a norm counting each replica's elements again (HSDP)", twin="hsdp")
+
+    def total_norm(self, optimizer) -> Tensor:
+        squares = _local_norm(optimizer).square()
+        dist.all_reduce(squares)
+        return squares.sqrt()
+
+
+def _local_norm(optimizer) -> Tensor:
+    """The norm of the gradient shards this rank holds."""
+    local = [p.grad.to_local() for p in _parameters(optimizer) if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in local]))
+
+
+def scale_to(optimizer, max_norm: float, total_norm: Tensor) -> None:
+    """Every gradient times ``max_norm / (total_norm + 1e-6)`` where that is below 1, as ``clip_grad_norm_`` scales."""
+    coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for p in _parameters(optimizer):
+        if p.grad is not None:
+            p.grad.mul_(coefficient.to(p.grad.dtype))
+
+
+def _parameters(optimizer) -> list:
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 @dataclasses.dataclass(frozen=True)
