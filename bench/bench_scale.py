@@ -18,7 +18,11 @@ equivcheck trains by default.
 
     python bench/bench_scale.py [--sizes [1m 25m 100m]] [--regimes accumulate:chunks=4 ddp:world_size=2] [--gpt [6m 124m]]
                                 [--outside [25m 124m]] [--busy] [--repeats N] [--dtype float32|bf16-autocast]
-                                [--no-floors]
+                                [--optimizer adamw muon] [--no-floors]
+
+``--optimizer adamw muon`` gives each transformer row twice, side by side: under AdamW, and under Muon for the blocks'
+matrices with AdamW for the rest (``scale_cases.MuonWithAdamW``): a matrix optimizer's update reads each whole
+matrix, so an anchored check compares it whole, not in blocks of rows.
 
 ``--dtype bf16-autocast`` checks every row under bf16 autocast (float32 weights), and torch alone trains its forward
 and loss under the same autocast.
@@ -49,6 +53,7 @@ CHUNKS = 4
 IN_PROCESS, DDP = f"accumulate:chunks={CHUNKS}", "ddp:world_size=2"
 AUTOCAST = {"float32": None, "bf16-autocast": torch.bfloat16}  # the precision modes a row can be checked in
 GPT_CASES = {"6m": "scale_gpt_6m", "124m": "scale_gpt2_124m"}
+OPTIMIZERS = {"adamw": "", "muon": "_muon"}  # the transformers' optimizer: a case name's suffix (scale_cases.py)
 
 
 def descendants(root: int) -> list[int]:
@@ -222,6 +227,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1,
                         help="each side of a row in this many fresh processes, in turn: medians of the times")
     parser.add_argument("--dtype", default="float32", choices=list(AUTOCAST), help="the precision mode of every row")
+    parser.add_argument("--optimizer", nargs="+", default=["adamw"], choices=list(OPTIMIZERS),
+                        help="the transformers' optimizers: AdamW, and Muon with AdamW (a row each, side by side)")
     parser.add_argument("--no-floors", dest="floors", action="store_false",
                         help="torch alone's three trainings only, not the regime's floors (a slow row's hour halved)")
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
@@ -240,7 +247,8 @@ def main() -> None:
           "largest rank\n", flush=True)
     header = ("case", "parameters", "regime", "verdict", "time", "peak RSS, checking process", "peak RSS, ranks")
     rows, notes = [header], []
-    cases = [f"scale_mlp_{size}" for size in args.sizes] + [GPT_CASES[size] for size in args.gpt] + [
+    transformers = [GPT_CASES[size] + OPTIMIZERS[optimizer] for size in args.gpt for optimizer in args.optimizer]
+    cases = [f"scale_mlp_{size}" for size in args.sizes] + transformers + [
         f"outside_lm_{size}" for size in args.outside]
     with busy_neighbour(args.busy):
         for case in cases:

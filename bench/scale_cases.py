@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import equivcheck as ec
+from equivcheck.case import ModelParameters
+from equivcheck_cases.muon import orthogonalised
 
 SAMPLES, STEPS, CLASSES = 16, 3, 10
 MLP_SIZES = {"1m": (256, 2), "25m": (1024, 3), "100m": (2048, 3)}  # width, blocks: about 8 * width^2 per block
@@ -37,6 +39,48 @@ def mlp_data(width: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3)
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """Muon for the blocks' weight matrices, AdamW for the rest (the tied embedding, the positions, norms, biases), the
+    split Muon's recipes make. Muon's update is torch.optim.Muon's (momentum 0.95, Nesterov, five Newton-Schulz
+    steps, the learning rate scaled by sqrt(max(1, rows / columns)), decoupled weight decay), AdamW's is torch's;
+    both keep their state in this optimizer's, where a check reads it."""
+
+    def __init__(self, muon_params, adamw_params, lr: float = 0.02, adamw_lr: float = 1e-3, momentum: float = 0.95,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01) -> None:
+        super().__init__([dict(params=list(muon_params), muon=True, lr=lr),
+                          dict(params=list(adamw_params), muon=False, lr=adamw_lr)],
+                         dict(momentum=momentum, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            lr, decay = group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                p.mul_(1 - lr * decay)
+                if group["muon"]:
+                    momentum = state.setdefault("momentum_buffer", torch.zeros_like(p)).lerp_(p.grad, 1 - group["momentum"])
+                    update = orthogonalised(p.grad.lerp(momentum, group["momentum"]))
+                    p.add_(update, alpha=-lr * max(1.0, p.shape[0] / p.shape[1]) ** 0.5)
+                    continue
+                (beta1, beta2), step = group["betas"], state.setdefault("step", torch.zeros(())).add_(1)
+                exp_avg = state.setdefault("exp_avg", torch.zeros_like(p)).lerp_(p.grad, 1 - beta1)
+                exp_avg_sq = state.setdefault("exp_avg_sq", torch.zeros_like(p)).mul_(beta2).addcmul_(
+                    p.grad, p.grad, value=1 - beta2)
+                denominator = (exp_avg_sq.sqrt() / (1 - beta2 ** step).sqrt()).add_(group["eps"])
+                p.addcdiv_(exp_avg, denominator, value=-lr / (1 - beta1 ** step))
+
+
+def muon(params) -> torch.optim.Optimizer:
+    """Muon over the transformer's blocks' matrices, AdamW over the rest (``params.model``: the model they belong to,
+    as a case's optimizer factory receives them)."""
+    named = list(params.model.named_parameters())
+    hidden = [p for name, p in named if name.startswith("blocks.") and p.ndim == 2]
+    return MuonWithAdamW(hidden, [p for name, p in named if not (name.startswith("blocks.") and p.ndim == 2)])
 
 
 class Block(nn.Module):
@@ -108,6 +152,15 @@ CASES = {
         name="scale_gpt2_124m", model=GPT, data=gpt_data, loss=token_losses, items=lambda t: t.numel(),
         optimizer=adamw, batch_size=GPT_BATCH, steps=GPT_STEPS, dtype=torch.float32,
         description="bench only: a GPT-2-shaped transformer (124M parameters), block 64")),
+    # The same two, trained by Muon (the blocks' matrices) with AdamW (the rest): a matrix optimizer's check at size.
+    "scale_gpt_6m_muon": ec.register_case(ec.Case(
+        name="scale_gpt_6m_muon", model=partial(GPT, 128, 2, 2), data=partial(gpt_data, GPT_BATCH, 4),
+        loss=token_losses, items=lambda t: t.numel(), optimizer=muon, batch_size=GPT_BATCH, steps=4,
+        dtype=torch.float32, description="bench only: the 6.5M GPT-2-shaped transformer under Muon with AdamW")),
+    "scale_gpt2_124m_muon": ec.register_case(ec.Case(
+        name="scale_gpt2_124m_muon", model=GPT, data=gpt_data, loss=token_losses, items=lambda t: t.numel(),
+        optimizer=muon, batch_size=GPT_BATCH, steps=GPT_STEPS, dtype=torch.float32,
+        description="bench only: the 124M GPT-2-shaped transformer under Muon with AdamW")),
     # Shaped by a team outside the project (torch's TransformerEncoderLayer, a tied head): 4 x 64 tokens, 2 steps.
     **{f"outside_lm_{size}": ec.register_case(ec.Case(
         name=f"outside_lm_{size}", model=partial(OutsideLM, embed, layers, heads),
@@ -134,7 +187,7 @@ def train_alone(case: ec.Case, *, rank: int = 0, world_size: int = 1, chunks: in
     inputs, targets = (t.to(device) for t in case.data())
     if world_size > 1:
         model = nn.parallel.DistributedDataParallel(model)
-    optimizer = case.optimizer(model.parameters())
+    optimizer = case.optimizer(ModelParameters(model))  # the model's parameters, as a case's factory receives them
     if compile is not None:
         model = torch.compile(model, backend=compile)
     share = case.batch_size // world_size
