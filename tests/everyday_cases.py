@@ -62,3 +62,26 @@ SPARSE_EMBEDDING = ec.register_case(ec.Case(
     name="sparse_embedding", model=sparse_embedding, data=token_data,
     loss=lambda out, y: F.cross_entropy(out, y, reduction="none"), optimizer=sgd, batch_size=12, steps=3,
     description="a sparse nn.Embedding (sparse gradients) under SGD"))
+
+
+class AdamWOfTheTeams(torch.optim.AdamW):
+    """A team's AdamW whose ``step`` hands over to its parent's: torch runs its step hooks twice a step once any AdamW
+    was made in the process (each class's ``step`` is wrapped when an instance of it is made)."""
+
+    def step(self, closure=None):
+        return super().step(closure)
+
+
+def teams_adamw(parameters):
+    torch.optim.AdamW([nn.Parameter(torch.zeros(1))])  # an AdamW made first, as any other check in the process makes one
+    return AdamWOfTheTeams(parameters, lr=1e-2)
+
+
+def decaying(optimizer):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+
+SUBCLASSED_ADAMW = ec.register_case(ec.Case(
+    name="subclassed_adamw", model=mlp, data=data, loss=lambda out, y: F.cross_entropy(out, y, reduction="none"),
+    optimizer=teams_adamw, scheduler=decaying, batch_size=12, steps=3,
+    description="an MLP under an AdamW subclass whose step calls super().step(), its learning rate halved each step"))

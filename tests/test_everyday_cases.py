@@ -53,3 +53,15 @@ def test_sparse_gradients_are_compared_as_the_dense_tensors_they_stand_for():
     found, report = verdicts("sparse_embedding", ["accumulate:chunks=2", "ddp:world_size=2", "naive_accumulate:chunks=8"])
     assert found == {"accumulate:chunks=2": Verdict.EQUIVALENT, "ddp:world_size=2": Verdict.EQUIVALENT,
                      "naive_accumulate:chunks=8": Verdict.MISMATCH}, [o.describe() for o in report.outcomes]
+
+
+def test_an_optimizer_whose_step_calls_its_parents_steps_once_a_step_in_process_and_on_ranks():
+    """Once an AdamW was made in the process, torch ran the step hooks of a subclass calling ``super().step()`` twice:
+    the recording counted 6 steps for 3 and the schedule stepped twice a step (a false alarm on the team's own
+    optimizer). Only the outermost step is counted now; the same case still catches a bug."""
+    found, report = verdicts("subclassed_adamw", ["accumulate:chunks=3", "ddp:world_size=2", "zero:world_size=2",
+                                                  "naive_accumulate:chunks=5"])
+    assert found == {"accumulate:chunks=3": Verdict.EQUIVALENT, "ddp:world_size=2": Verdict.EQUIVALENT,
+                     "zero:world_size=2": Verdict.EQUIVALENT, "naive_accumulate:chunks=5": Verdict.MISMATCH}, \
+        [o.describe() for o in report.outcomes]
+    assert all(o.result.optimizer_steps == 3 for o in report.outcomes if o.result is not None)

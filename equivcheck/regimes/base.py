@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import ClassVar, Protocol
 
@@ -253,6 +253,27 @@ class DeclaresCollectives:
 
     def declared_collectives(self) -> dict[str, int] | None:
         return parse_collectives(self.collectives) if self.collectives else None
+
+
+def step_hooks(optimizer: Optimizer, before: Callable | None = None, after: Callable | None = None) -> list:
+    """``before`` and ``after`` (torch's step-hook signature) around each outermost ``optimizer.step()``; the hooks'
+    handles. torch runs an optimizer's step hooks once for every class on its way whose ``step`` it wrapped, and it
+    wraps a class's ``step`` when an instance of it is made: once any AdamW was built in the process, a subclass whose
+    ``step`` calls ``super().step()`` runs them twice a step. Only the outermost call is a step."""
+    depth = [0]
+
+    def pre(optimizer, args, kwargs):
+        depth[0] += 1
+        if depth[0] == 1 and before is not None:
+            return before(optimizer, args, kwargs)
+        return None
+
+    def post(optimizer, args, kwargs) -> None:
+        depth[0] -= 1
+        if depth[0] == 0 and after is not None:
+            after(optimizer, args, kwargs)
+
+    return [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
 
 
 def finish_step(optimizer: Optimizer, objective: Objective | None = None, max_norm: float = math.inf) -> None:

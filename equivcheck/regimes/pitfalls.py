@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from ..case import Batch, Objective, default_optimizer
 from ..errors import InvalidArgument, expect_number
 from ..process.seeding import DEFAULT_SEED, seeded
-from .base import Chunked, Pitfall, Regime, finish_step
+from .base import Chunked, Pitfall, Regime, finish_step, step_hooks
 from .loop import accumulate, backward_chunks, global_mean_part, meddling_part
 
 
@@ -95,7 +95,7 @@ def clipping_optimizer(max_norm: float, make=None):
         def clip_once(*_) -> None:
             nn.utils.clip_grad_norm_(clipped, max_norm)
 
-        optimizer.register_step_pre_hook(clip_once)
+        step_hooks(optimizer, before=clip_once)
         return optimizer
 
     return build

@@ -45,6 +45,7 @@ from torch.optim import Optimizer
 
 from ..device import free_bytes
 from ..diff import Measurement, TensorDiff
+from ..regimes.base import step_hooks
 from .tracing import numeric_settings
 
 # What a block of one tensor's rows may hold: a parameter is read back, restored and updated a block at a time.
@@ -208,10 +209,9 @@ class _StepStarts:
         self.steps_taken, self._begun = 0, -1
 
     def __enter__(self) -> _StepStarts:
+        reading = None if self._reading is None else (lambda *args: self._reading())
         self._handles = [self._model.register_forward_pre_hook(self._forward, prepend=True),
-                         self._optimizer.register_step_post_hook(self._after_step)]
-        if self._reading is not None:
-            self._handles.append(self._optimizer.register_step_pre_hook(lambda *args: self._reading()))
+                         *step_hooks(self._optimizer, reading, self._after_step)]
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..measure.collectives import uncounted
 from ..process.torch_imports import is_dtensor
 from ..regimes import Regime
+from ..regimes.base import step_hooks
 from ..trace import ModuleCall, StepTrace
 
 
@@ -90,8 +91,7 @@ class StepTracer:
 
     def __enter__(self) -> StepTracer:
         self._exits = contextlib.ExitStack()
-        hooks = [self._optimizer.register_step_pre_hook(self._before_step),
-                 self._optimizer.register_step_post_hook(self._after_step)]
+        hooks = step_hooks(self._optimizer, self._before_step, self._after_step)
         if self._hooks_calls:
             hooks.append(torch.nn.modules.module.register_module_forward_pre_hook(self._unhooked))
         hooks += [parameter.register_hook(self._delivered(name)) for name, parameter in self._parameters

@@ -34,6 +34,7 @@ from .. import device as devices
 from ..device import deterministic
 from ..precision import Precision, resolve_precision
 from ..regimes import CommunicationCounter, Regime
+from ..regimes.base import step_hooks
 from ..result import RunResult
 from ..process.seeding import DEFAULT_SEED, default_dtype, seeded
 from ..process import threads as intra_op
@@ -227,11 +228,12 @@ def scheduled(optimizer: Optimizer, scheduler) -> Iterator[None]:
     if scheduler is None:
         yield
         return
-    handle = optimizer.register_step_post_hook(lambda *_: scheduler.step())
+    handles = step_hooks(optimizer, after=lambda *_: scheduler.step())
     try:
         yield
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
 
 def result_of(request: RunRequest, assembled: Assembled, segment: Segment, against: Expected | None,
@@ -543,11 +545,11 @@ class GradRecorder:
 
     def __enter__(self) -> GradRecorder:
         self._exits = contextlib.ExitStack()
-        self._exits.callback(self._optimizer.register_step_pre_hook(self._before_step).remove)
+        counts_after = self._counter is not None and not self._per_call
+        for handle in step_hooks(self._optimizer, self._before_step, self._after_step if counts_after else None):
+            self._exits.callback(handle.remove)
         if self._counter is not None:
             self._exits.enter_context(self._counter.counting())
-            if not self._per_call:
-                self._exits.callback(self._optimizer.register_step_post_hook(self._after_step).remove)
             self._exits.callback(self._count_the_tail)  # runs first: the counting is still on
         return self
 
