@@ -21,8 +21,6 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 # The caught rows not located where their fix acts (issue 56), each with what it was located as: every other caught row
 # that declares where its fix acts is located there, and these are not (a row that comes right is taken off).
 NOT_WHERE_THE_FIX_ACTS = {
-    "veomni_419": "unsaid: one autograd function runs the q/k/v projections, their norms and all-to-alls, so k_norm "
-                  "is never called as a module; the fix acts at backward k_norm",
     "transformers_48687": "unsaid: the experts' parts of their input gradient are not told apart from a reduction's; "
                           "the fix acts at backward experts",
     "megatron_lm_2121": "located at forward; the fix acts at loss",

@@ -15,9 +15,11 @@ count is equivalent to the whole batch.
 """
 
 import dataclasses
+import warnings
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as distributed
 import torch.nn.functional as F
 from torch import nn
 
@@ -220,3 +222,37 @@ def gather_experts(name, local):
     whole = (torch.zeros_like(GROUP["model"].get_parameter(name)) if local is None else local).detach().clone()
     dist.broadcast(whole, src=owner(name), group=group())
     return whole
+
+
+def exchange(rows, receiving, sending):
+    """Rows to the ranks of the group by ``sending`` counts, ``receiving`` counts back: all_to_all, differentiable."""
+    with warnings.catch_warnings():  # deprecated in torch 2.13; the functional one raised "invalid python storage" here
+        warnings.simplefilter("ignore", FutureWarning)
+        return distributed.all_to_all_single(rows.new_empty(sum(receiving), IN), rows, receiving, sending,
+                                             group=group())
+
+
+def expert_parallel_forward(model, x):
+    """Top-2 routing; each (token, expert) slot sent to its expert's rank with all_to_all and back."""
+    per_rank, rank = experts_per_rank(), dist.get_rank(group())
+    hidden = torch.tanh(model.trunk(x))
+    chosen, gates = model.route(hidden)
+    slot_expert, slot_gate = chosen.reshape(-1), gates.reshape(-1)
+    slot_token = torch.arange(len(x)).repeat_interleave(TOP_K)
+    destination = slot_expert // per_rank
+    order = torch.argsort(destination, stable=True)
+    sending = torch.bincount(destination, minlength=dist.get_world_size(group()))
+    receiving = torch.empty_like(sending)
+    dist.all_to_all_single(receiving, sending, group=group())
+    sending, receiving = sending.tolist(), receiving.tolist()
+    arrived_expert = slot_expert.new_empty(sum(receiving))
+    dist.all_to_all_single(arrived_expert, slot_expert[order].contiguous(), receiving, sending, group=group())
+    arrived = exchange(hidden[slot_token[order]], receiving, sending)
+    done = torch.zeros_like(arrived)
+    for j in range(per_rank):
+        mine = arrived_expert == rank * per_rank + j
+        done = done.index_put((mine,), model.experts[rank * per_rank + j](arrived[mine]))
+    back = exchange(done, sending, receiving)
+    expert_out = torch.empty_like(back).index_copy(0, order, back)
+    mixed = torch.zeros_like(hidden).index_add(0, slot_token, slot_gate[:, None] * expert_out)
+    return model.head(hidden + mixed)

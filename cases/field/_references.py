@@ -7,14 +7,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 
-def clipped_once(max_norm):
-    """A team that clips is held to one process taking the global batch's mean loss and clipping its whole gradient
-    once, to ``max_norm``, before the step: what its code means, however it splits the batch or shards the model.
-    Bind the step at a module's top level (``clipped_full_batch = clipped_once(0.1)``)."""
+def clipped_once(max_norm, mean_loss=F.cross_entropy):
+    """A team that clips is held to one process taking the global batch's mean loss (``mean_loss(output, targets)``)
+    and clipping its whole gradient once, to ``max_norm``, before the step: what its code means, however it splits the
+    batch or shards the model. Bind the step at a module's top level (``clipped_full_batch = clipped_once(0.1)``)."""
 
     def clipped_full_batch(model, optimizer, batch):
         inputs, targets = batch
-        loss = F.cross_entropy(model(inputs), targets)
+        loss = mean_loss(model(inputs), targets)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         optimizer.step()

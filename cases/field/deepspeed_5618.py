@@ -11,16 +11,14 @@ Here ep=2 on 2 ranks: each expert lives on one rank, and its expert-data-paralle
 """
 
 import functools
-import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import torch.distributed.nn.functional as distributed
 
 import equivcheck as ec
 from equivcheck.suites.field import Bug
-from equivcheck_cases.field._moe import IN, TOP_K, GROUP, experts_per_rank, gather_experts, group, remember
+from equivcheck_cases.field._moe import GROUP, expert_parallel_forward, gather_experts, remember
 
 BUG = Bug("deepspeedai/DeepSpeed", "issue", 5618, "moe",
           "ZeRO + EP: expert grads divided by the expert-data-parallel size, not the DP size: ep times too big",
@@ -34,40 +32,6 @@ def parallelize(model, mesh):
 
 def gather(name, local):
     return gather_experts(name, local)
-
-
-def exchange(rows, receiving, sending):
-    """Rows to the ranks of the group by ``sending`` counts, ``receiving`` counts back: all_to_all, differentiable."""
-    with warnings.catch_warnings():  # deprecated in torch 2.13; the functional one raised "invalid python storage" here
-        warnings.simplefilter("ignore", FutureWarning)
-        return distributed.all_to_all_single(rows.new_empty(sum(receiving), IN), rows, receiving, sending,
-                                             group=group())
-
-
-def expert_parallel_forward(model, x):
-    """Top-2 routing; each (token, expert) slot sent to its expert's rank with all_to_all and back."""
-    per_rank, rank = experts_per_rank(), dist.get_rank(group())
-    hidden = torch.tanh(model.trunk(x))
-    chosen, gates = model.route(hidden)
-    slot_expert, slot_gate = chosen.reshape(-1), gates.reshape(-1)
-    slot_token = torch.arange(len(x)).repeat_interleave(TOP_K)
-    destination = slot_expert // per_rank
-    order = torch.argsort(destination, stable=True)
-    sending = torch.bincount(destination, minlength=dist.get_world_size(group()))
-    receiving = torch.empty_like(sending)
-    dist.all_to_all_single(receiving, sending, group=group())
-    sending, receiving = sending.tolist(), receiving.tolist()
-    arrived_expert = slot_expert.new_empty(sum(receiving))
-    dist.all_to_all_single(arrived_expert, slot_expert[order].contiguous(), receiving, sending, group=group())
-    arrived = exchange(hidden[slot_token[order]], receiving, sending)
-    done = torch.zeros_like(arrived)
-    for j in range(per_rank):
-        mine = arrived_expert == rank * per_rank + j
-        done = done.index_put((mine,), model.experts[rank * per_rank + j](arrived[mine]))
-    back = exchange(done, sending, receiving)
-    expert_out = torch.empty_like(back).index_copy(0, order, back)
-    mixed = torch.zeros_like(hidden).index_add(0, slot_token, slot_gate[:, None] * expert_out)
-    return model.head(hidden + mixed)
 
 
 def train_step(model, optimizer, batch, expert_divisor="dp"):

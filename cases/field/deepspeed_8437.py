@@ -19,34 +19,13 @@ import torch
 
 import equivcheck as ec
 from equivcheck.suites.field import Bug
+from equivcheck_cases.field._muon import muon_update
 from equivcheck_cases.field._tensor import TinyGPT, megatron_parallelize, token_case, token_step
 
-BUG = Bug("deepspeedai/DeepSpeed", "issue", 8437, "tensor",
+BUG = Bug("deepspeedai/DeepSpeed", "issue", 8437, "optimizer",
           "Muon under AutoTP ran Newton-Schulz on each rank's column shard: the update depends on the TP degree",
           fixed_by="open; each sharded matrix gathered for Newton-Schulz, its rows kept (Megatron's duplicated mode)",
           fix_acts="optimizer up")
-
-
-def zeropower_via_newtonschulz5(G, steps=5):
-    a, b, c = (3.4445, -4.7750, 2.0315)
-    X = G / (G.norm() + 1e-7)
-    if G.size(-2) > G.size(-1):
-        X = X.mT
-    for _ in range(steps):
-        A = X @ X.mT
-        B = b * A + c * A @ A
-        X = a * X + B @ X
-    if G.size(-2) > G.size(-1):
-        X = X.mT
-    return X
-
-
-def muon_update(grad, momentum, beta=0.95, ns_steps=5, nesterov=True):
-    momentum.lerp_(grad, 1 - beta)
-    update = grad.lerp_(momentum, beta) if nesterov else momentum
-    update = zeropower_via_newtonschulz5(update, steps=ns_steps)
-    update *= max(1, grad.size(-2) / grad.size(-1)) ** 0.5
-    return update
 
 
 class Muon(torch.optim.Optimizer):

@@ -38,9 +38,10 @@ from ..render.rows import json_number
 from ..render.text import render_columns
 
 PACKAGE = "equivcheck_cases.field"
-# The families of the field, in the order the table shows them (the issue's list).
+# The families of the field, in the order the table shows them (the issue's list). The last three are the 2025-2026
+# families: optimizers that need whole matrices under sharding, low-precision policies, norms and clipping across meshes.
 FAMILIES = ("accumulation", "ddp", "fsdp", "zero", "pipeline", "checkpointing", "evaluation", "tensor", "resume",
-            "compile", "moe")
+            "compile", "moe", "optimizer", "precision", "clipping")
 KINDS = ("issue", "pull")
 
 
