@@ -33,9 +33,15 @@ def test_muon_is_equivalent_wherever_each_rank_steps_whole_matrices_and_parts_on
     assert sharded.comparison.hint == SHARDED_UPDATE
 
 
-def test_a_muon_that_gathers_each_sharded_matrix_is_equivalent_on_fsdp2():
-    outcomes = {o.regime: o.verdict for o in ec.check(muon_whole_matrix).outcomes}
-    assert outcomes["fsdp:world_size=2"] is Verdict.EQUIVALENT, outcomes
+def test_a_muon_that_gathers_each_sharded_matrix_is_equivalent_on_fsdp2_and_caught_stepping_each_micro_batch():
+    """Newton-Schulz once per micro-batch (DeepSpeed#8443's ZeRO-3 ran Muon in the gradient reduce): each micro-batch's
+    partial gradient orthogonalised and stepped, the momentum advanced as often; located at the optimizer's count."""
+    outcomes = {o.regime: o for o in ec.check(muon_whole_matrix).outcomes}
+    assert outcomes["fsdp:world_size=2"].verdict is Verdict.EQUIVALENT, outcomes
+    per_micro_batch = outcomes["step_per_micro_batch:chunks=3"]
+    assert per_micro_batch.verdict is Verdict.EXPECTED_MISMATCH, per_micro_batch.describe()
+    assert (per_micro_batch.location.step, per_micro_batch.location.phase) == (0, "optimizer")
+    assert "stepped 3 times on global batch 0" in per_micro_batch.location.tensor
 
 
 @pytest.mark.parametrize("case, regime", [(muon_scale_from_shard, "fsdp:world_size=2"),
