@@ -23,7 +23,10 @@ def report_for(name, reports):
     return reports[name]
 
 
-@pytest.mark.parametrize("name", CASES)
+# make test leaves the compiled case's regimes (half a minute of compiling) to make test-full; tests/test_compiled.py
+# holds compiled regimes on their own in make test.
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.full_only) if name == "compiled_tokens" else name
+                                  for name in CASES])
 def test_every_regime_as_declared(name, reports):
     report = report_for(name, reports)
     case = ec.get_case(name)

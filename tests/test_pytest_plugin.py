@@ -104,7 +104,7 @@ def test_gate(equivcheck):
 @pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "xdist"])
 @pytest.mark.parametrize(("args", "files", "message"), [
     (["--equivcheck-cases", "nosuchcase", "--equivcheck-regimes", "ddp:world_size=2"], {},
-     "ERROR: equivcheck: unknown case 'nosuchcase'; known cases: batchnorm_cnn,*"),
+     "ERROR: equivcheck: unknown case 'nosuchcase'; known cases: adamw8bit_local_size, adamw8bit_mlp, batchnorm_cnn,*"),
     ([], {"test_misspelt": MISSPELT_KEYWORD},
      "ERROR: test_misspelt.py::test_gate: unknown @pytest.mark.equivcheck keyword 'timout'; allowed keywords:*"),
 ])
@@ -263,7 +263,7 @@ def test_marker_mistakes_are_usage_errors(pytester, marker, message):
     [
         (["--equivcheck-regimes", "acumulate:chunks=2"], "equivcheck: unknown regime 'acumulate'; known"),
         (["--equivcheck-regimes", "accumulate:chunks=0"], "equivcheck: chunks=0 is not allowed"),
-        (["--equivcheck-cases", "mpl"], "equivcheck: unknown case 'mpl'; known cases: batchnorm_cnn, "),
+        (["--equivcheck-cases", "mpl"], "equivcheck: unknown case 'mpl'; known cases: adamw8bit_local_size, adamw8bit_mlp, batchnorm_cnn, "),
         (["--equivcheck-cases-from", "no_such_module_xyz", "--equivcheck-cases", "all"], "cases_from='no_such_module_xyz'"),
         (["--equivcheck-rtol", "0.1"], "--equivcheck-rtol=0.1 is not allowed: expected rtol and atol given together"),
         (["--equivcheck-timeout", "-1"], "--equivcheck-timeout=-1.0 is not allowed: expected a finite number of seconds > 0"),

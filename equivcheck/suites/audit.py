@@ -67,6 +67,8 @@ NOT_PROBED = (
     "tensor-parallel ranks fed different batches",
     "loss scaled by the tensor-parallel size",
     "clipping by the norm of local shards under tensor parallelism",
+    "clipping by a norm averaged over the ranks (FSDP2)",
+    "clipping by a norm counting each replica's elements again (HSDP)",
     "sequence-parallel norm gradients not all-reduced over tensor parallelism",
     "dropout seeded per rank inside a tensor-parallel group",
     OPTIMIZER_NOT_SAVED, RNG_NOT_RESTORED, POSITION_RESET, SHARD_STATE_LOST, SCALER_NOT_SAVED, SCHEDULER_NOT_SAVED,
