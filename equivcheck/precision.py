@@ -100,12 +100,11 @@ class Precision:
         if self.autocast is not None:
             for module in model.modules():
                 module.forward = self.autocasting(module.forward, device)
-        if self.compute is not None:  # a module with running statistics keeps its parameters beside them (FSDP1 leaves
-            # BatchNorm out of mixed precision so), computing on the 16-bit input it is handed
+        if self.compute is not None:
+            computing = _Computing(self.compute)
             for module in model.modules():
-                if any(p.is_floating_point() for p in module.parameters(recurse=False)) and \
-                        not any(b.is_floating_point() for b in module.buffers(recurse=False)):
-                    module.forward = _computing(module, module.forward, self.compute)
+                if any(True for _ in module.parameters()):
+                    module.forward = computing.around(module, module.forward)
         return model
 
     def autocasting(self, function: Callable, device: torch.device | str) -> Callable:
@@ -135,26 +134,43 @@ class Precision:
 GRAD_SCALER_INIT = 2.0**8
 
 
-def _computing(module: nn.Module, forward: Callable, dtype: torch.dtype) -> Callable:
-    """``module``'s ``forward`` on a ``dtype`` copy of its own parameters and floating inputs: the cast is part of
-    the graph, so each gradient reaches its master parameter in the master's dtype and accumulates there. Whatever
-    holds a parameter as the forward begins (a sharding wrapper's unsharded one) is what is cast, and is put back."""
-    def cast(value):
-        return value.to(dtype) if isinstance(value, Tensor) and value.is_floating_point() else value
+class _Computing:
+    """Each module's forward on a ``dtype`` copy of its parameters and on its floating inputs cast, as FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=...)`` computes a unit. The outermost module called (the model, or the part a
+    regime calls: a trunk, a head) casts every parameter below it, each once (a tied weight too), so code reading a
+    child's parameter directly (a head tied to the embedding) sees the copy; a module called inside it casts what it
+    holds that is not a copy yet (a sharding wrapper's parameter unsharded as the module's own call begins). Each is
+    put back as its call returns. The cast is part of the graph: each gradient reaches its master parameter in the
+    master's dtype and accumulates there. A module with running statistics (floating buffers) keeps its parameters
+    beside them, as FSDP1's mixed precision leaves BatchNorm out, computing on the 16-bit input it is handed."""
 
-    @functools.wraps(forward)
-    def compute_call(*args, **kwargs):
-        own = module._parameters
-        held = dict(own)
-        for name, parameter in held.items():
-            if parameter is not None and parameter.is_floating_point():
-                own[name] = parameter.to(dtype)
-        try:
-            return forward(*tree_map(cast, args), **tree_map(cast, kwargs))
-        finally:
-            own.update(held)
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype, self.active = dtype, False
 
-    return compute_call
+    def cast(self, value):
+        return value.to(self.dtype) if isinstance(value, Tensor) and value.is_floating_point() else value
+
+    def around(self, module: nn.Module, forward: Callable) -> Callable:
+        @functools.wraps(forward)
+        def compute_call(*args, **kwargs):
+            outermost = not self.active
+            owners = module.modules() if outermost else (module,)
+            held = [(owner, dict(owner._parameters)) for owner in owners
+                    if not any(b.is_floating_point() for b in owner.buffers(recurse=False))]
+            copies: dict[int, Tensor] = {}
+            self.active = True
+            try:
+                for owner, parameters in held:
+                    for name, parameter in parameters.items():
+                        if parameter is not None and parameter.is_floating_point() and parameter.dtype != self.dtype:
+                            owner._parameters[name] = copies.setdefault(id(parameter), parameter.to(self.dtype))
+                return forward(*tree_map(self.cast, args), **tree_map(self.cast, kwargs))
+            finally:
+                self.active = not outermost
+                for owner, parameters in held:
+                    owner._parameters.update(parameters)
+
+        return compute_call
 
 
 def _moved(tensor: Tensor, device: torch.device | str, dtype: torch.dtype) -> Tensor:

@@ -84,3 +84,30 @@ def test_bfloat16_is_a_dtype_a_check_takes_and_a_case_does_not():
         ec.resolve_precision(torch.float16)
     with pytest.raises(ec.InvalidArgument, match="dtype=torch.bfloat16 is not allowed"):
         dataclasses.replace(ec.get_case("mlp"), dtype=torch.bfloat16)  # a case draws in float64 or float32
+
+
+class TiedHead(torch.nn.Module):
+    """A head tied to the embedding, read by the model's own forward: no module owns the matmul that uses it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.mix = torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, ids):
+        return torch.tanh(self.mix(self.embed(ids))) @ self.embed.weight.T
+
+
+TIED = ec.Case(name="bf16_tied_head", model=TiedHead,
+               data=lambda: (torch.randint(0, 10, (24,)), torch.randint(0, 10, (24,))),
+               loss=lambda out, y: torch.nn.functional.cross_entropy(out, y, reduction="none"), batch_size=8,
+               steps=3)
+
+
+def test_bf16_master_casts_a_weight_the_models_own_forward_reads_once_for_the_whole_call():
+    """The outermost call casts every parameter below it: the tied head's matmul in the model's forward reads the
+    embedding's bfloat16 copy (cast module by module it read the float32 master: 'mat1 and mat2 must have the same
+    dtype')."""
+    report = ec.check(TIED, ["accumulate:chunks=2"], dtype="bf16-master")
+    (outcome,) = report.outcomes
+    assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
+    assert "torch.bfloat16" in ec.run(TIED, "full_batch", dtype="bf16-master").loss_dtypes
