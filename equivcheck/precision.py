@@ -47,6 +47,9 @@ class Precision:
     # module's own parameters and floating inputs cast to it as its forward begins, so its gradients come back to the
     # ``dtype`` parameters, are accumulated and stepped there (FSDP2's MixedPrecisionPolicy(param_dtype=...)).
     compute: torch.dtype | None = None
+    # The dtype a shadow's weights and data are rounded to before its own (a float64 shadow of pure bf16 starts where
+    # the bf16 run does: from the float32 draws rounded to bfloat16).
+    rounded_to: torch.dtype | None = None
 
     @property
     def computes_in(self) -> torch.dtype:
@@ -96,7 +99,9 @@ class Precision:
         if any(t.is_complex() for t in itertools.chain(model.parameters(), model.buffers())):
             model = model._apply(functools.partial(_moved, device=device, dtype=self.dtype))
         else:  # through the model's own ``to``, which a model may extend (a LightningModule notes its dtype there)
-            model = model.to(device=device, dtype=self.dtype)
+            model = model.to(device=device, dtype=self.rounded_to or self.dtype)
+            if self.rounded_to is not None:
+                model = model.to(dtype=self.dtype)
         if self.autocast is not None:
             for module in model.modules():
                 module.forward = self.autocasting(module.forward, device)
@@ -136,11 +141,11 @@ GRAD_SCALER_INIT = 2.0**8
 
 class _Computing:
     """Each module's forward on a ``dtype`` copy of its parameters and on its floating inputs cast, as FSDP2's
-    ``MixedPrecisionPolicy(param_dtype=...)`` computes a unit. The outermost module called (the model, or the part a
-    regime calls: a trunk, a head) casts every parameter below it, each once (a tied weight too), so code reading a
-    child's parameter directly (a head tied to the embedding) sees the copy; a module called inside it casts what it
-    holds that is not a copy yet (a sharding wrapper's parameter unsharded as the module's own call begins). Each is
-    put back as its call returns. The cast is part of the graph: each gradient reaches its master parameter in the
+    ``MixedPrecisionPolicy(param_dtype=...)`` computes a unit. Each module called casts every parameter below it that
+    is not a copy yet, each once (a tied weight too): the outermost (the model, or the part a regime calls: a trunk, a
+    head) all of them, so code reading a child's parameter directly (a head tied to the embedding) sees the copy; one
+    called inside it what a sharding wrapper unsharded as that call began (FSDP2's unit, whose own code may read its
+    children's parameters). Each is put back as its call returns. The cast is part of the graph: each gradient reaches its master parameter in the
     master's dtype and accumulates there. A module with running statistics (floating buffers) keeps its parameters
     beside them, as FSDP1's mixed precision leaves BatchNorm out, computing on the 16-bit input it is handed."""
 
@@ -154,8 +159,7 @@ class _Computing:
         @functools.wraps(forward)
         def compute_call(*args, **kwargs):
             outermost = not self.active
-            owners = module.modules() if outermost else (module,)
-            held = [(owner, dict(owner._parameters)) for owner in owners
+            held = [(owner, dict(owner._parameters)) for owner in module.modules()
                     if not any(b.is_floating_point() for b in owner.buffers(recurse=False))]
             copies: dict[int, Tensor] = {}
             self.active = True
@@ -183,6 +187,7 @@ def _moved(tensor: Tensor, device: torch.device | str, dtype: torch.dtype) -> Te
 
 SHADOW = "float64-shadow"  # the mode that measures a low-precision run's rounding (equivcheck.judge.rounding)
 SCALED_SHADOW = "float64-shadow-scaled"  # the same for a mode with a GradScaler: the scaler's maths included
+BF16_SHADOW = "float64-shadow-bf16"  # the same for pure bf16: from the draws rounded to bfloat16, as its run starts
 PRECISIONS: dict[str, Precision] = {p.name: p for p in (
     Precision("float64", torch.float64, rtol=1e-7, atol=1e-7, description="the default; torch.testing's float64 tolerance"),
     Precision("float32", torch.float32, rtol=1.3e-6, atol=1e-5, description="torch.testing's float32 tolerance"),
@@ -197,10 +202,13 @@ PRECISIONS: dict[str, Precision] = {p.name: p for p in (
                           "activations in forward and backward (FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16))"),
     Precision(SHADOW, torch.float64, rtol=1e-7, atol=1e-7, draw_dtype=torch.float32,
               description="float64 from the float32 draws: the exact maths beside a float32 or autocast run"),
+    Precision(BF16_SHADOW, torch.float64, rtol=1e-7, atol=1e-7, draw_dtype=torch.float32, rounded_to=torch.bfloat16,
+              description="float64-shadow from the draws rounded to bfloat16: the exact maths beside a pure bf16 run"),
     Precision(SCALED_SHADOW, torch.float64, rtol=1e-7, atol=1e-7, draw_dtype=torch.float32, grad_scaler=True,
               description="float64-shadow through a GradScaler: the exact maths beside an fp16-autocast run"),
 )}
-PUBLIC_PRECISIONS = tuple(name for name in PRECISIONS if name not in (SHADOW, SCALED_SHADOW))  # what users choose from
+SHADOWS = (SHADOW, SCALED_SHADOW, BF16_SHADOW)
+PUBLIC_PRECISIONS = tuple(name for name in PRECISIONS if name not in SHADOWS)  # what users choose from
 NAMES_OF_DTYPES = {torch.float64: "float64", torch.float32: "float32"}  # what a case may train in
 MODES_OF_DTYPES = {**NAMES_OF_DTYPES, torch.bfloat16: "bf16"}  # a plain dtype= a check is asked for
 

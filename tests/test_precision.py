@@ -70,7 +70,7 @@ def test_fp16_autocast_is_skipped_here_and_never_faked():
 
 @pytest.mark.parametrize(("dtype", "message"), [
     ("float16", "unknown dtype 'float16'; known dtypes: bf16, bf16-autocast, bf16-master, float32, float64, float64-shadow, "
-                "float64-shadow-scaled, fp16-autocast"),
+                "float64-shadow-bf16, float64-shadow-scaled, fp16-autocast"),
     (torch.float16, "dtype=torch.float16 is not allowed"),
     (16, "Expected a precision name"),
 ])
@@ -87,10 +87,10 @@ def test_precision_is_a_frozen_value():
 
 def test_the_plugin_offers_every_public_precision_mode():
     """The float64 shadows are the harness's own measurement of rounding, not a mode to check in."""
-    from equivcheck.precision import PUBLIC_PRECISIONS, SCALED_SHADOW, SHADOW
+    from equivcheck.precision import PUBLIC_PRECISIONS, SHADOWS
     from pytest_equivcheck.options import DTYPES
 
-    assert DTYPES == tuple(PUBLIC_PRECISIONS) == tuple(p for p in ec.PRECISIONS if p not in (SHADOW, SCALED_SHADOW))
+    assert DTYPES == tuple(PUBLIC_PRECISIONS) == tuple(p for p in ec.PRECISIONS if p not in SHADOWS)
 
 
 def test_a_case_resting_on_the_cpu_generator_is_skipped_where_a_mode_trains_on_cuda(monkeypatch):

@@ -33,7 +33,7 @@ from ..diff import Comparison, as_real
 from ..precision import Tolerance
 from .compare import Expected, compare, tolerance_of
 from .hints import diagnose
-from ..precision import SCALED_SHADOW, SHADOW, Precision
+from ..precision import BF16_SHADOW, SCALED_SHADOW, SHADOW, Precision
 from ..result import RunResult
 from ..process.seeding import seeded
 
@@ -53,8 +53,11 @@ def applies(precision: Precision, comparison: Comparison) -> bool:
 
 def shadow_of(precision: Precision) -> str:
     """The float64 mode that does ``precision``'s maths exactly: through a GradScaler where it has one
-    (a power-of-two scale is exact in float64, so the scaler adds no rounding of its own)."""
-    return SCALED_SHADOW if precision.grad_scaler else SHADOW
+    (a power-of-two scale is exact in float64, so the scaler adds no rounding of its own); from the draws rounded to
+    bfloat16 for pure bf16, whose run starts from them (a shadow from the float32 draws starts elsewhere)."""
+    if precision.grad_scaler:
+        return SCALED_SHADOW
+    return BF16_SHADOW if precision.dtype == torch.bfloat16 else SHADOW
 
 
 def judge(case: Case, comparison: Comparison, reference: RunResult, candidate: RunResult,

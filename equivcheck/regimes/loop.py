@@ -52,7 +52,7 @@ def backward_chunks(
                 objective.backward(part, retain_graph=retain_graph)
         if after is not None:
             after()
-        total = total + part.detach()
+        total = total + part.detach().double()  # summed in float64: a 16-bit sum of many parts rounds at each add
     return total
 
 

@@ -466,7 +466,8 @@ def load_batches(case: Case, precision: Precision | None = None, device: torch.d
     first_of_last = case.samples - case.batch_size + 1 if case.last_batch == "keep" else case.samples
     if not first_of_last <= len(inputs) <= case.samples:
         raise InvalidArgument(f"data of case {case.name!r} holds {len(inputs)} samples: {_expected_samples(case, len(inputs))}")
-    inputs, targets = (t.to(device=device, dtype=precision.dtype) if t.is_floating_point()
+    inputs, targets = (t.to(device=device, dtype=precision.rounded_to or precision.dtype).to(precision.dtype)
+                       if t.is_floating_point()
                        else t.to(device) for t in (inputs, targets))
     epoch = [Batch(inputs[i : i + case.batch_size], targets[i : i + case.batch_size], case.items)
              for i in range(0, len(inputs), case.batch_size)]
