@@ -84,6 +84,7 @@ def test_compiled_autograd_traces_the_backward_too_and_a_backward_left_eager_is_
     assert ranks.verdict is Verdict.SKIPPED and "python_reducer" in ranks.reason
 
 
+@pytest.mark.full_only  # 45 s of inductor compiling: make test-full
 def test_inductor_draws_dropouts_masks_as_the_eager_reference_does(monkeypatch):
     """One dropout layer in process under inductor: equivalent. Inductor's own generator (fallback_random off, as a
     helper measured) drew other masks: a mismatch from step 0, a false alarm."""
