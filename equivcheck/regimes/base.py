@@ -276,13 +276,18 @@ def step_hooks(optimizer: Optimizer, before: Callable | None = None, after: Call
     return [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
 
 
+def parameters_of(optimizer: Optimizer) -> list:
+    """Every parameter ``optimizer`` steps, group after group."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
 def finish_step(optimizer: Optimizer, objective: Objective | None = None, max_norm: float = math.inf) -> None:
     """One optimizer step (through the objective's GradScaler if given), then clear the gradients; with a
     finite ``max_norm``, the whole gradient clipped to it first (unscaled first, as the AMP recipe says)."""
     if max_norm < math.inf:
         if objective is not None and objective.scaler.is_enabled():
             objective.scaler.unscale_(optimizer)
-        nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], max_norm)
+        nn.utils.clip_grad_norm_(parameters_of(optimizer), max_norm)
     if objective is None:
         optimizer.step()
     else:

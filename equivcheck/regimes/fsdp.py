@@ -24,7 +24,7 @@ from ..case import Objective
 from ..device import DEFAULT_DEVICE
 from ..errors import InvalidArgument, expect_int
 from ..process.torch_imports import fsdp2, fsdp2_missing, is_dtensor
-from .base import Pitfall, expect_max_norm, finish_step
+from .base import Pitfall, expect_max_norm, finish_step, parameters_of
 from .ddp import Accumulating, Distributed
 
 
@@ -84,7 +84,7 @@ class ClipsShards:
         return local.detach() / self.world_size
 
     def total_norm(self, optimizer) -> Tensor:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in _parameters(optimizer) if p.grad is not None])
+        norm = torch.nn.utils.get_total_norm([p.grad for p in parameters_of(optimizer) if p.grad is not None])
         return norm.full_tensor() if is_dtensor(norm) else norm
 
 
@@ -180,20 +180,16 @@ class HsdpClipOverReplicas(Hsdp):
 
 def _local_norm(optimizer) -> Tensor:
     """The norm of the gradient shards this rank holds."""
-    local = [p.grad.to_local() for p in _parameters(optimizer) if p.grad is not None]
+    local = [p.grad.to_local() for p in parameters_of(optimizer) if p.grad is not None]
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in local]))
 
 
 def scale_to(optimizer, max_norm: float, total_norm: Tensor) -> None:
     """Every gradient times ``max_norm / (total_norm + 1e-6)`` where that is below 1, as ``clip_grad_norm_`` scales."""
     coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    for p in _parameters(optimizer):
+    for p in parameters_of(optimizer):
         if p.grad is not None:
             p.grad.mul_(coefficient.to(p.grad.dtype))
-
-
-def _parameters(optimizer) -> list:
-    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,7 +39,7 @@ from ..errors import InvalidArgument
 from ..process.torch_imports import fsdp2_missing
 from ..process.seeding import DEFAULT_SEED, seed_torch, seeded
 from ..process.torch_imports import is_dtensor
-from .base import DeclaresCollectives, Pitfall, Regime, expect_max_norm, finish_step
+from .base import DeclaresCollectives, Pitfall, Regime, expect_max_norm, finish_step, parameters_of
 from .ddp import Distributed
 
 
@@ -229,7 +229,7 @@ class TensorParallel(DeclaresCollectives, Distributed):
         """``clip_grad_norm_`` over the DTensor gradients: the norm of the whole gradient, every shard counted once."""
         if self.max_norm < math.inf:
             objective.scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(_parameters(optimizer), self.max_norm)
+            torch.nn.utils.clip_grad_norm_(parameters_of(optimizer), self.max_norm)
 
     def rank_batch(self, batch):
         """Every rank of a TP group sees the whole global batch."""
@@ -282,7 +282,7 @@ class TensorParallelClipLocal(TensorParallel):
         if self.max_norm == math.inf:
             return
         objective.scaler.unscale_(optimizer)
-        local = [(p.grad.to_local() if is_dtensor(p.grad) else p.grad) for p in _parameters(optimizer)
+        local = [(p.grad.to_local() if is_dtensor(p.grad) else p.grad) for p in parameters_of(optimizer)
                  if p.grad is not None]
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in local]))
         scale = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0)
@@ -339,10 +339,6 @@ def _quiet_mesh_warnings() -> None:
     returns a view (an in-place op on it would be the model's own bug, which the comparison would show)."""
     quiet_read_back()
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor", category=UserWarning)
-
-
-def _parameters(optimizer) -> list:
-    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 @dataclasses.dataclass(frozen=True)
