@@ -90,6 +90,42 @@ class WholeMatrixMuon(torch.optim.Optimizer):
                 parameter.add_(step, alpha=-group["lr"])
 
 
+class MuonWithAdamW(torch.optim.Optimizer):
+    """Muon for a model's hidden weight matrices, AdamW for the rest (embeddings, norms, biases), the split Muon's
+    recipes make, written as a team writes it: its constructor takes the two lists apart, not param groups. Muon's
+    update is torch.optim.Muon's (momentum 0.95, Nesterov, five Newton-Schulz steps, the learning rate scaled by
+    sqrt(max(1, rows / columns)), decoupled weight decay), AdamW's is torch's; both keep their state in this
+    optimizer's, where a check reads it."""
+
+    def __init__(self, muon_params, adamw_params, lr: float = 0.02, adamw_lr: float = 1e-3, momentum: float = 0.95,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01) -> None:
+        super().__init__([dict(params=list(muon_params), muon=True, lr=lr),
+                          dict(params=list(adamw_params), muon=False, lr=adamw_lr)],
+                         dict(momentum=momentum, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            lr, decay = group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                p.mul_(1 - lr * decay)
+                if group["muon"]:
+                    momentum = state.setdefault("momentum_buffer", torch.zeros_like(p))
+                    momentum.lerp_(p.grad, 1 - group["momentum"])
+                    update = orthogonalised(p.grad.lerp(momentum, group["momentum"]))
+                    p.add_(update, alpha=-lr * max(1.0, p.shape[0] / p.shape[1]) ** 0.5)
+                    continue
+                (beta1, beta2), step = group["betas"], state.setdefault("step", torch.zeros(())).add_(1)
+                exp_avg = state.setdefault("exp_avg", torch.zeros_like(p)).lerp_(p.grad, 1 - beta1)
+                exp_avg_sq = state.setdefault("exp_avg_sq", torch.zeros_like(p)).mul_(beta2).addcmul_(
+                    p.grad, p.grad, value=1 - beta2)
+                denominator = (exp_avg_sq.sqrt() / (1 - beta2 ** step).sqrt()).add_(group["eps"])
+                p.addcdiv_(exp_avg, denominator, value=-lr / (1 - beta1 ** step))
+
+
 muon_mlp = ec.register_case(dataclasses.replace(
     mlp,
     name="muon_mlp",

@@ -292,3 +292,21 @@ def test_ranks_beside_an_anchored_regime_are_handed_the_reference_it_keeps_in_fi
     anchored_run, on_ranks = ec.check(ILL, ["accumulate:chunks=3", "ddp:world_size=2"], seed=SEED).outcomes
     assert anchored_run.verdict is Verdict.EQUIVALENT and anchored_run.comparison.note == CHECK.ANCHORED
     assert on_ranks.verdict is Verdict.EQUIVALENT, on_ranks.describe()
+
+
+def test_the_reference_update_of_a_team_optimizer_runs_none_of_the_runs_step_hooks():
+    """An optimizer whose constructor takes no param groups is copied for the reference's update: the copy steps the
+    one parameter it is given, from no state, and none of the run's step hooks (the recorder's) see it."""
+    from equivcheck_cases.muon import MuonWithAdamW
+
+    matrix, bias = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))
+    team = MuonWithAdamW([matrix], [bias])
+    seen = []
+    team.register_step_pre_hook(lambda *_: seen.append("pre"))
+    team.register_step_post_hook(lambda *_: seen.append("post"))
+    weight = torch.nn.Parameter(bias.detach().clone())
+    weight.grad = torch.ones(3)
+    alike = anchors._alike(team, {**team.param_groups[1], "params": [weight]})
+    alike.step()
+    assert seen == [] and set(alike.state) == {weight} and not team.state
+    assert type(alike) is MuonWithAdamW and not torch.equal(weight, bias)

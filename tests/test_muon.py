@@ -12,7 +12,8 @@ import torch
 import equivcheck as ec
 from equivcheck import Verdict
 from equivcheck.judge.hints import SHARDED_UPDATE
-from equivcheck_cases.muon import (muon_mlp, muon_scale_from_shard, muon_tp_mlp, muon_tp_shards, muon_whole_matrix,
+from equivcheck_cases.mlp import mlp
+from equivcheck_cases.muon import (MuonWithAdamW, muon_mlp, muon_scale_from_shard, muon_tp_mlp, muon_tp_shards, muon_whole_matrix,
                                    orthogonalised)
 
 from test_anchored import CHECK, anchored  # noqa: F401 - the fixture: anchoring forced, whole and in blocks
@@ -130,3 +131,25 @@ def sums_micro_batch_means(model, optimizer, batch):
     for x, y in zip(inputs.chunk(3), targets.chunk(3)):
         torch.nn.functional.cross_entropy(model(x), y).backward()
     optimizer.step()
+
+
+def _muon_with_adamw(parameters) -> torch.optim.Optimizer:
+    """Muon over the matrices, AdamW over the biases: a team's optimizer whose constructor takes its own arguments."""
+    named = list(parameters.model.named_parameters())
+    return MuonWithAdamW([p for _, p in named if p.ndim == 2], [p for _, p in named if p.ndim != 2])
+
+
+MUON_WITH_ADAMW = dataclasses.replace(MUON_FLOAT32, name="muon_with_adamw", model=mlp.model,
+                                      optimizer=_muon_with_adamw)
+
+
+@pytest.mark.parametrize("regime, verdict", [("accumulate:chunks=3", Verdict.EQUIVALENT),
+                                             ("step_per_micro_batch:chunks=3", Verdict.MISMATCH)])
+def test_a_team_optimizer_built_from_its_own_arguments_is_judged_step_by_step(anchored, regime, verdict):  # noqa: F811
+    """The reference's update of each step is made by an optimizer of the run's class over the one parameter: one
+    whose constructor takes no param groups (Muon's matrices apart from AdamW's rest) is copied, not rebuilt, so the
+    check stays anchored (before, the rebuild failed and the check fell back to free-running unsaid)."""
+    (outcome,) = ec.check(MUON_WITH_ADAMW, [regime]).outcomes
+    assert outcome.verdict is verdict, outcome.describe()
+    if verdict is Verdict.EQUIVALENT:
+        assert outcome.comparison.note == CHECK.ANCHORED

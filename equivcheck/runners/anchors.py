@@ -36,6 +36,7 @@ import contextlib
 import copy
 import math
 import os
+from collections import OrderedDict, defaultdict
 from collections.abc import Iterator, Mapping
 from typing import NamedTuple
 
@@ -373,7 +374,7 @@ class Anchoring:
         for number, rows in enumerate(_rows(parameter) if blockwise else [...]):
             block = self._store.block(step, index, rows)
             weight = nn.Parameter(block.weight)  # the reference's optimizer steps it in place
-            reference = type(self._optimizer)([{**settings, "params": [weight]}])
+            reference = _alike(self._optimizer, {**settings, "params": [weight]})
             if block.state:
                 reference.state[weight] = block.state
             weight.grad = None if grad is None else grad[rows]
@@ -425,6 +426,21 @@ class Anchoring:
             return {f"group {index}/{key}": torch.tensor(value, dtype=torch.float64)
                     for index, group in enumerate(numeric_settings(groups)) for key, value in group.items()}
         self._measurement.add("optimizer", step, settings(self._optimizer.param_groups), settings(reference))
+
+
+def _alike(optimizer: Optimizer, group: dict) -> Optimizer:
+    """An optimizer of ``optimizer``'s class over the one ``group``, with no state and no step hooks: built by its
+    class from the group where its constructor takes param groups first, as torch's do; otherwise (a team's, whose
+    constructor takes its own arguments: Muon's matrices apart from AdamW's rest) ``optimizer``'s attributes given
+    the group alone, so that its ``step`` is the same code over the same settings."""
+    try:
+        return type(optimizer)([group])
+    except TypeError:
+        alike = object.__new__(type(optimizer))
+    alike.__dict__.update(optimizer.__dict__)  # copy.copy would keep torch's three alone (Optimizer.__getstate__)
+    alike.param_groups, alike.state = [group], defaultdict(dict)
+    alike._optimizer_step_pre_hooks, alike._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
+    return alike
 
 
 def _state(state: dict) -> dict[str, Tensor]:
