@@ -27,7 +27,9 @@ in-process regime), N more on attention LMs (``attention_cases()``: causal masks
 biases, Adam without epsilon) in process and on DDP, and N DDP ones (world size 2 or 3, every faithful distributed regime), checks each
 and prints every verdict that is not ``equivalent``: a false alarm, since nothing drawn is a pitfall.
 Then N pitfall regimes on drawn cases: a pitfall is missed where its float64 shadows differ from the
-reference's (it has a real effect) and the verdict in the case's dtype is still ``equivalent``.
+reference's (it has a real effect) and the verdict in the case's dtype is still ``equivalent``; each miss is tallied
+as below or above the mode's own tolerance (the float64 runs judged at it): a difference a mode's tolerance allows is
+one a check in that mode does not claim to see.
 Draws are derandomized by ``--seed``, so a run is repeatable. ``--dtype`` runs every check in one
 precision mode (e.g. ``fp16-autocast`` on a CUDA machine) instead of each drawn case's own dtype. DDP ranks rebuild each drawn case from
 its plain values (``CaseSpec``), which this file registers at import from the file named in
@@ -250,6 +252,12 @@ def missed_pitfalls(configs: list[tuple[CaseSpec, str]], label: str = "MLPs", dt
             continue
         effect = maths.verdict is not Verdict.EQUIVALENT
         caught = outcome.verdict is not Verdict.EQUIVALENT
+        if effect and not caught:  # is the exact maths' difference one the mode's own tolerance can see?
+            mode = PRECISIONS[dtype or spec.dtype]
+            (seen,) = ec.check(case, [regime], measure_memory=False, dtype=exact, rtol=mode.rtol,
+                               atol=mode.atol).outcomes
+            tally["missed below the mode's tolerance" if seen.verdict is Verdict.EQUIVALENT else
+                  "missed above the mode's tolerance"] += 1
         # A pitfall that crashes its ranks (TP ranks fed shards of different sizes: a collective of mismatched
         # sizes) is no silent pass, but no verdict on the numbers either: counted apart.
         shown = ", crashed" if outcome.verdict is Verdict.ERROR else ", caught" if caught else ", passed"
