@@ -1,6 +1,6 @@
-"""DDP with a compressing comm hook (fp16, bf16, PowerSGD) on the warm pool: each lossy hook passes at its own
-error bound, fails the same comparison at float64's tolerance (the compression happened), and the per-rank
-mean-loss bug is still caught beside it at that bound."""
+"""DDP with a compressing comm hook (fp16, bf16, PowerSGD) and FSDP2 reducing in bf16, on the warm pool: each lossy
+reduction passes at its own error bound, fails the same comparison at float64's tolerance (the compression
+happened), and the per-rank mean-loss bug is still caught beside it at that bound."""
 
 import pytest
 import torch
@@ -14,6 +14,7 @@ FP16, BF16 = "ddp_hook:world_size=2,hook=fp16", "ddp_hook:world_size=2,hook=bf16
 POWERSGD = "ddp_hook:world_size=2,hook=powersgd"
 POWERSGD_FROM_STEP_2 = "ddp_hook:world_size=2,hook=powersgd,start_iter=2"
 MEAN_LOSS = "ddp_hook_mean_loss:world_size=2,hook=fp16"
+FSDP_BF16 = "fsdp:world_size=2,reduce_dtype=bf16"
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ def report():
 def test_the_case_is_as_declared(report):
     report.assert_equivalent()
     assert [o.regime for o in report.outcomes] == ["full_batch", "ddp:world_size=2", FP16, MEAN_LOSS, BF16, POWERSGD,
-                                                   POWERSGD_FROM_STEP_2]
+                                                   POWERSGD_FROM_STEP_2, FSDP_BF16]
 
 
 @pytest.mark.parametrize(("spec", "hook", "rtol"), [(FP16, "fp16_compress_hook", 3 * 2**-11),
@@ -44,7 +45,24 @@ def test_a_lossy_hook_passes_at_its_own_bound_and_says_which(report, spec, hook,
     assert outcome.result.collectives == ({"all_reduce": (1, 2 * 103)},) * 3
 
 
-@pytest.mark.parametrize("spec", [FP16, BF16])
+def test_fsdp2_reducing_in_bf16_passes_at_the_same_bound_and_its_mean_loss_bug_is_caught(report, locating):
+    """FSDP2's MixedPrecisionPolicy(reduce_dtype=torch.bfloat16): the reduce-scatter's roundings are ddp_hook's, so
+    is the bound; the per-rank mean loss (shards of 4 and 3 averaged equally) stays caught under it."""
+    outcome = report.outcome(CASE, FSDP_BF16)
+    tolerance = outcome.comparison.tolerance
+    assert tolerance.rtol == pytest.approx(1e-7 + 3 * 2**-8) and "FSDP2's reduce-scatter in bf16" in tolerance.source
+    assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
+    (fault,) = ec.check(CASE, ["fsdp_mean_loss:world_size=2,reduce_dtype=bf16"], measure_memory=False).outcomes
+    assert fault.verdict is Verdict.EXPECTED_MISMATCH and fault.comparison.tolerance == tolerance, fault.describe()
+    assert fault.comparison.location is not None and fault.comparison.location.phase == "loss", fault.describe()
+
+
+def test_fsdp_names_the_reduce_dtypes_it_takes():
+    with pytest.raises(InvalidArgument, match=r"reduce_dtype='float8' is not allowed: expected one of bf16, fp16"):
+        ec.check(CASE, ["fsdp:world_size=2,reduce_dtype=float8"])
+
+
+@pytest.mark.parametrize("spec", [FP16, BF16, FSDP_BF16])
 def test_twin_the_same_comparison_fails_at_float64_tolerance(report, spec):
     """The bound is what admits it: the gradients really went through a 16-bit all-reduce."""
     reference = report.outcome(CASE, "full_batch").result

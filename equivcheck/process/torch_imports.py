@@ -32,16 +32,17 @@ def import_what_training_imports() -> None:
 
 @functools.cache
 def fsdp2() -> types.SimpleNamespace:
-    """``fully_shard``, ``FSDPModule`` and the collective classes that counting wraps; raises
+    """``fully_shard``, ``FSDPModule``, ``MixedPrecisionPolicy`` and the collective classes that counting wraps; raises
     :class:`Unavailable` with the reason where this torch lacks them."""
     try:
-        from torch.distributed.fsdp import FSDPModule, fully_shard
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
         from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
     except ImportError as error:
         raise Unavailable(f"FSDP2 regimes need fully_shard with custom collectives, which torch "
                           f"{torch.__version__} lacks ({error})") from error
     return types.SimpleNamespace(FSDPModule=FSDPModule, fully_shard=fully_shard,
-                                 DefaultAllGather=DefaultAllGather, DefaultReduceScatter=DefaultReduceScatter)
+                                 MixedPrecisionPolicy=MixedPrecisionPolicy, DefaultAllGather=DefaultAllGather,
+                                 DefaultReduceScatter=DefaultReduceScatter)
 
 
 def fsdp2_missing() -> str | None:

@@ -32,7 +32,7 @@ BUILT_IN: tuple[type[Regime], ...] = (
     ddp_partial.DdpDetachedPartial, ddp_partial.DdpDetachedPartialLastOutside, ddp_partial.DdpDetachedPartialBypass,
     ddp_partial.DdpDetachedPartialInForward, ddp_partial.DdpDetachedPartialSyncEveryChunk,
     ddp_partial.DataParallelDetachedPartial,
-    fsdp.Fsdp, fsdp.FsdpClipAveraged, fsdp.FsdpNoSync, fsdp.FsdpSyncEveryMicroBatch,
+    fsdp.Fsdp, fsdp.FsdpMeanLoss, fsdp.FsdpClipAveraged, fsdp.FsdpNoSync, fsdp.FsdpSyncEveryMicroBatch,
     fsdp.Hsdp, fsdp.HsdpClipOverReplicas, context.ContextParallel,
     tensor.TensorParallel, tensor.TensorParallelDifferentBatches, tensor.TensorParallelLossScaled,
     tensor.TensorParallelClipLocal, tensor.TensorParallelDropoutRankSeeded, tensor.FsdpTensorParallel, tensor.FsdpTensorParallelWorldScaled,

@@ -255,6 +255,24 @@ class DeclaresCollectives:
         return parse_collectives(self.collectives) if self.collectives else None
 
 
+# Unit roundoff of each 16-bit type a gradient reduction may run in: half the distance from 1 to the next number.
+UNIT_ROUNDOFF = {"fp16": 2.0**-11, "bf16": 2.0**-8}
+# float16's smallest subnormal: a part smaller than half of it is lost in the cast (bfloat16 has float32's range).
+SUBNORMAL = {"fp16": 2.0**-24, "bf16": 0.0}
+
+
+def reduced_in(wire: str, world_size: int, precision: Precision, base: Tolerance, reduction: str) -> Tolerance:
+    """``base`` widened by the error of a gradient averaged over ``world_size`` ranks in the 16-bit ``wire`` type
+    (ddp_hooks.py says why): one rounding as each rank casts its part, one as it divides, W - 1 in the sum, each of
+    the type's unit roundoff u, relative to the gradient and (where the parts cancel) absolute at parts of order one,
+    plus float16's subnormal spacing per rank. ``reduction`` names what reduces so, for the tolerance's source."""
+    u, roundings = UNIT_ROUNDOFF[wire], world_size + 1
+    bound = roundings * u
+    return base.widened(bound, bound + world_size * SUBNORMAL[wire], (
+        f"{reduction}: {precision.name}'s tolerance plus the compression's bound, {roundings} roundings of "
+        f"2^{int(math.log2(u))} each"))
+
+
 def step_hooks(optimizer: Optimizer, before: Callable | None = None, after: Callable | None = None) -> list:
     """``before`` and ``after`` (torch's step-hook signature) around each outermost ``optimizer.step()``; the hooks'
     handles. torch runs an optimizer's step hooks once for every class on its way whose ``step`` it wrapped, and it

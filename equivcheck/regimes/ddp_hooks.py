@@ -26,7 +26,6 @@ error measured, a mismatch (the twin that proves the compression happens).
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -36,13 +35,9 @@ from ..device import DEFAULT_DEVICE, gpus
 from ..errors import InvalidArgument, expect_int
 from ..measure.collectives import attach_counter
 from ..precision import Precision, Tolerance
-from .base import CommunicationCounter, Pitfall
+from .base import CommunicationCounter, Pitfall, reduced_in
 from .ddp import Ddp, DdpMeanLoss
 
-# Unit roundoff of each compressing hook's wire type: half the distance from 1 to the next number.
-UNIT_ROUNDOFF = {"fp16": 2.0**-11, "bf16": 2.0**-8}
-# float16's smallest subnormal: a part smaller than half of it is lost in the cast (bfloat16 has float32's range).
-SUBNORMAL = {"fp16": 2.0**-24, "bf16": 0.0}
 TORCH_HOOKS = {"fp16": "fp16_compress_hook", "bf16": "bf16_compress_hook", "powersgd": "powerSGD_hook"}
 HOOKS = tuple(TORCH_HOOKS)
 POWERSGD_DEFAULTS = {"approximation_rank": 1, "start_iter": 1000}
@@ -99,12 +94,7 @@ class DdpHook(Ddp):
             return dataclasses.replace(base, source=(
                 f"{hook}, rank {self.approximation_rank}, {when}: not bounded element-wise, so "
                 f"compared at {precision.name}'s own tolerance"))
-        u, roundings = UNIT_ROUNDOFF[self.hook], self.world_size + 1
-        bound = roundings * u
-        absolute = bound + self.world_size * SUBNORMAL[self.hook]
-        return base.widened(bound, absolute, (
-            f"{hook}: {precision.name}'s tolerance plus the compression's bound, {roundings} roundings of "
-            f"2^{int(math.log2(u))} each"))
+        return reduced_in(self.hook, self.world_size, precision, base, hook)
 
 
 @dataclasses.dataclass(frozen=True)

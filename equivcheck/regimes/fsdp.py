@@ -20,27 +20,35 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from ..case import Objective
+from ..case import Case, Objective
 from ..device import DEFAULT_DEVICE
 from ..errors import InvalidArgument, expect_int
+from ..precision import Precision, Tolerance
 from ..process.torch_imports import fsdp2, fsdp2_missing, is_dtensor
-from .base import Pitfall, expect_max_norm, finish_step, parameters_of
-from .ddp import Accumulating, Distributed
+from .base import UNIT_ROUNDOFF, Pitfall, expect_max_norm, finish_step, parameters_of, reduced_in
+from .ddp import Accumulating, DdpMeanLoss, Distributed
+
+REDUCE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # fsdp's reduce_dtype=, by its name in a spec
+assert set(REDUCE_DTYPES) == set(UNIT_ROUNDOFF)
 
 
-def shard_blocks(model: nn.Module, mesh, reshard_after_forward: bool) -> nn.Module:
+def shard_blocks(model: nn.Module, mesh, reshard_after_forward: bool, reduce_dtype: str = "") -> nn.Module:
     """``fully_shard`` on every direct child that holds parameters (a block; each member of a ModuleList, which has no
     forward of its own: a mixture's experts), then on the root. A block that shares a parameter with another (a head
     tied to the token embedding) is left to the root: FSDP2 keeps a parameter in one group, and refuses one shared
-    across two."""
+    across two. ``reduce_dtype`` ("bf16", "fp16"): each group's gradients reduce-scattered in that type
+    (``MixedPrecisionPolicy(reduce_dtype=...)``, the parameters left in their own)."""
+    options = dict(mesh=mesh, reshard_after_forward=reshard_after_forward)
+    if reduce_dtype:
+        options["mp_policy"] = fsdp2().MixedPrecisionPolicy(reduce_dtype=REDUCE_DTYPES[reduce_dtype])
     blocks = [member for child in model.children()
               for member in (child.children() if isinstance(child, (nn.ModuleList, nn.ModuleDict)) else (child,))]
     owners = collections.Counter(id(p) for block in blocks for p in block.parameters())
     for block in blocks:
         held = list(block.parameters())
         if held and all(owners[id(p)] == 1 for p in held):
-            fsdp2().fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    return fsdp2().fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+            fsdp2().fully_shard(block, **options)
+    return fsdp2().fully_shard(model, **options)
 
 
 class ShardedByFsdp:
@@ -48,6 +56,7 @@ class ShardedByFsdp:
     ``Distributed``); ``reshard_after_forward`` (default true) frees gathered parameters after each forward."""
 
     reshard_after_forward: bool
+    reduce_dtype = ""  # the type gradients are reduced in, where not the parameters' own (fsdp's option)
     sync_collective = "reduce-scattered"
 
     def unavailable(self, device: str = DEFAULT_DEVICE) -> str | None:
@@ -61,7 +70,7 @@ class ShardedByFsdp:
     def wrap(self, model: nn.Module, objective: Objective) -> nn.Module:
         # Where the model is: a CUDA precision mode puts it on the GPU whatever the backend.
         mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
-        return shard_blocks(model, mesh, self.reshard_after_forward)
+        return shard_blocks(model, mesh, self.reshard_after_forward, self.reduce_dtype)
 
 
 class ClipsShards:
@@ -92,13 +101,37 @@ class ClipsShards:
 class Fsdp(ClipsShards, ShardedByFsdp, Distributed):
     name = "fsdp"
     summary = ("FSDP2 fully_shard per block and root, W ranks each its shard; reduce-scatter averages like DDP; "
-               "max_norm=M clips the whole gradient")
+               "max_norm=M clips the whole gradient; reduce_dtype=bf16 or fp16 reduces in that type, compared at "
+               "its own error bound")
     reshard_after_forward: bool = True
     max_norm: float = math.inf
+    reduce_dtype: str = ""  # FSDP2's MixedPrecisionPolicy(reduce_dtype=...): lossy, so compared at its bound
 
     def __post_init__(self) -> None:
         super().__post_init__()
         expect_max_norm(self.max_norm)
+        if self.reduce_dtype and self.reduce_dtype not in REDUCE_DTYPES:
+            raise InvalidArgument.value("reduce_dtype", self.reduce_dtype,
+                                        f"one of {', '.join(REDUCE_DTYPES)}, or left out (the parameters' own type)")
+
+    def tolerance_for(self, case: Case, precision: Precision, base: Tolerance) -> Tolerance | None:
+        """Reduced in a 16-bit type, the averaged gradient carries its roundings: compared at ``ddp_hook``'s bound."""
+        if not self.reduce_dtype:
+            return None
+        return reduced_in(self.reduce_dtype, self.world_size, precision, base,
+                          f"FSDP2's reduce-scatter in {self.reduce_dtype} over {self.world_size} ranks")
+
+
+@dataclasses.dataclass(frozen=True)
+class FsdpMeanLoss(Fsdp):
+    """Each rank's *mean* loss under FSDP2, whose reduce-scatter averages the ranks equally: wrong where their item
+    counts differ, as under DDP; with ``reduce_dtype=bf16`` the fault a lossy reduction's bound must not hide."""
+
+    name = "fsdp_mean_loss"
+    summary = "PITFALL: each rank's *mean* loss; FSDP2 averages ranks equally, wrong when their item counts differ"
+    pitfall = Pitfall("per-rank mean loss under DDP (token or shard imbalance)", twin="fsdp")  # DDP's class
+
+    train_step = DdpMeanLoss.train_step
 
 
 @dataclasses.dataclass(frozen=True)
