@@ -4,7 +4,7 @@ import dataclasses
 
 from equivcheck.regimes import register_regime
 from equivcheck.case import ModelParameters
-from equivcheck.regimes.fsdp import Fsdp, FsdpNoSync, gradient_sync_off
+from equivcheck.regimes.fsdp import FsdpNoSync, gradient_sync_off
 from equivcheck.regimes.ddp import Ddp
 from equivcheck.regimes.zero import Zero
 
@@ -18,19 +18,6 @@ class FsdpSyncNever(FsdpNoSync):
 
     def sync_context(self, model, last):
         return gradient_sync_off(model)
-
-
-@register_regime
-@dataclasses.dataclass(frozen=True)
-class FsdpMeanLoss(Fsdp):
-    name = "fsdp_mean_loss"
-    summary = "PITFALL: each rank's mean loss under FSDP2; ranks averaged equally, wrong when their item counts differ"
-    pitfall = True
-
-    def rank_part(self, objective, batch):
-        return objective.mean
-
-
 
 
 @register_regime

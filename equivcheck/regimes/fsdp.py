@@ -26,7 +26,7 @@ from ..errors import InvalidArgument, expect_int
 from ..precision import Precision, Tolerance
 from ..process.torch_imports import fsdp2, fsdp2_missing, is_dtensor
 from .base import UNIT_ROUNDOFF, Pitfall, expect_max_norm, finish_step, parameters_of, reduced_in
-from .ddp import Accumulating, DdpMeanLoss, Distributed
+from .ddp import Accumulating, Distributed
 
 REDUCE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # fsdp's reduce_dtype=, by its name in a spec
 assert set(REDUCE_DTYPES) == set(UNIT_ROUNDOFF)
@@ -131,7 +131,8 @@ class FsdpMeanLoss(Fsdp):
     summary = "PITFALL: each rank's *mean* loss; FSDP2 averages ranks equally, wrong when their item counts differ"
     pitfall = Pitfall("per-rank mean loss under DDP (token or shard imbalance)", twin="fsdp")  # DDP's class
 
-    train_step = DdpMeanLoss.train_step
+    def rank_part(self, objective: Objective, batch):
+        return objective.mean
 
 
 @dataclasses.dataclass(frozen=True)
