@@ -13,8 +13,8 @@ import equivcheck as ec
 from equivcheck import Verdict
 from equivcheck.judge.hints import SHARDED_UPDATE
 from equivcheck_cases.mlp import mlp
-from equivcheck_cases.muon import (MuonWithAdamW, muon_mlp, muon_scale_from_shard, muon_tp_mlp, muon_tp_shards, muon_whole_matrix,
-                                   orthogonalised)
+from equivcheck_cases.muon import (MuonWithAdamW, muon_mlp, muon_scale_from_shard, muon_tp_mlp, muon_tp_shards,
+                                   muon_whole_matrix, orthogonalised)
 
 from test_anchored import CHECK, anchored  # noqa: F401 - the fixture: anchoring forced, whole and in blocks
 

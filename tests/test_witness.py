@@ -126,8 +126,8 @@ def test_a_chaotic_reference_judges_by_its_own_spread_and_says_what_it_cannot_se
 
 def _between(reference, candidate, fraction: float, step0_apart: float = 0.0):
     """A witness of the chaotic case made of its two real runs: the reference moved ``fraction`` of the way to the
-    candidate on every weight, and on every gradient and loss after step 0, and its first step's greatest gradient element moved
-    ``step0_apart`` times the tolerance it is allowed (0: left as the reference's)."""
+    candidate on every weight, and on every gradient and loss after step 0, and its first step's greatest gradient
+    element moved ``step0_apart`` times the tolerance it is allowed (0: left as the reference's)."""
     tolerance = ec.compare(reference, reference).tolerance
     grads = [{name: r + fraction * (candidate.grads[step][name] - r) if step else r.clone()
               for name, r in reference.grads[step].items()} for step in range(len(reference.grads))]
