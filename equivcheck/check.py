@@ -68,7 +68,8 @@ def check(
     """Check ``case`` under each regime against ``reference`` (run twice, to prove it deterministic).
 
     ``backend`` (gloo or nccl) applies to distributed regimes whose spec leaves it at auto;
-    ``timeout`` bounds each distributed job, and each run in the isolating child, in seconds. ``dtype`` picks the
+    ``timeout``: the seconds each distributed job, and each run in the isolating child, may go without progress (a
+    step taken, a graph compiled) before it is a hang. ``dtype`` picks the
     precision mode (``'float64'``, ``'float32'``, ``'bf16-autocast'``, ``'fp16-autocast'``; default: the case's
     dtype); a mode this machine cannot run is skipped. ``measure_memory=False`` skips the peak
     activation memory (saved-tensor hooks: about a fifth of a tiny check's time). ``threads``: intra-op

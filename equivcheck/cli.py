@@ -100,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="process-group backend for distributed regimes (default: with --device cuda, nccl with a "
                               "GPU per rank where there are enough, else gloo)")
     running.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
-                         help=f"limit for one distributed job on its ranks, and for one run in the isolating child "
-                              f"(default: {DEFAULT_TIMEOUT:g})")
+                         help=f"how long a distributed job's ranks, or a run in the isolating child, may go without progress "
+                              f"(a step taken, a graph compiled) before it is a hang (default: {DEFAULT_TIMEOUT:g})")
     running.add_argument("--dtype", choices=PUBLIC_PRECISIONS, help="precision mode (default: each case's dtype)")
     running.add_argument("--threads", type=int, metavar="N",
                          help="torch intra-op threads per run (default: 1, unless OMP_NUM_THREADS is set)")

@@ -35,12 +35,13 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from multiprocessing.connection import Connection, Pipe
 
 import torch
 
 from ..case import Case
+from ..process import progress
 from ..process import threads as intra_op
 from ..process.forking import fork_is_safe
 from ..process import torch_output
@@ -93,7 +94,7 @@ class IsolatedRunner:
         """The run ``request`` asks for, in a forked child where this process may fork one, else in a clean child
         (a one-rank worker), either within ``timeout`` seconds, else here. Raises what the run raised,
         :class:`RunDied` (:class:`WorkerError` from a clean child) naming how the child ended when it died, or
-        :class:`WorkerError` with the child's stack where it gave no answer in time."""
+        :class:`WorkerError` with the child's stack where it made no progress for ``timeout`` seconds."""
         if can_fork(request):
             return self._forked(request, timeout)
         source = by_name(request) if request.threads == 1 else None
@@ -144,6 +145,7 @@ class _Child:
     def __init__(self, runs: Sequence[tuple[Case, Regime]]) -> None:
         import_what_training_imports()  # once in this process, not once per child
         self._crash_log = tempfile.TemporaryFile()  # faulthandler's last words, read after a death
+        self._progress = tempfile.TemporaryFile()  # when the child last made progress (progress.py)
         receiving, sending = Pipe(duplex=False)
         requests_in, self._requests = Pipe(duplex=False)
         for stream in (sys.stdout, sys.stderr):  # buffered output would be written twice, once by each process
@@ -156,7 +158,7 @@ class _Child:
         if pid == 0:
             receiving.close()
             self._requests.close()
-            _serve(runs, requests_in, sending, self._crash_log.fileno(), parent)
+            _serve(runs, requests_in, sending, self._crash_log.fileno(), self._progress.fileno(), parent)
         sending.close()
         requests_in.close()
         self.pid, self._replies, self.alive, self._runs = pid, receiving, True, runs
@@ -166,7 +168,9 @@ class _Child:
         what = f"{case.name} under {regime}"
         try:
             self._requests.send_bytes(pickle.dumps((index, settings)))
-            status, payload, said = receive(self._replies, time.monotonic() + timeout)
+            started = time.monotonic()
+            status, payload, said = receive(
+                self._replies, lambda: progress.deadline(started, timeout, [progress.last(self._progress.fileno())]))
         except TimeoutError:  # before OSError, which it is
             raise self._hung(what, timeout) from None
         except (EOFError, OSError):
@@ -191,7 +195,7 @@ class _Child:
                        remote_traceback=frames, exit_code=code)
 
     def _hung(self, what: str, timeout: float) -> WorkerError:
-        """The child gave no answer in time: where its threads stand (faulthandler's dump on HANG_SIGNAL), then it is
+        """The child made no progress in time: where its threads stand (faulthandler's dump on HANG_SIGNAL), then it is
         killed, so that nothing it says later can answer another run."""
         log = self._crash_log.fileno()
         written = os.fstat(log).st_size
@@ -208,7 +212,8 @@ class _Child:
         frames = os.pread(log, FRAMES_LIMIT, written).decode(errors="replace").strip()
         self.kill()
         where = innermost_frame(frames)
-        return WorkerError(f"{what}: the isolating child gave no answer within {timeout:g} s (a hang"
+        return WorkerError(f"{what}: the isolating child made no progress for {timeout:g} s, no step taken and "
+                           f"nothing compiled (a hang"
                            + (f", in {where}" if where else "") + f"); it was killed; {RAISE_TIMEOUT}",
                            remote_traceback=f"the isolating child's stack when it timed out:\n{frames}".strip())
 
@@ -228,7 +233,7 @@ class _Child:
             _exiting.append(self.pid)
 
     def _close_files(self) -> None:
-        for closing in (self._requests, self._replies, self._crash_log):
+        for closing in (self._requests, self._replies, self._crash_log, self._progress):
             closing.close()
 
 
@@ -259,12 +264,13 @@ def wait_for_exited() -> None:
 
 
 def _serve(runs: Sequence[tuple[Case, Regime]], requests: Connection, replies: Connection, crash_log: int,
-           parent: int) -> None:
+           progress_log: int, parent: int) -> None:
     """The child: train each requested run and answer it, until the parent closes its end. Never returns."""
     code = 0
     try:
         faulthandler.enable(file=crash_log, all_threads=False)
         faulthandler.register(HANG_SIGNAL, file=crash_log, all_threads=True)  # where it stands when it hangs
+        progress.report_to(progress_log)  # the parent times a run out on silence alone
         intra_op.pin(1)  # forked: the parent's OpenMP pool did not come along, so every region runs on this thread
         # A terminal's Ctrl-C is the parent's to handle (it kills this child); SIGTERM ends the child at once,
         # where the parent's handler would raise inside a run and print a traceback.
@@ -318,13 +324,15 @@ def send(conn: Connection, value: object) -> None:
         conn.send_bytes(raw)
 
 
-def receive(conn: Connection, deadline: float | None = None) -> object:
+def receive(conn: Connection, deadline: Callable[[], float] | None = None) -> object:
     """What :func:`send` sent; each buffer is read straight into memory the result then owns. Raises
-    :class:`TimeoutError` where a part of it has not begun to arrive by ``deadline`` (``time.monotonic()``)."""
+    :class:`TimeoutError` where a part of it has not begun to arrive by ``deadline()`` (``time.monotonic()``), asked
+    again while it waits: the sender's progress moves it."""
 
     def arriving() -> None:
-        if deadline is not None and not conn.poll(max(0.0, deadline - time.monotonic())):
-            raise TimeoutError
+        while deadline is not None and not conn.poll(max(0.0, deadline() - time.monotonic())):
+            if deadline() <= time.monotonic():
+                raise TimeoutError
 
     arriving()
     head, sizes = pickle.loads(conn.recv_bytes())

@@ -37,6 +37,7 @@ from ..regimes import CommunicationCounter, Regime
 from ..regimes.base import step_hooks
 from ..result import RunResult
 from ..process.seeding import DEFAULT_SEED, default_dtype, seeded
+from ..process import progress
 from ..process import threads as intra_op
 
 
@@ -555,6 +556,7 @@ class GradRecorder:
         return self
 
     def _before_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        progress.note()  # a step: the run is alive, however long it is (a timeout measures silence)
         call = evaluate_closure(args, kwargs)
         self.grad_bytes = held_bytes(p.grad for _, p in self._named)
         # A parameter that took no part in the step has no gradient: mathematically a zero one. A sparse gradient (a

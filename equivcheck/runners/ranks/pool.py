@@ -31,12 +31,12 @@ from .capacity import ensure_room
 from ...process.exit import FRAMES_LIMIT, exit_words, innermost_frame
 from .forker import ForkedRank, forker
 from ...process.import_paths import search_path
-from ...process import torch_output
+from ...process import progress, torch_output
 from .jobs import Job
 from .shared_reference import REFERENCE_PREFIX
-from .worker import INSIDE_RANK_VARIABLE, stack_file
+from .worker import INSIDE_RANK_VARIABLE, progress_file, stack_file
 
-DEFAULT_TIMEOUT = 60.0  # seconds a job may take on its ranks
+DEFAULT_TIMEOUT = 60.0  # seconds a job's ranks may go without progress (a step taken, a graph compiled)
 START_TIMEOUT = 120.0  # seconds to start the ranks and join the process group
 WORKER_THREADS = 1  # torch threads per rank: ranks share the machine's cores
 DEATH_GRACE = 1.0  # seconds a rank's error waits for a peer's death to show: the death is the cause
@@ -44,10 +44,11 @@ FORKER_ANSWER_SECONDS = 2.0  # how long closing a pool waits for the forker to r
 
 
 class Ticket(NamedTuple):
-    """A job sent and not yet collected: its number (replies must carry it), when it must be done, and what it is."""
+    """A job sent and not yet collected: its number (replies must carry it), when it was sent, how long its ranks may go
+    without progress (progress.py), and what it is."""
 
     number: int
-    deadline: float
+    started: float
     timeout: float
     what: str
 
@@ -78,7 +79,7 @@ class WorkerPool:
                         self._forker.spawn(self._folder, argv, child_end.fileno(), env, path, os.getcwd()))
                 finally:
                     child_end.close()
-            self._gather(Ticket(0, time.monotonic() + start_timeout, start_timeout, "start"))
+            self._gather(Ticket(0, time.monotonic(), start_timeout, "start"))
         except BaseException:
             self.close()
             raise
@@ -102,7 +103,7 @@ class WorkerPool:
         if self._in_flight is not None:
             raise WorkerError(f"job {self._in_flight.number} is still in flight: collect it before the next")
         self._jobs += 1
-        ticket = Ticket(self._jobs, time.monotonic() + timeout, timeout, job.describe())
+        ticket = Ticket(self._jobs, time.monotonic(), timeout, job.describe())
         try:
             for conn in self._conns:
                 conn.send((ticket.number, job))
@@ -126,19 +127,22 @@ class WorkerPool:
         return replies
 
     def _gather(self, ticket: Ticket) -> list:
-        """Every rank's reply to the job: an error reply, a reply to another job, silence past the
-        ticket's deadline or a dead rank raises."""
-        job, deadline, timeout, what = ticket
+        """Every rank's reply to the job: an error reply, a reply to another job, a dead rank, or a rank owing its
+        reply that has made no progress for the ticket's timeout, raises."""
+        job, started, timeout, what = ticket
         replies: dict[int, object] = {}
         while len(replies) < self.world_size:
             pending = [r for r in range(self.world_size) if r not in replies]
             waitables = {self._conns[r]: r for r in pending}  # a dead rank's end reads as EOF
-            ready = wait(list(waitables), timeout=max(0.0, deadline - time.monotonic()))
+            left = progress.deadline(started, timeout, [self._progress(r) for r in pending]) - time.monotonic()
+            ready = wait(list(waitables), timeout=left) if left > 0 else []
             if not ready:
+                if left > 0:
+                    continue  # the deadline moves with the pending ranks' progress meanwhile
                 raise WorkerError(
-                    f"{what}: rank(s) {', '.join(map(str, pending))} of {self.world_size} gave no answer within "
-                    f"{timeout:g} s (a hang, for example a collective the other ranks never joined); the pool "
-                    f"was torn down; {RAISE_TIMEOUT}",
+                    f"{what}: rank(s) {', '.join(map(str, pending))} of {self.world_size} made no progress for "
+                    f"{timeout:g} s, no step taken and nothing compiled (a hang, for example a collective the other "
+                    f"ranks never joined); the pool was torn down; {RAISE_TIMEOUT}",
                     remote_traceback=self._stacks(pending),
                 )
             for rank in sorted({waitables[w] for w in ready}):
@@ -163,6 +167,14 @@ class WorkerPool:
                                       remote_traceback=f"rank {rank}: {payload}", raised=True)
                 replies[rank] = payload
         return [replies[r] for r in range(self.world_size)]
+
+    def _progress(self, rank: int) -> float | None:
+        """When rank ``rank`` last made progress (progress.py), None before it has said."""
+        try:
+            with open(progress_file(self._folder, rank), "rb") as stamp:
+                return progress.last(stamp.fileno())
+        except OSError:
+            return None
 
     def _death(self, what: str, rank: int) -> RunDied:
         """Rank ``rank`` is gone: how it ended, and the frames faulthandler wrote where a fatal signal killed it."""

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import InvalidArgument
+from ...process import progress
 from ...process import threads as intra_op
 from ...process import torch_output
 from ...process.exit import leave_with_parent
@@ -34,6 +35,8 @@ def worker_main(rank: int, world_size: int, backend: str, store: str, conn: Conn
     stacks = open(stack_file(os.path.dirname(store), rank), "w")  # noqa: SIM115 (lives as long as the rank)
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     faulthandler.enable(file=stacks, all_threads=False)
+    # Where this rank's progress goes (a step taken, a graph compiled): the pool times a job out on silence alone.
+    progress.report_to(os.open(progress_file(os.path.dirname(store), rank), os.O_WRONLY | os.O_CREAT, 0o600))
     # A terminal's Ctrl-C is the parent's to handle (it closes the pool): a rank in a session of its own meets only a
     # SIGINT sent to it alone, as an isolated run's child ignores it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -88,3 +91,7 @@ def reply(conn: Connection, number: int, work: Callable[[], dict]) -> bool:
 
 def stack_file(folder: str, rank: int) -> str:
     return os.path.join(folder, f"rank{rank}.stack")
+
+
+def progress_file(folder: str, rank: int) -> str:
+    return os.path.join(folder, f"rank{rank}.progress")
