@@ -1,4 +1,4 @@
-"""Mechanics: fail an in-process check that runs past ``--equivcheck-timeout``, instead of hanging CI.
+"""Mechanics: fail an in-process check that makes no progress for ``--equivcheck-timeout``, instead of hanging CI.
 
 Uses SIGALRM, so it acts in the main thread on POSIX (where pytest and xdist workers run tests);
 elsewhere it cannot interrupt the check and says so rather than pretending.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import time
 from collections.abc import Iterator
 
 
@@ -24,7 +25,8 @@ def can_interrupt() -> bool:
 
 @contextlib.contextmanager
 def deadline(seconds: float | None, what: str) -> Iterator[None]:
-    """Raise :class:`CheckTimeout` inside the block once ``seconds`` have passed (None: no limit)."""
+    """Raise :class:`CheckTimeout` inside the block once ``seconds`` have passed with no progress (None: no limit):
+    a long check that keeps stepping runs on, as a distributed job on the pool does."""
     if seconds is None:
         yield
         return
@@ -32,9 +34,18 @@ def deadline(seconds: float | None, what: str) -> Iterator[None]:
         raise CheckTimeout(f"timeout={seconds:g} s was asked for {what}, but this platform or thread "
                            "cannot interrupt a check (SIGALRM in the main thread is needed)")
 
+    from equivcheck.process import progress  # here, not at the top: loading the plugin imports no torch
+
+    started = time.monotonic()
+
     def expire(signum, frame):
-        raise CheckTimeout(f"{what} ran past timeout={seconds:g} s; if it is only slow, allow more: "
-                           "--equivcheck-timeout SECONDS or @pytest.mark.equivcheck(timeout=...)")
+        left = progress.deadline(started, seconds, [progress.here()]) - time.monotonic()
+        if left > 0:  # it made progress meanwhile (a step, a compile, a child or ranks still answering in time)
+            signal.setitimer(signal.ITIMER_REAL, left)
+            return
+        raise CheckTimeout(f"{what} made no progress for timeout={seconds:g} s (no step taken, nothing compiled); "
+                           "if it is only slow, allow more: --equivcheck-timeout SECONDS or "
+                           "@pytest.mark.equivcheck(timeout=...)")
 
     previous = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, seconds)

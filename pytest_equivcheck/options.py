@@ -49,8 +49,8 @@ def add_options(parser: pytest.Parser) -> None:
     group.addoption("--equivcheck-atol", type=float, default=None, metavar="A",
                     help="absolute tolerance of every check (with --equivcheck-rtol)")
     group.addoption("--equivcheck-timeout", type=float, default=None, metavar="SECONDS",
-                    help="fail an in-process check, or a distributed job on the worker pool, that runs longer "
-                         "than this")
+                    help="fail an in-process check, or a distributed job on the worker pool, that makes no "
+                         "progress (no step taken, nothing compiled) for this long")
     group.addoption("--equivcheck-threads", type=int, default=None, metavar="N",
                     help="torch intra-op threads per run (default: 1, unless OMP_NUM_THREADS is set)")
     group.addoption("--equivcheck-no-isolate", action="store_true", default=False,

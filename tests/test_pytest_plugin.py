@@ -327,7 +327,38 @@ def test_fast(equivcheck):
 ''')
     result = pytester.runpytest("--equivcheck-timeout", "60")
     result.assert_outcomes(passed=1, failed=1)
-    result.stdout.fnmatch_lines(["*CheckTimeout: check of *slow* ran past timeout=0.1 s*"])
+    result.stdout.fnmatch_lines(["*CheckTimeout: check of *slow* made no progress for timeout=0.1 s*"])
+
+
+def test_a_check_longer_than_its_timeout_that_keeps_stepping_passes(pytester):
+    """The alarm measures silence: a forward of 0.5 s a step, each run of three steps longer than its 1 s timeout, in this
+    process and in the isolating child alike."""
+    pytester.makepyfile(test_long='''
+import dataclasses, time
+import pytest, torch
+import equivcheck as ec
+
+class Slow(torch.nn.Linear):
+    def forward(self, x):
+        time.sleep(0.5)
+        return super().forward(x)
+
+SLOW = dataclasses.replace(ec.get_case("mlp"), name="slow", model=lambda: Slow(6, 3), split=None)
+
+@pytest.mark.equivcheck(timeout=1.0, isolate=False)
+def test_long_here(equivcheck):
+    started = time.monotonic()
+    equivcheck.check(SLOW, ["full_batch"])
+    assert time.monotonic() - started > 1.5  # it outlasted its timeout
+
+@pytest.mark.equivcheck(timeout=1.0)
+def test_long_in_the_child(equivcheck):
+    started = time.monotonic()
+    equivcheck.check(SLOW, ["full_batch"])
+    assert time.monotonic() - started > 1.5  # it outlasted its timeout
+''')
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
 
 
 SLOW_TO_BUILD = '''
@@ -354,7 +385,7 @@ def test_a_timeout_that_lands_where_the_check_catches_errors_still_fails_it(pyte
     pytester.makepyfile(test_slow_model=SLOW_TO_BUILD)
     result = pytester.runpytest("-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*CheckTimeout: check of *slow_to_build* ran past timeout=0.1 s*"])
+    result.stdout.fnmatch_lines(["*CheckTimeout: check of *slow_to_build* made no progress for timeout=0.1 s*"])
 
 
 def test_loading_the_plugin_imports_no_torch():

@@ -5,17 +5,22 @@ run that stops making progress. A run that is merely long (many steps, a real mo
 graphs on a loaded machine) keeps making it. So each process that trains for another (a rank, an isolating child)
 writes the time of its last progress to a file its parent reads: an optimizer step taken, a graph compiled; and
 the parent gives up only after ``timeout`` seconds with none. The clock is ``time.monotonic()``, which every
-process on the machine shares.
+process on the machine shares. A check that trains in its own process (pytest's ``--equivcheck-timeout`` alarm)
+reads its own progress (:func:`here`), where waiting on a child or on ranks, each bounded by its own, counts too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import time
+from collections.abc import Iterator
 
 _STAMP = struct.Struct("d")
 _file: int | None = None  # the descriptor this process writes its progress to, where its parent reads it
+_here: float | None = None  # this process's own last progress
+_waiting = 0  # waits on other processes in progress, each bounded by their own progress
 
 
 def report_to(descriptor: int) -> None:
@@ -35,9 +40,29 @@ def report_to(descriptor: int) -> None:
 
 
 def note() -> None:
-    """This process made progress now (a step, a compile); nothing where no parent is reading."""
+    """This process made progress now (a step, a compile)."""
+    global _here
+    _here = time.monotonic()
     if _file is not None:
-        os.pwrite(_file, _STAMP.pack(time.monotonic()), 0)
+        os.pwrite(_file, _STAMP.pack(_here), 0)
+
+
+@contextlib.contextmanager
+def waiting() -> Iterator[None]:
+    """This process waits on another (an isolating child, ranks) whose silence the wait itself times out: meanwhile
+    it is making progress, as far as :func:`here` can tell."""
+    global _waiting
+    _waiting += 1
+    try:
+        yield
+    finally:
+        _waiting -= 1
+        note()
+
+
+def here() -> float | None:
+    """When this process last made progress: now while it waits on others (:func:`waiting`), None if never."""
+    return time.monotonic() if _waiting else _here
 
 
 def last(descriptor: int) -> float | None:

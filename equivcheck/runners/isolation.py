@@ -169,8 +169,9 @@ class _Child:
         try:
             self._requests.send_bytes(pickle.dumps((index, settings)))
             started = time.monotonic()
-            status, payload, said = receive(
-                self._replies, lambda: progress.deadline(started, timeout, [progress.last(self._progress.fileno())]))
+            with progress.waiting():
+                status, payload, said = receive(
+                    self._replies, lambda: progress.deadline(started, timeout, [progress.last(self._progress.fileno())]))
         except TimeoutError:  # before OSError, which it is
             raise self._hung(what, timeout) from None
         except (EOFError, OSError):

@@ -129,6 +129,10 @@ class WorkerPool:
     def _gather(self, ticket: Ticket) -> list:
         """Every rank's reply to the job: an error reply, a reply to another job, a dead rank, or a rank owing its
         reply that has made no progress for the ticket's timeout, raises."""
+        with progress.waiting():
+            return self._replies(ticket)
+
+    def _replies(self, ticket: Ticket) -> list:
         job, started, timeout, what = ticket
         replies: dict[int, object] = {}
         while len(replies) < self.world_size:
