@@ -305,18 +305,24 @@ def test_a_cases_from_file_that_cannot_be_imported_is_a_usage_error(pytester, so
     assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
 
 
-def test_a_check_past_its_timeout_fails(pytester):
-    pytester.makepyfile(test_slow='''
+def slow_forward(seconds: float) -> str:
+    """A test module's head: case SLOW, the mlp whose every forward sleeps ``seconds``."""
+    return f'''
 import dataclasses, time
 import pytest, torch
 import equivcheck as ec
 
 class Slow(torch.nn.Linear):
     def forward(self, x):
-        time.sleep(0.2)
+        time.sleep({seconds})
         return super().forward(x)
 
 SLOW = dataclasses.replace(ec.get_case("mlp"), name="slow", model=lambda: Slow(6, 3), split=None)
+'''
+
+
+def test_a_check_past_its_timeout_fails(pytester):
+    pytester.makepyfile(test_slow=slow_forward(0.2) + '''
 
 @pytest.mark.equivcheck(timeout=0.1)
 def test_slow(equivcheck):
@@ -333,17 +339,7 @@ def test_fast(equivcheck):
 def test_a_check_longer_than_its_timeout_that_keeps_stepping_passes(pytester):
     """The alarm measures silence: a forward of 0.5 s a step, each run of three steps longer than its 1 s timeout, in this
     process and in the isolating child alike."""
-    pytester.makepyfile(test_long='''
-import dataclasses, time
-import pytest, torch
-import equivcheck as ec
-
-class Slow(torch.nn.Linear):
-    def forward(self, x):
-        time.sleep(0.5)
-        return super().forward(x)
-
-SLOW = dataclasses.replace(ec.get_case("mlp"), name="slow", model=lambda: Slow(6, 3), split=None)
+    pytester.makepyfile(test_long=slow_forward(0.5) + '''
 
 @pytest.mark.equivcheck(timeout=1.0, isolate=False)
 def test_long_here(equivcheck):
