@@ -69,6 +69,7 @@ def test_a_teams_fsdp2_with_each_block_compiled_in_its_place_is_judged_by_the_ca
     assert scaled.outcomes[0].verdict is Verdict.MISMATCH and scaled.outcomes[0].comparison.margin > 1000
 
 
+@pytest.mark.full_only  # 10 s of compiling: make test-full
 def test_compiled_autograd_traces_the_backward_too_and_a_backward_left_eager_is_an_error(monkeypatch):
     import contextlib
 
@@ -106,6 +107,7 @@ DONATING = ec.register_case(CaseSpec(
     optimizer="momentum", lr=0.01, heads=4, block=2, attention_bias=True, tied=True).build())
 
 
+@pytest.mark.full_only  # 18 s of compiling twice: make test-full
 def test_a_graph_compiled_for_another_regime_serves_a_retained_graph_one(monkeypatch):
     specs = ["accumulate:chunks=2,compile=aot_eager", "retained_graph:chunks=2,compile=aot_eager"]
     assert all(o.verdict is Verdict.EQUIVALENT for o in ec.check(DONATING, specs).outcomes)

@@ -159,8 +159,10 @@ def test_an_interrupt_between_a_fork_and_its_pid_reaching_the_pool_leaves_no_ran
 
 
 @pytest.mark.parametrize(("fault", "code", "name"),
-                         [("sigint", 130, "SIGINT"), ("sigterm", 143, "SIGTERM"),
-                          ("sigint_twice", 130, "SIGINT")])  # the second Ctrl-C lands while the CLI stops its pool
+                         [("sigint", 130, "SIGINT"),  # make test: the Ctrl-C; make test-full: the other two too
+                          pytest.param("sigterm", 143, "SIGTERM", marks=pytest.mark.full_only),
+                          # the second Ctrl-C lands while the CLI stops its pool
+                          pytest.param("sigint_twice", 130, "SIGINT", marks=pytest.mark.full_only)])
 def test_the_cli_keeps_finished_verdicts_when_interrupted(tmp_path, fault, code, name):
     out = tmp_path / "rows.json"
     cli = subprocess.Popen(

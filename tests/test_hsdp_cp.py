@@ -152,6 +152,7 @@ def test_hsdp_specs_leave_the_derived_world_size_out():
 
 # --- context parallelism -----------------------------------------------------------------------------------------
 
+@pytest.mark.full_only  # the probe and the check on ranks, 12 s: make test-full
 def test_cp_on_an_attention_case_is_skipped_in_torchs_words_where_torch_refuses():
     """On this CPU torch refuses context_parallel with either attention backend: skipped, quoting it, never run."""
     (outcome,) = ec.check(ATTENTION, ["cp:world_size=2"]).outcomes

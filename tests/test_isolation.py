@@ -322,6 +322,7 @@ CATALOGUE_WITH_FAULTY_KERNELS = textwrap.dedent(f"""
 """)
 
 
+@pytest.mark.full_only  # two commands, 16 s: make test-full (the path chosen: test_the_isa_cap_is_chosen_where_it_survives)
 def test_the_catalogue_header_and_the_json_name_the_kernel_path(tmp_path):
     script = tmp_path / "faulty_kernels.py"
     script.write_text(CATALOGUE_WITH_FAULTY_KERNELS)
