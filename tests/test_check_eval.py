@@ -1,6 +1,8 @@
 """Distributed evaluation, written as a team would: their metric over a DistributedSampler or their own
 shards, all-reduced, against the same function in one process. Each bug beside its fixed twin."""
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -79,6 +81,27 @@ def evaluate_without_all_reduce(model, dataset):
     """Bug: each rank's own mean, never combined."""
     loss, _, count = summed(model, DataLoader(my_shard(dataset), batch_size=4))
     return loss / count
+
+
+def evaluate_slowly(model, dataset):
+    """Fixed, and slow on ranks: a second before each batch of two, three batches a rank."""
+    def slow(x):
+        if dist.is_initialized():
+            time.sleep(1.0)
+        return model(x)
+
+    total = summed(slow, DataLoader(my_shard(dataset), batch_size=2))
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return {"loss": total[0] / total[2], "accuracy": total[1] / total[2]}
+
+
+def test_an_evaluation_longer_than_its_timeout_that_keeps_calling_its_model_is_judged_not_called_a_hang():
+    """An evaluation takes no optimizer step: each call of the model is its progress."""
+    started = time.monotonic()
+    report = ec.check_eval(ELEVEN, evaluate_slowly, world_size=2, timeout=2)
+    assert report.ok, report.describe()
+    assert time.monotonic() - started > 3  # it did outlast its timeout
 
 
 def test_sums_and_counts_over_unpadded_shards_match_one_process():

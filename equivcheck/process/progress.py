@@ -3,10 +3,11 @@
 A run's timeout is there to catch a hang (a collective the other ranks never joined, a deadlock), and a hang is a
 run that stops making progress. A run that is merely long (many steps, a real model size, torch.compile's first
 graphs on a loaded machine) keeps making it. So each process that trains for another (a rank, an isolating child)
-writes the time of its last progress to a file its parent reads: an optimizer step taken, a graph compiled; and
-the parent gives up only after ``timeout`` seconds with none. The clock is ``time.monotonic()``, which every
-process on the machine shares. A check that trains in its own process (pytest's ``--equivcheck-timeout`` alarm)
-reads its own progress (:func:`here`), where waiting on a child or on ranks, each bounded by its own, counts too.
+writes the time of its last progress to a file its parent reads: an optimizer step taken, a graph compiled, an
+evaluation's call of its model; and the parent gives up only after ``timeout`` seconds with none. The clock is
+``time.monotonic()``, which every process on the machine shares. A check that trains in its own process (pytest's
+``--equivcheck-timeout`` alarm) reads its own progress (:func:`here`), where waiting on a child or on ranks, each
+bounded by its own, counts too.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from ..errors import InvalidArgument, NonFinite, exits_as_errors
 from ..judge.eval_location import digests
 from ..precision import resolve_precision
 from ..regimes.user_code import epoch_dataset
+from ..process import progress
 from ..process.seeding import default_dtype, seeded
 from .train import build_model, load_batches
 
@@ -41,8 +42,8 @@ def evaluate(case: Case, fn: EvaluateFn, *, seed: int, device: torch.device | No
         model = build_model(case, precision, device).eval()
         batches = load_batches(case, precision, device)
     dataset = epoch_dataset(batches, case.epochs)
-    with default_dtype(precision.dtype), torch.no_grad(), exits_as_errors(), samples_seen(model, dataset,
-                                                                                       records) as seen:
+    with default_dtype(precision.dtype), torch.no_grad(), exits_as_errors(), calls_as_progress(model), \
+            samples_seen(model, dataset, records) as seen:
         value = fn(model, dataset)
     evaluated = {"metrics": metrics_of(value), "samples": len(dataset)}
     return evaluated | ({"seen": seen.result()} if records else {})
@@ -130,6 +131,17 @@ def _keys(rows: Tensor) -> list[bytes]:
     """Samples' rows as bytes: equal rows, and only they, share a key (in any dtype)."""
     flat = rows.contiguous().reshape(len(rows), -1).view(torch.uint8).numpy()
     return [row.tobytes() for row in flat]
+
+
+@contextlib.contextmanager
+def calls_as_progress(model: nn.Module) -> Iterator[None]:
+    """Each call of ``model`` is progress (progress.py): an evaluation takes no optimizer step to show it by, and one
+    longer than its timeout that keeps calling its model is no hang."""
+    hook = model.register_forward_hook(lambda *_: progress.note())
+    try:
+        yield
+    finally:
+        hook.remove()
 
 
 @contextlib.contextmanager

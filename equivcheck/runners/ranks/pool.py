@@ -145,8 +145,8 @@ class WorkerPool:
                     continue  # the deadline moves with the pending ranks' progress meanwhile
                 raise WorkerError(
                     f"{what}: rank(s) {', '.join(map(str, pending))} of {self.world_size} made no progress for "
-                    f"{timeout:g} s, no step taken and nothing compiled (a hang, for example a collective the other "
-                    f"ranks never joined); the pool was torn down; {RAISE_TIMEOUT}",
+                    f"{timeout:g} s, no step taken, nothing compiled, no model called in an evaluation (a hang, for "
+                    f"example a collective the other ranks never joined); the pool was torn down; {RAISE_TIMEOUT}",
                     remote_traceback=self._stacks(pending),
                 )
             for rank in sorted({waitables[w] for w in ready}):
