@@ -170,8 +170,9 @@ class _Child:
             self._requests.send_bytes(pickle.dumps((index, settings)))
             started = time.monotonic()
             with progress.waiting():
+                stamp = self._progress.fileno()
                 status, payload, said = receive(
-                    self._replies, lambda: progress.deadline(started, timeout, [progress.last(self._progress.fileno())]))
+                    self._replies, lambda: progress.deadline(started, timeout, [progress.last(stamp)]))
         except TimeoutError:  # before OSError, which it is
             raise self._hung(what, timeout) from None
         except (EOFError, OSError):
