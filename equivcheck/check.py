@@ -268,8 +268,8 @@ def _anchors_each_step(plan: Plan, precision: Precision, recording: Callable[[],
 
 # What an anchored verdict says: which judgement decided it.
 ANCHORED = ("judged step by step from the reference's state: each step's gradients from the weights and optimizer "
-            "state the reference began it with, each update against the reference's optimizer applied to this run's "
-            "gradients (no float64 shadow trained)")
+            "state the reference began it with, each update against the reference's own step, or where it parts "
+            "from it, against the reference's optimizer applied to this run's gradients (no float64 shadow trained)")
 
 
 def _trains_on_cpu_instead(spec: Regime, device: str) -> bool:

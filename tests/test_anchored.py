@@ -310,3 +310,45 @@ def test_the_reference_update_of_a_team_optimizer_runs_none_of_the_runs_step_hoo
     alike.step()
     assert seen == [] and set(alike.state) == {weight} and not team.state
     assert type(alike) is MuonWithAdamW and not torch.equal(weight, bias)
+
+
+class ShiftedLogits(torch.nn.Module):
+    """A linear classifier with one shift added to every logit: softmax ignores it, so its gradient is rounding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.shift = torch.nn.Linear(6, 3), torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, inputs):
+        return self.linear(inputs) + self.shift
+
+
+# Adam with no epsilon to speak of steps the shift by its learning rate, the sign of its rounding-level gradient.
+SHIFTED = ec.Case(name="shifted_logits_adam", model=ShiftedLogits, data=ILL.data, loss=ILL.loss, batch_size=12,
+                  steps=3, optimizer=lambda params: torch.optim.Adam(params, lr=1e-2, eps=1e-30),
+                  dtype=torch.float32)
+
+
+def test_a_step_that_follows_the_references_own_is_not_computed_again(anchored, monkeypatch):
+    """A parameter whose new weight and state are within tolerance of what the reference's own step left is judged
+    by that: the reference's optimizer steps no parameter again (a matrix optimizer's Newton-Schulz would cost a
+    training's step). Where the run's update parts from it, the reference's update of the run's gradient decides:
+    a rounding-level gradient Adam turns into an update of its own (the shift's) passes, judged so, and a fault of
+    the update alone is caught."""
+    recomputed = collections.Counter()
+    original = anchors.Anchoring._recomputed
+
+    def counting(self, step, index, name, *args):
+        recomputed[name] += 1
+        return original(self, step, index, name, *args)
+
+    monkeypatch.setattr(anchors.Anchoring, "_recomputed", counting)
+    (outcome,) = ec.check(ILL, ["accumulate:chunks=5"], seed=SEED).outcomes
+    assert outcome.verdict is Verdict.EQUIVALENT and outcome.comparison.note == CHECK.ANCHORED, outcome.describe()
+    assert not recomputed
+    (outcome,) = ec.check(SHIFTED, ["accumulate:chunks=3"], seed=SEED).outcomes
+    assert outcome.verdict is Verdict.EQUIVALENT and outcome.comparison.note == CHECK.ANCHORED, outcome.describe()
+    assert set(recomputed) == {"shift"}, recomputed
+    recomputed.clear()
+    (outcome,) = ec.check(ILL, [HalvesLastRowsInTheStep(chunks=3)], seed=SEED).outcomes
+    assert outcome.verdict is Verdict.MISMATCH and recomputed, outcome.describe()

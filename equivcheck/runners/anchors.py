@@ -12,8 +12,11 @@ the run's own dtype. The candidate loads the same as its own step begins, so tha
 
 - each step's loss and gradients are compared with the reference's from the same state (the recorder does that);
 - right after its optimizer's step, each parameter's new weight and optimizer state are compared with what the
+  reference's own step left (the next step's start); one that is not within tolerance of it, with what the
   reference's optimizer makes, from the state the step began with, of the gradient the candidate read: what the
-  candidate's optimizer did with it (its settings, its state, a step more);
+  candidate's optimizer did with it (its settings, its state, a step more). The first reads what the reference
+  saved; the second runs the reference's optimizer again, for the parameters that need it alone (a matrix
+  optimizer's Newton-Schulz costs as much as a training's step);
 - what it carries into the next step must be what its optimizer left: a weight or a state written after the step
   (a decay of its own, moments cleared) leaves no anchored verdict; its settings (a schedule's learning rate) and its
   buffers (running statistics) are compared with the reference's.
@@ -60,11 +63,12 @@ ELEMENTWISE = frozenset(getattr(torch.optim, name) for name in (
 
 def held_on(device: torch.device, parameters: list[tuple[str, Tensor]], steps: int) -> bool:
     """Whether a reference on ``device`` keeps its step starts and its recording in the device's memory: a GPU with
-    room for them twice over (each step's weights and two moments, each step's gradients and the final weights).
+    room for them twice over (each step's weights and two moments and what the last step left, each step's gradients
+    and the final weights).
     Never the CPU, where files keep the process's memory down."""
     free = free_bytes(device)
     weights = sum(p.numel() * p.element_size() for _, p in parameters)
-    return free is not None and 2 * weights * (3 * steps + steps + 1) <= free
+    return free is not None and 2 * weights * (3 * (steps + 1) + steps + 1) <= free
 
 
 class _Block(NamedTuple):
@@ -235,9 +239,9 @@ class _StepStarts:
 @contextlib.contextmanager
 def saving(folder: str, parameters: list[tuple[str, Tensor]], buffers: list[tuple[str, Tensor]], model: nn.Module,
            optimizer: Optimizer, held: bool) -> Iterator[None]:
-    """While the reference trains: the state each step starts from, saved as the step's first forward begins, one
-    parameter's weight and optimizer state apart from another's: in its device's memory where ``held``
-    (:func:`held_on`), else to files in ``folder``."""
+    """While the reference trains: the state each step starts from, saved as the step's first forward begins (and
+    what its last step left, once it has trained), one parameter's weight and optimizer state apart from another's:
+    in its device's memory where ``held`` (:func:`held_on`), else to files in ``folder``."""
     if held:
         _HELD.clear()  # one check's at a time: a check abandoned midway holds nothing once another begins
         store = _HELD[folder] = _Held()
@@ -248,8 +252,9 @@ def saving(folder: str, parameters: list[tuple[str, Tensor]], buffers: list[tupl
         store.save(step, {"buffers": {name: b.detach() for name, b in buffers},
                           "param_groups": optimizer.state_dict()["param_groups"]}, [p for _, p in parameters], optimizer)
 
-    with _StepStarts(model, optimizer, save):
+    with _StepStarts(model, optimizer, save) as starts:
         yield
+    save(starts.steps_taken)  # what the last step left: the candidate's last update is compared with it first
 
 
 def _without_checksums() -> contextlib.AbstractContextManager:
@@ -296,7 +301,7 @@ class Anchoring:
         if step and self._written_since_the_step():
             self.void = f"its weights or its optimizer's state were written after step {step - 1}, outside the step"
             return
-        if not self._store.has(step):
+        if step >= self._steps or not self._store.has(step):
             self.void = f"it began step {step}, which the reference never began"
             return
         common = self._store.common(step)
@@ -364,43 +369,78 @@ class Anchoring:
 
     def _compare_update(self, step: int, index: int, name: str, parameter: Tensor, settings: dict,
                         last: bool) -> None:
-        """One parameter's new weight (the final one after the ``last`` step) and state against the reference's
-        optimizer's update: a block of rows at a time for an elementwise optimizer (:data:`ELEMENTWISE`), whole for
-        another."""
-        grad, state = parameter.grad, self._optimizer.state.get(parameter, {})
-        blockwise = type(self._optimizer) in ELEMENTWISE and (grad is None or grad.layout == torch.strided)
-        parts: dict[tuple[str, str], list[tuple[int, TensorDiff]]] = {}
-        shapes: dict[tuple[str, str], torch.Size] = {}
-        for number, rows in enumerate(_rows(parameter) if blockwise else [...]):
-            block = self._store.block(step, index, rows)
-            weight = nn.Parameter(block.weight)  # the reference's optimizer steps it in place
-            reference = _alike(self._optimizer, {**settings, "params": [weight]})
-            if block.state:
-                reference.state[weight] = block.state
-            weight.grad = None if grad is None else grad[rows]
-            if weight.grad is not None:
-                reference.step()
-            pairs = [(("weight", name), parameter, weight, True)]
-            pairs += [(("optimizer", f"{name}/{key}"), state.get(key), value, value.shape == weight.shape)
-                      for key, value in _state(reference.state.get(weight, {})).items()]  # shaped like the rows: cut
-            for quantity, actual, expected, sliced in pairs:
-                if sliced or not number:  # a tensor not cut to the rows is compared at the first block
-                    self._add_part(parts, shapes, quantity, actual, expected, rows if sliced else ..., step)
-        for (kind, quantity), joined in parts.items():
+        """One parameter's new weight (the final one after the ``last`` step) and state against what the reference's
+        own step left (:meth:`_followed`), else against the reference's optimizer's update of the run's gradient
+        (:meth:`_recomputed`)."""
+        diffs, shapes = self._followed(step, index, name, parameter) or self._recomputed(step, index, name, parameter,
+                                                                                         settings)
+        for (kind, quantity), joined in diffs.items():
             self._measurement.add_diff(kind, None if last and kind == "weight" else step, quantity,
                                        TensorDiff.joined(joined, shapes[(kind, quantity)]))
 
-    def _add_part(self, parts: dict, shapes: dict, quantity: tuple[str, str], actual: Tensor | None,
-                  expected: Tensor, rows, step: int) -> None:
-        """One block's difference of ``quantity``; one whose shape is off is measured as a whole, which notes it."""
-        kind, name = quantity
-        cut = None if actual is None or (rows is not ... and not actual.dim()) else actual[rows]
-        if cut is None or cut.shape != expected.shape or quantity in self._measurement.broken:
-            self._measurement.add(kind, step, {} if actual is None else {name: actual}, {name: expected})
-            return
-        shapes[quantity] = actual.shape
-        parts.setdefault(quantity, []).append((_first_element(actual, rows), TensorDiff.of(
-            cut.reshape(-1), expected.reshape(-1), self._measurement.tolerance)))
+    def _followed(self, step: int, index: int, name: str, parameter: Tensor) -> tuple | None:
+        """The parameter's new weight and state against what the reference's own step left, a block of rows at a
+        time, whatever its optimizer: their parts where every one is within tolerance of it, else None. Nothing is
+        computed again: a matrix optimizer's Newton-Schulz costs as much as a training's step."""
+        if not self._store.has(step + 1):
+            return None
+        return self._parts(step, name, parameter, _rows(parameter),
+                           lambda rows: self._store.block(step + 1, index, rows), strict=True)
+
+    def _recomputed(self, step: int, index: int, name: str, parameter: Tensor, settings: dict) -> tuple:
+        """The parameter's new weight and state against the reference's optimizer's update, from the state ``step``
+        began with, of the gradient the run read (a gradient within tolerance that an adaptive optimizer turns into
+        another update): a block of rows at a time for an elementwise optimizer (:data:`ELEMENTWISE`), whole for
+        another (the update of a block of a matrix is another)."""
+        grad = parameter.grad
+        blockwise = type(self._optimizer) in ELEMENTWISE and (grad is None or grad.layout == torch.strided)
+        return self._parts(step, name, parameter, _rows(parameter) if blockwise else [...],
+                           lambda rows: self._updated(step, index, rows, grad, settings), strict=False)
+
+    def _updated(self, step: int, index: int, rows, grad: Tensor | None, settings: dict) -> _Block:
+        """Rows of one parameter as the reference's optimizer steps them, from the state ``step`` began with, by the
+        run's gradient ``grad``."""
+        block = self._store.block(step, index, rows)
+        weight = nn.Parameter(block.weight)  # the reference's optimizer steps it in place
+        reference = _alike(self._optimizer, {**settings, "params": [weight]})
+        if block.state:
+            reference.state[weight] = block.state
+        weight.grad = None if grad is None else grad[rows]
+        if weight.grad is not None:
+            reference.step()
+        state = reference.state.get(weight, {})
+        return _Block(weight.detach(), state, frozenset(key for key, value in _state(state).items()
+                                                        if value.shape == weight.shape))
+
+    def _parts(self, step: int, name: str, parameter: Tensor, blocks: list, expected_at,
+               strict: bool) -> tuple | None:
+        """The parameter's weight and floating state against ``expected_at(rows)`` (a :class:`_Block`), block by
+        block: each quantity's differences and shape. ``strict``: None where any part is not within tolerance or
+        cannot be compared part by part, nothing measured; else such a part is measured whole, which notes it."""
+        state = self._optimizer.state.get(parameter, {})
+        parts: dict[tuple[str, str], list[tuple[int, TensorDiff]]] = {}
+        shapes: dict[tuple[str, str], torch.Size] = {}
+        for number, rows in enumerate(blocks):
+            expected = expected_at(rows)
+            pairs = [(("weight", name), parameter, expected.weight, True)]
+            pairs += [(("optimizer", f"{name}/{key}"), state.get(key), value, key in expected.sliced)
+                      for key, value in _state(expected.state).items()]  # shaped like the weight: cut to the rows
+            for (kind, quantity), actual, wanted, sliced in pairs:
+                if not sliced and number:  # a tensor not cut to the rows is compared at the first block
+                    continue
+                cut_to = rows if sliced else ...
+                cut = None if actual is None or (cut_to is not ... and not actual.dim()) else actual[cut_to]
+                if cut is None or cut.shape != wanted.shape or (kind, quantity) in self._measurement.broken:
+                    if strict:
+                        return None
+                    self._measurement.add(kind, step, {} if actual is None else {quantity: actual}, {quantity: wanted})
+                    continue
+                diff = TensorDiff.of(cut.reshape(-1), wanted.reshape(-1), self._measurement.tolerance)
+                if strict and diff.mismatched:
+                    return None
+                shapes[(kind, quantity)] = actual.shape
+                parts.setdefault((kind, quantity), []).append((_first_element(actual, cut_to), diff))
+        return parts, shapes
 
     def _compare_buffers(self, step: int, reference: dict[str, Tensor]) -> None:
         """What the forwards of ``step`` left in the run's buffers (running statistics) against the reference's, before
