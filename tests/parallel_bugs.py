@@ -6,6 +6,7 @@ from equivcheck.regimes import register_regime
 from equivcheck.case import ModelParameters
 from equivcheck.regimes.fsdp import FsdpNoSync, gradient_sync_off
 from equivcheck.regimes.ddp import Ddp
+from equivcheck.regimes.pipeline import Pipeline
 from equivcheck.regimes.zero import Zero
 
 
@@ -43,3 +44,14 @@ class DdpForgetsTheWorldSize(Ddp):
 
     def rank_part(self, objective, batch):
         return lambda output, targets: objective.sum(output, targets) / batch.items
+
+
+@register_regime
+@dataclasses.dataclass(frozen=True)
+class PipelineTiedUnreduced(Pipeline):
+    name = "pipeline_tied_unreduced"
+    summary = "PITFALL: a weight tied across stages left with each stage's own use of it: never summed between them"
+    pitfall = True
+
+    def reduce_tied(self, model):
+        return None

@@ -236,6 +236,9 @@ WHERE_IT_PARTS = {
     # the norm computed otherwise scales every gradient after FSDP2's reductions left them right
     ("clip_on_shards", "fsdp_clip_averaged:world_size=2,max_norm=0.1"): ("gradient", "0"),
     ("clip_on_shards", "hsdp_clip_over_replicas:replicate=2,shard=1,max_norm=0.1"): ("gradient", "0"),
+    ("clip_on_experts", "ep_clip_local_experts:world_size=2,max_norm=2.0"): ("gradient", "router"),
+    ("clip_on_experts", "fsdp_ep_clip_local_experts:dp=2,ep=2,max_norm=2.0"): ("gradient", "router"),
+    ("clip_on_stages", "pipeline_clip_tied_per_stage:stages=2,microbatches=4,max_norm=2.0"): ("gradient", "0"),
 }
 
 

@@ -108,18 +108,31 @@ def test_clip_scale_must_be_a_positive_number(scale):
         dataclasses.replace(QUIET, clip_scale=scale)
 
 
-@pytest.mark.parametrize("pitfall", ["fsdp_clip_averaged:world_size=2,max_norm=0.1",
-                                     "hsdp_clip_over_replicas:replicate=2,shard=1,max_norm=0.1"])
-def test_a_norm_on_shards_counted_otherwise_is_caught_at_the_gradient_with_the_clips_hint(pitfall):
-    """FSDP2's and HSDP's own clip (clip_grad_norm_ over DTensors) counts each element once and is equivalent to the
-    reference clipped once; a mean of the ranks' shard norms, or squares summed over the replicas too, scale every
-    gradient by one factor, which the hint reads as a clip's norm where both runs clip (issue 66)."""
-    twin = pitfall.replace("_clip_averaged", "").replace("_clip_over_replicas", "")
-    outcomes = {o.regime: o for o in ec.check("clip_on_shards", [pitfall, twin], reference="full_batch:max_norm=0.1",
+@pytest.mark.parametrize(("case", "pitfall", "twin", "max_norm"), [
+    ("clip_on_shards", "fsdp_clip_averaged:world_size=2", "fsdp:world_size=2", 0.1),
+    ("clip_on_shards", "hsdp_clip_over_replicas:replicate=2,shard=1", "hsdp:replicate=2,shard=1", 0.1),
+    ("clip_on_experts", "ep_clip_local_experts:world_size=2", "ep:world_size=2", 2.0),
+    ("clip_on_experts", "fsdp_ep_clip_local_experts:dp=2,ep=2", "fsdp_ep:dp=2,ep=2", 2.0),
+    ("clip_on_stages", "pipeline_clip_tied_per_stage:stages=2,microbatches=4", "pipeline:stages=2,microbatches=4",
+     2.0),
+], ids=["fsdp_averaged", "hsdp_over_replicas", "ep_local_experts", "fsdp_ep_local_experts", "pp_tied_per_stage"])
+def test_a_norm_on_shards_counted_otherwise_is_caught_at_the_gradient_with_the_clips_hint(case, pitfall, twin,
+                                                                                          max_norm):
+    """FSDP2's, HSDP's, expert parallelism's and a pipeline's own clip counts each logical element once
+    (clip_grad_norm_ over DTensors; each expert from its rank, summed over the ep group; a tied weight on its first
+    stage) and is equivalent to the reference clipped once; a mean of the ranks' shard norms, squares summed over the
+    replicas too, a rank's own experts alone, or a tied weight counted on both stages scale every gradient by another
+    factor, which the hint reads as a clip's norm where both runs clip (issue 66)."""
+    pitfall, twin = (f"{spec},max_norm={max_norm}" for spec in (pitfall, twin))
+    outcomes = {o.regime: o for o in ec.check(case, [pitfall, twin], reference=f"full_batch:max_norm={max_norm}",
                                               locate=True).outcomes}
     caught = outcomes[pitfall]
     assert caught.verdict is ec.Verdict.EXPECTED_MISMATCH and caught.comparison.margin > 100, caught.describe()
-    assert (caught.location.step, caught.location.phase) == (0, "gradient")
-    assert "both runs clip: likely the clipping norm computed otherwise" in caught.comparison.hint
+    assert (caught.location.step, caught.location.phase) == (0, "gradient"), caught.describe()
+    assert any(sign in caught.comparison.hint for sign in (
+        "both runs clip: likely the clipping norm computed otherwise",  # one factor on every rank
+        "likely each rank clipping by a norm of its own",  # a factor of each rank's own, on replicas
+        "both runs clip: likely a clipping norm other than the whole")), caught.comparison.hint  # on shards
     assert outcomes[twin].verdict is ec.Verdict.EQUIVALENT, outcomes[twin].describe()
-    assert f"{twin}: clipping engaged at 3 of 3 steps" in outcomes[twin].reason
+    steps = ec.get_case(case).steps
+    assert f"{twin}: clipping engaged at {steps} of {steps} steps" in outcomes[twin].reason

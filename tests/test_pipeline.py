@@ -14,6 +14,8 @@ from equivcheck.render.rows import to_rows
 from equivcheck.render.html import render_html, run_metadata
 from equivcheck.regimes.pipeline import stage_bounds
 
+import parallel_bugs  # noqa: F401  (registers the bugs; the ranks import it by name)
+
 PIPELINE_SPECS = ["pipeline:stages=2,microbatches=4", "pipeline:stages=2,microbatches=4,schedule=1f1b",
                   "pipeline:stages=2,microbatches=4,schedule=interleaved"]
 
@@ -142,12 +144,14 @@ def test_micro_batches_must_divide_the_global_batch():
         ec.check("block_stack", ["pipeline:stages=2,microbatches=5"])
 
 
-def test_weights_tied_across_stages_are_refused():
-    def tied():
-        embed, head = nn.Linear(6, 6, bias=False), nn.Linear(6, 6, bias=False)
-        head.weight = embed.weight
-        return nn.Sequential(embed, nn.Tanh(), head)
-
-    case = dataclasses.replace(ec.get_case("mlp"), name="tied", model=tied)
-    with pytest.raises(ec.InvalidArgument, match="on case 'tied': parameter '0.weight' of stage 1 is shared with stage 0"):
-        ec.parse_regime("pipeline:stages=2,microbatches=2").validate(case)
+def test_a_weight_tied_across_stages_is_summed_over_the_ranks_holding_it():
+    """The tokens model with its output layer tied to its embedding, on two stages: each rank's copy gets its own use's
+    gradient, and the copies are all-reduced between the two ranks (Megatron's embedding group): equivalent, and with
+    that reduction taken out (each stage stepping its own use alone), caught in the tied weight."""
+    outcomes = {o.regime: o for o in ec.check("clip_on_stages", ["pipeline:stages=2,microbatches=4",
+                                                                 "pipeline_tied_unreduced:stages=2,microbatches=4"],
+                                              locate=True).outcomes}
+    assert outcomes["pipeline:stages=2,microbatches=4"].verdict is Verdict.EQUIVALENT
+    unreduced = outcomes["pipeline_tied_unreduced:stages=2,microbatches=4"]
+    assert unreduced.verdict is Verdict.MISMATCH and unreduced.comparison.margin > 1e3, unreduced.describe()
+    assert {m.name for m in unreduced.comparison.mismatches if m.kind == "grad"} == {"0.weight"}

@@ -120,6 +120,9 @@ def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch
                   if over_tp else
                   "a module reached around its DDP wrapper (model.module), a backward() inside the wrapped module's "
                   "own forward, or no_sync() still on for the last micro-batch")
+        if reference.grad_norms and candidate.grad_norms:  # both clip: a norm each rank computed alone scales apart
+            likely = ("each rank clipping by a norm of its own (its own shards or experts alone, never summed over "
+                      f"the ranks), or {likely}")
         # a TP group computing alike differently parts in the forward (or in the random stream its masks are drawn
         # from); a reduction missed, after backward
         phases = ("forward", "state", "communication", "gradient") if over_tp else ("communication", "gradient")
@@ -187,11 +190,17 @@ def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch
     tp_rule = _tensor_parallel(reference, candidate, first_grads) if _over_tp(candidate) else ""
     if tp_rule:
         return tp_rule
-    if first_grads and len(first_grads) < len(reference.grads[0]):
-        exact = sorted(set(reference.grads[0]) - first_grads)
+    # gradients that match and carry something: a frozen parameter's (no gradient, or zeros) matches whatever the cut
+    exact = sorted(name for name, grad in reference.grads[0].items() if name not in first_grads and bool(grad.any()))
+    if first_grads and exact:
         return Hint(("backward",), f"at step 0 only some gradients differ ({few(sorted(first_grads))}) while "
                 f"{few(exact)} match: the backward pass was cut upstream; likely a detach between per-token or "
                 "per-chunk backward calls (an RNN hidden state detached = truncated BPTT)", between_modules=True)
+    if first_grads and reference.grad_norms and candidate.grad_norms and _losses_compared(reference, candidate):
+        return Hint(("gradient",),
+                "same loss but every gradient differs from step 0, by no one factor, and both runs clip: likely a "
+                "clipping norm other than the whole gradient's: each rank's own (its shards or experts alone, never "
+                "summed over the ranks), or a micro-batch's partial sum clipped inside the accumulation loop")
     if first_grads and not _losses_compared(reference, candidate):
         return Hint(("loss", "gradient"),
                 "every gradient differs from step 0 (no losses were reported, so the forward cannot be told apart "

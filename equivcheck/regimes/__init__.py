@@ -51,7 +51,8 @@ BUILT_IN: tuple[type[Regime], ...] = (
     resume.ResumeOptimizerOfRankZero, resume.ResumeWithoutScaler, resume.ResumeWithoutScheduler,
     pipeline_mesh.PipelineFsdpTensorParallel, pipeline_mesh.PipelineFsdpTensorParallelScaledTwice,
     pipeline_mesh.PipelineFsdpTensorParallelRanksDiffer,
-    experts.ExpertParallel, experts.ExpertParallelAveraged, experts.FsdpExpertParallel, experts.FsdpExpertParallelOverReplicas, experts.DdpAuxOverWorld, experts.DdpAuxTimesWorld,
+    experts.ExpertParallel, experts.ExpertParallelAveraged, experts.FsdpExpertParallel, experts.FsdpExpertParallelOverReplicas,
+    experts.ExpertParallelClipLocal, experts.FsdpExpertParallelClipLocal, pipeline.PipelineClipTiedPerStage, experts.DdpAuxOverWorld, experts.DdpAuxTimesWorld,
 )
 for _regime in BUILT_IN:
     register_regime(_regime)

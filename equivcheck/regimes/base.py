@@ -313,6 +313,14 @@ def finish_step(optimizer: Optimizer, objective: Objective | None = None, max_no
     optimizer.zero_grad(set_to_none=True)
 
 
+def scale_to(optimizer, max_norm: float, total_norm: Tensor) -> None:
+    """Every gradient times ``max_norm / (total_norm + 1e-6)`` where that is below 1, as ``clip_grad_norm_`` scales."""
+    coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for p in parameters_of(optimizer):
+        if p.grad is not None:
+            p.grad.mul_(coefficient.to(p.grad.dtype))
+
+
 def micro_batch_count(samples: int, chunks: int) -> int:
     """How many micro-batches a batch of ``samples`` is cut into: ``chunks``, or one per sample where an
     epoch's smaller last batch holds fewer (an accumulation loop over a DataLoader never sees an empty

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import torch
 import torch.distributed as dist
@@ -30,8 +31,8 @@ from ..case import Case
 from ..device import DEFAULT_DEVICE
 from ..errors import InvalidArgument
 from ..measure.collectives import attach_mesh_counter
-from ..process.torch_imports import fsdp2, fsdp2_missing
-from .base import Pitfall, finish_step
+from ..process.torch_imports import fsdp2, fsdp2_missing, is_dtensor
+from .base import Pitfall, expect_max_norm, finish_step, scale_to
 from .ddp import Ddp, Distributed, set_mesh_world_size, whole_from
 
 EXPERTS_CONTRACT = ("a module holding experts (an nn.ModuleList) and mix(hidden, weights), the sum of "
@@ -65,6 +66,15 @@ class ExpertParallel(Distributed):
                "sent to their experts' ranks and back by all_to_all_single; the dense gradients summed over the ranks")
     syncs_per_step = None  # no wrapper syncs: every collective is counted by kind (all_to_all[ep], all_reduce[ep])
     fits_some_cases = True  # a model that declares its experts
+    # clip the whole gradient to it before each step, each logical element counted once; after the mesh in a spec
+    max_norm: float = dataclasses.field(default=math.inf, kw_only=True, metadata={"trailing": True})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        expect_max_norm(self.max_norm)
+
+    def clips_at(self) -> float | None:
+        return self.max_norm if self.max_norm < math.inf else None
 
     @property
     def layout(self) -> dict[str, int]:
@@ -108,8 +118,28 @@ class ExpertParallel(Distributed):
         share = objective.share(objective.forward(model, mine.inputs, mine.targets), mine.targets, batch)
         objective.backward(share * self.dense_average)
         self.reduce_gradients(model)
+        if self.max_norm < math.inf:
+            scale_to(optimizer, self.max_norm, self.total_norm(model))
         finish_step(optimizer, objective)
         return share.detach()
+
+    def total_norm(self, model: nn.Module) -> Tensor:
+        """The whole gradient's norm, every logical element once: the dense gradients' (alike on every rank, or
+        FSDP2's shards, each counted once), and each expert's from the rank holding it, summed over the ep group
+        (its replicas over dp hold the same)."""
+        ep_rank, dense, experts = dist.get_rank(self._experts.ep), [], []
+        for name, parameter in model.named_parameters():
+            owner = self._experts.owner(name)
+            if parameter.grad is not None and owner in (None, ep_rank):
+                (dense if owner is None else experts).append(parameter.grad)
+        dense_norm = torch.nn.utils.get_total_norm(dense)
+        dense_norm = dense_norm.full_tensor() if is_dtensor(dense_norm) else dense_norm
+        return (dense_norm ** 2 + self.expert_squares(torch.nn.utils.get_total_norm(experts) ** 2)).sqrt()
+
+    def expert_squares(self, mine: Tensor) -> Tensor:
+        """This rank's experts' squared gradient norm summed over the ep group: every expert's once."""
+        dist.all_reduce(mine, group=self._experts.ep)
+        return mine
 
     def reduce_gradients(self, model: nn.Module) -> None:
         """The dense gradients summed over the ranks (one all-reduce), the experts' as :func:`reduce_experts` leaves
@@ -270,6 +300,33 @@ class ExpertParallelAveraged(ExpertParallel):
 
     def expert_gradient_scale(self) -> float:
         return 1.0 / self.world_size / self.dense_average
+
+
+EXPERTS_CLIPPED_ON_THEIR_RANK = "clipping by a norm that counts the experts on their own rank only (EP)"
+
+
+class ClipsWithLocalExperts:
+    """The whole gradient clipped by a norm that counts only the experts this rank holds (ColossalAI#2192's, whose
+    MoE parameters' norms stayed on their rank; NVIDIA-NeMo/Automodel#3816's plain-tensor experts never summed over
+    the ep axis): each rank clips by its own norm, short of every other rank's experts."""
+
+    def expert_squares(self, mine: Tensor) -> Tensor:
+        return mine
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallelClipLocal(ClipsWithLocalExperts, ExpertParallel):
+    name = "ep_clip_local_experts"
+    summary = "PITFALL: clipping by a norm of the dense gradients and this rank's experts alone"
+    pitfall = Pitfall(EXPERTS_CLIPPED_ON_THEIR_RANK, twin="ep")
+
+
+@dataclasses.dataclass(frozen=True)
+class FsdpExpertParallelClipLocal(ClipsWithLocalExperts, FsdpExpertParallel):
+    name = "fsdp_ep_clip_local_experts"
+    summary = ("PITFALL: dp x ep clipping by the dense shards' norm (FSDP2's DTensors, right) and this rank's experts "
+               "alone")
+    pitfall = Pitfall(EXPERTS_CLIPPED_ON_THEIR_RANK, twin="fsdp_ep")
 
 
 @dataclasses.dataclass(frozen=True)

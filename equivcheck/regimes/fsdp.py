@@ -25,7 +25,7 @@ from ..device import DEFAULT_DEVICE
 from ..errors import InvalidArgument, expect_int
 from ..precision import Precision, Tolerance
 from ..process.torch_imports import fsdp2, fsdp2_missing, is_dtensor
-from .base import UNIT_ROUNDOFF, Pitfall, expect_max_norm, finish_step, parameters_of, reduced_in
+from .base import UNIT_ROUNDOFF, Pitfall, expect_max_norm, finish_step, parameters_of, reduced_in, scale_to
 from .ddp import Accumulating, Distributed
 
 REDUCE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # fsdp's reduce_dtype=, by its name in a spec
@@ -216,14 +216,6 @@ def _local_norm(optimizer) -> Tensor:
     """The norm of the gradient shards this rank holds."""
     local = [p.grad.to_local() for p in parameters_of(optimizer) if p.grad is not None]
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in local]))
-
-
-def scale_to(optimizer, max_norm: float, total_norm: Tensor) -> None:
-    """Every gradient times ``max_norm / (total_norm + 1e-6)`` where that is below 1, as ``clip_grad_norm_`` scales."""
-    coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    for p in parameters_of(optimizer):
-        if p.grad is not None:
-            p.grad.mul_(coefficient.to(p.grad.dtype))
 
 
 @dataclasses.dataclass(frozen=True)

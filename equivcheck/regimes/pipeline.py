@@ -6,8 +6,15 @@ count, the first stages taking one more where they do not divide (5 children in 
 ``torch.tensor_split``). ``gpipe`` (ScheduleGPipe) and ``1f1b`` (Schedule1F1B) give each rank one stage;
 ``interleaved`` (ScheduleInterleaved1F1B) gives each rank two, S * 2 in all, rank r holding stages r and r + S
 (the looped placement the schedule expects). A model with fewer children than stages, or that is not an
-``nn.Sequential``, or a case with its own ``forward=``, or weights tied across stages, cannot be cut:
-:class:`InvalidArgument` names the case.
+``nn.Sequential``, or a case with its own ``forward=``, cannot be cut: :class:`InvalidArgument` names the case.
+A weight tied across stages (an input embedding that is also the output layer's weight) is held by every stage that
+uses it, each rank its own copy; after the schedule, the copies' gradients are all-reduced between the ranks holding
+them (Megatron's embedding group, DeepSpeed's ``allreduce_tied_weight_gradients``), so each holds both uses' sum.
+
+``max_norm=M`` clips the whole gradient to M before the step as a pipeline computes its norm: each rank's squares of
+the gradients its stages hold, a tied weight's on the first of its stages alone, summed over the ranks (one
+all-reduce); every rank scales what it holds by the one coefficient. ``pipeline_clip_tied_per_stage`` counts a tied
+weight on every stage holding it (NVIDIA/Megatron-LM pull #7227's, deepspeedai/DeepSpeed pull #1252's class).
 
 The schedule cuts each global batch into K micro-batches with ``tensor_split``. PipelineStage infers the
 shapes it sends from the first micro-batch and reuses its buffers, so in torch 2.13 every micro-batch must hold
@@ -43,6 +50,7 @@ broadcast of each stage's gradients is left out.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
@@ -54,9 +62,10 @@ from ..case import Batch, Case, Objective
 from ..device import BACKENDS, DEFAULT_DEVICE, RankPlacement
 from ..errors import InvalidArgument, expect_int
 from ..measure.collectives import StepTraffic, uncounted
-from .base import CommunicationCounter, Pitfall, Regime, finish_step
+from .base import CommunicationCounter, Pitfall, Regime, expect_max_norm, finish_step, scale_to
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+TIED_CLIPPED_PER_STAGE = "clipping by a norm that counts a tied weight on every stage (PP)"
 
 
 def stage_bounds(children: int, stages: int) -> list[tuple[int, int]]:
@@ -73,13 +82,20 @@ def stage_bounds(children: int, stages: int) -> list[tuple[int, int]]:
 class Pipelined(nn.Module):
     """What ``train_step`` drives: the whole model, this rank's stages of it and the schedule over them."""
 
-    def __init__(self, model: nn.Module, stages: list, owners: list[tuple[int, nn.Module]]) -> None:
+    def __init__(self, model: nn.Module, stages: list, owners: list[tuple[int, nn.Module]],
+                 tied: Sequence[TiedWeight] = ()) -> None:
         super().__init__()
         self.model = model
         self.stages = stages  # PipelineStage objects (not modules): this rank's
         self.owners = owners  # (rank owning it, stage module) for every stage, in order
+        self.tied = tied  # the weights two or more stages hold (Pipeline.reduce_tied sums their gradients)
         self.schedule = None  # set by Pipeline.wrap: its loss reads the batch
         self.batch: Batch | None = None  # the global batch the schedule is running
+
+    def held(self) -> list[nn.Parameter]:
+        """The parameters this rank's stages hold, each once."""
+        mine = {id(stage.submod): stage.submod for stage in self.stages}
+        return list({id(p): p for module in mine.values() for p in module.parameters() if p.requires_grad}.values())
 
     @property
     def first(self) -> bool:
@@ -97,6 +113,27 @@ class Pipelined(nn.Module):
             for owner, module in self.owners:
                 for buffer in module.buffers():
                     dist.broadcast(buffer.data, src=owner)
+
+
+@dataclasses.dataclass
+class TiedWeight:
+    """A parameter two or more stages hold: the ranks owning those stages (the first stage's first) and the process
+    group over them (None where one rank holds every such stage)."""
+
+    parameter: nn.Parameter
+    ranks: tuple[int, ...]
+    group: object | None
+
+
+def tied_across(stages: list[nn.Module]) -> list[tuple[nn.Parameter, tuple[int, ...]]]:
+    """Each parameter held by more than one stage, with those stages' indices, in the model's order."""
+    held: dict[int, tuple[nn.Parameter, list[int]]] = {}
+    for index, stage in enumerate(stages):
+        for parameter in stage.parameters():
+            entry = held.setdefault(id(parameter), (parameter, []))
+            if index not in entry[1]:
+                entry[1].append(index)
+    return [(parameter, tuple(indices)) for parameter, indices in held.values() if len(indices) > 1]
 
 
 def broadcast_gradients(owned: Iterable[tuple[int | None, nn.Parameter]]) -> None:
@@ -147,8 +184,10 @@ class Pipeline(Regime):
     microbatches: int
     schedule: str = "gpipe"
     backend: str = "auto"
+    max_norm: float = dataclasses.field(default=math.inf, kw_only=True, metadata={"trailing": True})
 
     def __post_init__(self) -> None:
+        expect_max_norm(self.max_norm)
         expect_int("stages", self.stages, minimum=1)
         expect_int("microbatches", self.microbatches, minimum=1)
         if self.schedule not in SCHEDULES:
@@ -215,16 +254,10 @@ class Pipeline(Regime):
                 f"regime {str(self)!r} on case {case_name!r}: the case's model cannot be cut into {total} pipeline "
                 f"stages: it is {what}; expected an nn.Sequential with at least {total} children (stages="
                 f"{self.stages}{' x 2 per rank' if self.stages_per_rank == 2 else ''}), cut evenly by count")
-        stages = [nn.Sequential(*children[start:stop]) for start, stop in stage_bounds(len(children), total)]
-        owner: dict[int, int] = {}
-        for index, stage in enumerate(stages):
-            for name, param in stage.named_parameters():
-                if owner.setdefault(id(param), index) != index:
-                    raise InvalidArgument(
-                        f"regime {str(self)!r} on case {case_name!r}: parameter {name!r} of stage {index} is shared "
-                        f"with stage {owner[id(param)]} (tied weights): expected stages that share no parameter, "
-                        "each stage's gradient being its owner's alone")
-        return stages
+        return [nn.Sequential(*children[start:stop]) for start, stop in stage_bounds(len(children), total)]
+
+    def clips_at(self) -> float | None:
+        return self.max_norm if self.max_norm < math.inf else None
 
     def count_communication(self, module: nn.Module) -> CommunicationCounter:
         """The schedule's sends and receives (no gradient sync: stages exchange activations)."""
@@ -254,7 +287,11 @@ class Pipeline(Regime):
         owners = [(index % self.stages, module) for index, module in enumerate(modules)]
         mine = [PipelineStage(modules[index], index, len(modules), device)
                 for index in range(rank, len(modules), self.stages)]
-        pipelined = Pipelined(model, mine, owners)
+        tied = []
+        for parameter, indices in tied_across(modules):  # every rank makes each group, in the same order
+            ranks = tuple(dict.fromkeys(index % self.stages for index in indices))
+            tied.append(TiedWeight(parameter, ranks, dist.new_group(sorted(ranks)) if len(ranks) > 1 else None))
+        pipelined = Pipelined(model, mine, owners, tied)
         loss_fn = self.schedule_loss(objective, pipelined)
         if self.schedule == "interleaved":
             pipelined.schedule = ScheduleInterleaved1F1B(mine, self.microbatches, loss_fn=loss_fn,
@@ -274,6 +311,9 @@ class Pipeline(Regime):
         model.batch = batch
         model.schedule.step(*((batch.inputs,) if model.first else ()),
                             target=batch.targets if model.last else None, losses=losses, return_outputs=False)
+        self.reduce_tied(model)
+        if self.max_norm < math.inf:
+            scale_to(optimizer, self.max_norm, self.total_norm(model))
         model.share_stages()
         finish_step(optimizer, objective)
         return self.reported(losses) if model.last else torch.zeros(())
@@ -281,6 +321,29 @@ class Pipeline(Regime):
     def reported(self, losses: list[Tensor]) -> Tensor:
         """The step's loss from the micro-batches' losses: their sum (each is its share of the global mean)."""
         return torch.stack([loss.detach() for loss in losses]).sum()
+
+    def reduce_tied(self, model: Pipelined) -> None:
+        """Each tied weight's gradient summed over the ranks holding it (a copy a rank's stages never used: zeros)."""
+        rank = dist.get_rank()
+        for tied in model.tied:
+            if tied.group is not None and rank in tied.ranks:
+                grad = tied.parameter.grad if tied.parameter.grad is not None else torch.zeros_like(tied.parameter)
+                dist.all_reduce(grad, group=tied.group)
+                tied.parameter.grad = grad
+
+    def total_norm(self, model: Pipelined) -> Tensor:
+        """The whole gradient's norm: each rank's squares of what its stages hold (a tied weight's counted by the
+        rank of its first stage alone), summed over the ranks."""
+        rank, tied = dist.get_rank(), {id(t.parameter): t.ranks for t in model.tied}
+        counted = [p.grad for p in model.held() if p.grad is not None and self.counts(tied.get(id(p)), rank)]
+        squares = torch.nn.utils.get_total_norm(counted) ** 2 if counted else torch.zeros(())
+        dist.all_reduce(squares)
+        return squares.sqrt()
+
+    def counts(self, holders: tuple[int, ...] | None, rank: int) -> bool:
+        """Whether ``rank`` counts a weight held by the ranks ``holders`` (None: by its stage's rank alone) in the
+        norm: each weight once, on the first holder."""
+        return holders is None or holders[0] == rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,3 +367,13 @@ class PipelineScaledTwice(Pipeline):
     summary = "PITFALL: loss_fn = micro-batch sum / global items, left with scale_grads=True: gradients 1/K too small"
     pitfall = Pitfall("loss scaled by 1 / K twice", twin="pipeline")
     scale_grads = True
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineClipTiedPerStage(Pipeline):
+    name = "pipeline_clip_tied_per_stage"
+    summary = "PITFALL: clipping by a norm that counts a weight tied across stages on every stage holding it"
+    pitfall = Pitfall(TIED_CLIPPED_PER_STAGE, twin="pipeline")
+
+    def counts(self, holders: tuple[int, ...] | None, rank: int) -> bool:
+        return True

@@ -31,7 +31,9 @@ from ..process.seeding import DEFAULT_SEED, seeded
 from ..runners.train import load_batches
 from ..regimes.resume import (OPTIMIZER_NOT_SAVED, POSITION_RESET, RNG_NOT_RESTORED, SCALER_NOT_SAVED,
                               SCHEDULER_NOT_SAVED, SHARD_STATE_LOST)
-from ..regimes.experts import AUX_OVER_DP, AUX_TIMES_WORLD, EXPERTS_AVERAGED, EXPERTS_OVER_DP
+from ..regimes.experts import (AUX_OVER_DP, AUX_TIMES_WORLD, EXPERTS_AVERAGED, EXPERTS_CLIPPED_ON_THEIR_RANK,
+                                EXPERTS_OVER_DP)
+from ..regimes.pipeline import TIED_CLIPPED_PER_STAGE
 
 MAX_CHUNKS = 8  # micro-batch counts tried: 2 .. 8 (and every divisor of the batch size, for equal micro-batches)
 WORLD_SIZE = 2  # the DDP classes are audited on 2 ranks of the warm pool
@@ -72,7 +74,8 @@ NOT_PROBED = (
     "sequence-parallel norm gradients not all-reduced over tensor parallelism",
     "dropout seeded per rank inside a tensor-parallel group",
     OPTIMIZER_NOT_SAVED, RNG_NOT_RESTORED, POSITION_RESET, SHARD_STATE_LOST, SCALER_NOT_SAVED, SCHEDULER_NOT_SAVED,
-    AUX_OVER_DP, AUX_TIMES_WORLD, EXPERTS_AVERAGED, EXPERTS_OVER_DP,
+    AUX_OVER_DP, AUX_TIMES_WORLD, EXPERTS_AVERAGED, EXPERTS_OVER_DP, EXPERTS_CLIPPED_ON_THEIR_RANK,
+    TIED_CLIPPED_PER_STAGE,
 )
 BUG_CLASSES = PROBED + NOT_PROBED
 
