@@ -3,6 +3,7 @@
 from ._version import __version__
 
 from .suites.audit import Audit, Finding, Sensitivity, audit
+from .aggregation import MODES as AGGREGATIONS, Aggregated
 from .case import Batch, Case, Objective, Term, default_optimizer
 from .judge.verdict import Outcome, Report, Status, Verdict
 from .check import check, check_all, regimes_for
@@ -23,7 +24,8 @@ from .process.seeding import DEFAULT_SEED
 from .team import Checkpoint, check_loop, check_step
 
 __all__ = [
-    "DEFAULT_REGIMES", "DEFAULT_SEED", "DEVICES", "PRECISIONS", "REGIMES", "Audit", "Batch", "BlindSpotWarning", "Case",
+    "AGGREGATIONS", "DEFAULT_REGIMES", "DEFAULT_SEED", "DEVICES", "PRECISIONS", "REGIMES", "Aggregated", "Audit", "Batch",
+    "BlindSpotWarning", "Case",
     "Checkpoint",
     "CodeExited", "Comparison", "DdpHook", "EquivcheckError", "EquivcheckWarning", "EvalReport", "Finding",
     "InvalidArgument", "IsolationWarning", "MemoryNotSaved", "MetricDiff", "Mismatch", "NonFinite", "NotEquivalent", "Objective", "Outcome",

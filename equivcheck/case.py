@@ -414,9 +414,12 @@ class Objective:
         else:
             losses, count = self.item_losses(output, targets), int(self._case.items(targets))
             mean = losses.mean() if len(losses) == count else losses.sum() / count  # ignored zeros are no items
-        for term, values in self._term_values(output, targets):
-            mean = mean + term.weight * values.mean()
-        return mean
+        return mean + self.terms_mean(output, targets)
+
+    def terms_mean(self, output: object, targets: Tensor) -> Tensor | float:
+        """The case's terms on this (micro-)batch on its own: each one's mean over its units here, weighted (0.0
+        without terms)."""
+        return sum((term.weight * values.mean() for term, values in self._term_values(output, targets)), 0.0)
 
     def _term_values(self, output: object, targets: Tensor) -> Iterator[tuple[Term, Tensor]]:
         """Each of the case's terms with its values on this batch, checked to be one per unit."""

@@ -239,6 +239,8 @@ WHERE_IT_PARTS = {
     ("clip_on_experts", "ep_clip_local_experts:world_size=2,max_norm=2.0"): ("gradient", "router"),
     ("clip_on_experts", "fsdp_ep_clip_local_experts:dp=2,ep=2,max_norm=2.0"): ("gradient", "router"),
     ("clip_on_stages", "pipeline_clip_tied_per_stage:stages=2,microbatches=4,max_norm=2.0"): ("gradient", "0"),
+    ("rl_token_mean", "terms_per_micro_batch:chunks=3"): ("loss", ""),
+    ("rl_token_mean", "accumulate_divided_twice:chunks=3"): ("loss", ""),
 }
 
 

@@ -22,38 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import equivcheck as ec
+from equivcheck_cases.rl import (ACTION, ADVANTAGE, BATCH_SIZE, CLIP_RATIO, DIM, GROUP, LENGTH, MASK, PAD,  # noqa: F401
+                                 REWARD, SAMPLES, VOCAB, grpo_advantages, pg_loss_mat, rollouts, sgd)
 
-VOCAB, DIM, LENGTH, PAD = 16, 8, 8, 0
-SAMPLES, BATCH_SIZE, GROUP = 24, 12, 4
-MASK, ACTION, ADVANTAGE, REWARD = 0, 1, 2, 3  # the policy's target channels
-RETURN = 1  # the critic's
-CLIP_RATIO, CLIP_RANGE_VALUE = 0.2, 0.5
-
-
-def rollouts(masked=()):
-    """The rollout batches: token ids, the response mask, the sampled tokens and the per-sequence outcome rewards.
-    ``masked``: samples dropped from the loss whole (a response cut for exceeding the maximum sequence length: its
-    mask is 0 everywhere)."""
-    generator = torch.Generator().manual_seed(2026)
-    prompt = torch.randint(1, 4, (SAMPLES,), generator=generator)
-    response = torch.randint(1, 6, (SAMPLES,), generator=generator)
-    position = torch.arange(LENGTH)
-    mask = (position >= prompt[:, None]) & (position < (prompt + response)[:, None])
-    real = position < (prompt + response)[:, None]
-    tokens = torch.where(real, torch.randint(1, VOCAB, (SAMPLES, LENGTH), generator=generator), PAD)
-    actions = torch.where(mask, torch.randint(1, VOCAB, (SAMPLES, LENGTH), generator=generator), PAD)
-    rewards = (torch.rand(SAMPLES, generator=generator) < 0.5).to(torch.float64)  # a verifier's 1 or 0
-    mask = mask.to(torch.float64)
-    for sample in masked:
-        mask[sample] = 0.0
-    return tokens, mask, actions, rewards
-
-
-def grpo_advantages(rewards, mask):
-    """GRPO's outcome advantage: each reward normalised by its group's mean and std, on every response token."""
-    groups = rewards.view(-1, GROUP)
-    scores = (groups - groups.mean(-1, keepdim=True)) / (groups.std(-1, keepdim=True) + 1e-6)
-    return scores.reshape(-1, 1) * mask
+RETURN = 1  # the critic's target channel (after the mask)
+CLIP_RANGE_VALUE = 0.5
 
 
 def policy_data(masked=()):
@@ -89,18 +62,6 @@ class Critic(nn.Module):
         return self.value_head(self.trunk(tokens)).squeeze(-1)
 
 
-def pg_loss_mat(logits, targets):
-    """The PPO clipped surrogate per token (verl's ``compute_policy_loss_vanilla``, SkyRL's ``ppo_policy_loss``), and
-    the response mask: the ratio against the rollout's log-probabilities, here the current ones detached."""
-    log_prob = F.log_softmax(logits, dim=-1).gather(-1, targets[..., ACTION].long().unsqueeze(-1)).squeeze(-1)
-    old_log_prob = log_prob.detach()
-    advantages = targets[..., ADVANTAGE]
-    ratio = torch.exp(log_prob - old_log_prob)
-    pg_losses = -advantages * ratio
-    pg_losses2 = -advantages * torch.clamp(ratio, 1 - CLIP_RATIO, 1 + CLIP_RATIO)
-    return torch.maximum(pg_losses, pg_losses2), targets[..., MASK]
-
-
 def value_loss_mat(vpreds, targets):
     """The clipped value loss per token (verl's ``compute_value_loss`` before its aggregation), and the mask: the
     values the rollout recorded are the current ones detached."""
@@ -124,10 +85,6 @@ def per_token_pg_loss(logits, targets):
 def per_token_value_loss(vpreds, targets):
     loss_mat, mask = value_loss_mat(vpreds, targets)
     return 0.5 * loss_mat * mask
-
-
-def sgd(parameters):
-    return torch.optim.SGD(parameters, lr=0.5, momentum=0.9)
 
 
 policy_case = ec.register_case(ec.Case(

@@ -21,7 +21,8 @@ from .loop import accumulate, backward_chunks, global_mean_part, inputs_only, me
 BUILT_IN: tuple[type[Regime], ...] = (
     local.FullBatch, local.SampleBySample, local.Accumulate, local.RetainedGraph, local.DetachedPartial,
     local.SummedLoss,
-    pitfalls.NaiveAccumulate, pitfalls.ZeroGradInside, pitfalls.StepPerMicroBatch, pitfalls.ClipPerMicroBatch,
+    pitfalls.NaiveAccumulate, pitfalls.TermsPerMicroBatch, pitfalls.AccumulateDividedTwice, pitfalls.ZeroGradInside,
+    pitfalls.StepPerMicroBatch, pitfalls.ClipPerMicroBatch,
     pitfalls.ScalerAccumulate, pitfalls.ScalerUnscalePerMicroBatch, pitfalls.ScalerStepPerMicroBatch,
     pitfalls.ReplayedDropout, pitfalls.PerToken, pitfalls.SamplerPad, pitfalls.SamplerDrop,
     ddp.Ddp, ddp.DdpNoSync, ddp.DdpNoSyncFindUnused, ddp.DdpNoSyncStaticGraph, ddp.DdpSyncEveryMicroBatch,

@@ -24,6 +24,11 @@ from .base import Chunked, Pitfall, Regime, finish_step, step_hooks
 from .loop import accumulate, backward_chunks, global_mean_part, meddling_part
 
 
+# The classes of bug these declare that suites/audit.py lists with its own.
+TERMS_PER_MICRO_BATCH = "an added term normalised per micro-batch"
+SCALED_TWICE = "loss scaled by 1 / K twice"
+
+
 # --- the accumulation loop itself -------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +41,36 @@ class NaiveAccumulate(Chunked):
     def train_step(self, model, optimizer, batch, objective):
         return accumulate(model, optimizer, batch, objective, self.chunks,
                           lambda output, targets: objective.mean(output, targets) / self.chunks)
+
+
+@dataclasses.dataclass(frozen=True)
+class TermsPerMicroBatch(Chunked):
+    """The loss's share of the global batch right, the case's added terms (an RL trainer's KL penalty, its value
+    loss) each normalised by the micro-batch's own units and divided by K: verl's critic loss, a token-mean per
+    micro-batch summed over them (volcengine/verl pull #6957)."""
+
+    name = "terms_per_micro_batch"
+    summary = "PITFALL: the loss's share right, each added term (a KL, a value loss) a micro-batch mean / K"
+    pitfall = Pitfall(TERMS_PER_MICRO_BATCH, twin="accumulate")
+
+    def train_step(self, model, optimizer, batch, objective):
+        return accumulate(model, optimizer, batch, objective, self.chunks, lambda output, targets: (
+            objective.share(output, targets, batch, terms_scale=0.0)
+            + objective.terms_mean(output, targets) / self.chunks))
+
+
+@dataclasses.dataclass(frozen=True)
+class AccumulateDividedTwice(Chunked):
+    """Each micro-batch's share of the global objective divided by the accumulation steps again: a loss normalised
+    over the whole window, then by ``gradient_accumulation_steps`` as a trainer's loop divides (ms-swift#10117)."""
+
+    name = "accumulate_divided_twice"
+    summary = "PITFALL: each micro-batch's share of the global objective divided by K again: gradients 1/K"
+    pitfall = Pitfall(SCALED_TWICE, twin="accumulate")
+
+    def train_step(self, model, optimizer, batch, objective):
+        return accumulate(model, optimizer, batch, objective, self.chunks,
+                          lambda output, targets: objective.share(output, targets, batch) / self.chunks)
 
 
 @dataclasses.dataclass(frozen=True)
