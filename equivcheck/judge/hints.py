@@ -190,6 +190,14 @@ def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch
     tp_rule = _tensor_parallel(reference, candidate, first_grads) if _over_tp(candidate) else ""
     if tp_rule:
         return tp_rule
+    # gradients the backward never reached in the run (zeros) where the reference's carry something
+    starved = sorted(name for name in first_grads if name in candidate.grads[0]
+                     and not bool(candidate.grads[0][name].any()) and bool(reference.grads[0][name].any()))
+    if starved:
+        return Hint(("backward",), f"at step 0 {few(starved)} got no gradient (zeros) where the reference's carry "
+                    "one: the backward never reached them; likely a reentrant checkpoint whose inputs need no "
+                    "gradient (use_reentrant=False, or inputs that require grad), a detach or no_grad around them, "
+                    "or parameters frozen by mistake", between_modules=True)
     # gradients that match and carry something: a frozen parameter's (no gradient, or zeros) matches whatever the cut
     exact = sorted(name for name, grad in reference.grads[0].items() if name not in first_grads and bool(grad.any()))
     if first_grads and exact:

@@ -40,7 +40,7 @@ BUILT_IN: tuple[type[Regime], ...] = (
     sequence.TensorSequenceParallel, sequence.TensorSequenceParallelNormUnreduced, sequence.FsdpTensorSequenceParallel,
     zero.Zero,
     pipeline.Pipeline, pipeline.PipelineMeanLoss, pipeline.PipelineScaledTwice,
-    checkpoint.Checkpoint, checkpoint.CheckpointWithoutRngState,
+    checkpoint.Checkpoint, checkpoint.CheckpointReentrant, checkpoint.CheckpointWithoutRngState,
     sync_batchnorm.SyncBatchNorm,
     user_code.DdpStep,
     user_code.DdpLoop,

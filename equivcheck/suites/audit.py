@@ -34,6 +34,7 @@ from ..regimes.resume import (OPTIMIZER_NOT_SAVED, POSITION_RESET, RNG_NOT_RESTO
 from ..regimes.experts import (AUX_OVER_DP, AUX_TIMES_WORLD, EXPERTS_AVERAGED, EXPERTS_CLIPPED_ON_THEIR_RANK,
                                 EXPERTS_OVER_DP)
 from ..regimes.pipeline import TIED_CLIPPED_PER_STAGE
+from ..regimes.checkpoint import RECOMPUTATION_CUTS_OFF
 from ..regimes.pitfalls import SCALED_TWICE, TERMS_PER_MICRO_BATCH
 
 MAX_CHUNKS = 8  # micro-batch counts tried: 2 .. 8 (and every divisor of the batch size, for equal micro-batches)
@@ -66,7 +67,7 @@ NOT_PROBED = (
     "uneven inputs across DDP ranks without join",
     "hidden state detached between per-token backwards (truncated BPTT)",
     "dropout masks redrawn in a recomputed forward",
-    SCALED_TWICE, TERMS_PER_MICRO_BATCH,
+    SCALED_TWICE, TERMS_PER_MICRO_BATCH, RECOMPUTATION_CUTS_OFF,
     "tensor-parallel ranks fed different batches",
     "loss scaled by the tensor-parallel size",
     "clipping by the norm of local shards under tensor parallelism",
