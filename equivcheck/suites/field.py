@@ -38,10 +38,11 @@ from ..render.rows import json_number
 from ..render.text import render_columns
 
 PACKAGE = "equivcheck_cases.field"
-# The families of the field, in the order the table shows them (the issue's list). The last three are the 2025-2026
-# families: optimizers that need whole matrices under sharding, low-precision policies, norms and clipping across meshes.
+# The families of the field, in the order the table shows them (the issue's list). The last four are the 2025-2026
+# families: optimizers that need whole matrices under sharding, low-precision policies, norms and clipping across
+# meshes, adapters on frozen bases.
 FAMILIES = ("accumulation", "ddp", "fsdp", "zero", "pipeline", "checkpointing", "evaluation", "tensor", "resume",
-            "compile", "moe", "optimizer", "precision", "clipping")
+            "compile", "moe", "optimizer", "precision", "clipping", "adapters")
 KINDS = ("issue", "pull")
 
 
