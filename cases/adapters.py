@@ -6,7 +6,7 @@ factors are drawn small and nonzero (LoRA's own init sets B to 0, which leaves A
 step), so both factors, and the tied embedding its two uses, are judged from step 0. What trains: the embedding
 (with the head tied to it) and the four adapter factors; the base layers' weights and biases stay frozen.
 
-Measured on CPU, float64: equivalent under ``accumulate``, ``ddp``, ``ddp_no_sync``, ``fsdp`` and ``checkpoint``
+Measured on CPU, float64: equivalent under ``accumulate``, ``ddp_no_sync``, ``fsdp`` and ``checkpoint``
 (non-reentrant recomputation: the frozen base's outputs still carry the graph to the adapters). The pitfalls, each
 caught (tests/test_adapters.py): recomputation that cuts the adapters off (``checkpoint_reentrant``: the trunk under
 torch's reentrant checkpoint, whose inputs need no gradient, returns none to anything inside it while the head
@@ -79,8 +79,8 @@ lora_tied = ec.register_case(dataclasses.replace(
     name="lora_tied",
     model=AdaptedLM,
     split=lambda model: (model.trunk, model.head),
-    regimes=("full_batch", "accumulate:chunks=4", "ddp_no_sync:world_size=2,chunks=2", "fsdp:world_size=2",
-             "checkpoint:chunks=2", "checkpoint_reentrant:chunks=2"),
+    regimes=("full_batch", "accumulate:chunks=4", "fsdp:world_size=2", "checkpoint:chunks=2",
+             "checkpoint_reentrant:chunks=2"),
     expect_mismatch={"checkpoint_reentrant": "the trunk recomputed reentrant from token ids, which need no gradient: "
                                              "none reaches its adapters or the embedding's own use"},
     description="LoRA adapters on a frozen residual block, the embedding tied to the output layer",

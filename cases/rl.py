@@ -120,6 +120,15 @@ def value_loss(output, targets):
     return (output[1] - targets[..., REWARD]) ** 2
 
 
+FAITHFUL = ("full_batch", "accumulate:chunks=3", "ddp_no_sync:world_size=2,chunks=2", "fsdp:world_size=2",
+            "sample_by_sample")
+PITFALLS = {
+    "naive_accumulate": "each micro-batch normalised by its own units, the means averaged (SkyRL#1296)",
+    "ddp_mean_loss": "each rank's objective over its own units (verl#5625)",
+    "terms_per_micro_batch": "the KL and value terms normalised per micro-batch (verl#6957's critic)",
+    "accumulate_divided_twice": "each share divided by the accumulation steps again (ms-swift#10117)",
+}
+
 def rl_case(mode: str) -> ec.Case:
     """The policy-gradient case whose surrogate aggregates by ``mode``; the KL and value terms by token-mean."""
     surrogate = ec.Aggregated(policy_gradient, response_mask, mode,
@@ -129,17 +138,11 @@ def rl_case(mode: str) -> ec.Case:
         name=f"rl_{mode.replace('-', '_')}", model=PolicyWithValue, data=data, loss=surrogate.loss,
         items=surrogate.units, batch_size=BATCH_SIZE, steps=SAMPLES // BATCH_SIZE, optimizer=sgd,
         terms=(ec.Term("kl", kl.loss, kl.units, KL_WEIGHT), ec.Term("value", value.loss, value.units, VALUE_WEIGHT)),
-        regimes=("full_batch", "accumulate:chunks=3", "ddp_no_sync:world_size=2,chunks=2", "fsdp:world_size=2"),
+        regimes=FAITHFUL if mode == "token-mean" else FAITHFUL[:2],  # the matrix's; tests/test_rl.py runs them all
         expect_mismatch=PITFALLS,
         description=f"GRPO rollouts, the PPO surrogate aggregated by {mode}, a KL and a value term by token-mean")
 
 
-PITFALLS = {
-    "naive_accumulate": "each micro-batch normalised by its own units, the means averaged (SkyRL#1296)",
-    "ddp_mean_loss": "each rank's objective over its own units (verl#5625)",
-    "terms_per_micro_batch": "the KL and value terms normalised per micro-batch (verl#6957's critic)",
-    "accumulate_divided_twice": "each share divided by the accumulation steps again (ms-swift#10117)",
-}
 RL_CASES = {mode: ec.register_case(rl_case(mode)) for mode in ec.AGGREGATIONS}
 
 # The catalogue's entries of the pitfalls this family adds (naive_accumulate's and ddp_mean_loss's have their own).

@@ -16,8 +16,9 @@ def test_the_adapters_and_the_tied_embedding_train_alone_and_every_faithful_regi
     assert trained == {"trunk.embed.weight", "trunk.block.0.lora_a", "trunk.block.0.lora_b",
                        "trunk.block.2.lora_a", "trunk.block.2.lora_b"}
     assert model.head.weight is model.trunk.embed.weight
-    outcomes = {o.regime: o for o in ec.check(lora_tied).outcomes}
-    for spec in lora_tied.regimes[1:]:
+    specs = [*lora_tied.regimes[1:], "ddp_no_sync:world_size=2,chunks=2"]
+    outcomes = {o.regime: o for o in ec.check(lora_tied, specs).outcomes}
+    for spec in specs:
         expected = Verdict.EXPECTED_MISMATCH if spec.startswith("checkpoint_reentrant") else Verdict.EQUIVALENT
         assert outcomes[spec].verdict is expected, outcomes[spec].describe()
 

@@ -7,7 +7,7 @@ import torch
 
 import equivcheck as ec
 from equivcheck import Verdict
-from equivcheck_cases.rl import KL_WEIGHT, MASK, RL_CASES, VALUE_WEIGHT, kl_penalty, policy_gradient, value_loss
+from equivcheck_cases.rl import FAITHFUL, KL_WEIGHT, MASK, RL_CASES, VALUE_WEIGHT, kl_penalty, policy_gradient, value_loss
 
 pytestmark = pytest.mark.usefixtures("locating")  # failed checks say where their runs part, as users get it
 
@@ -18,7 +18,7 @@ PITFALLS = ["naive_accumulate:chunks=5", "ddp_mean_loss:world_size=2", "terms_pe
 @pytest.mark.parametrize("mode", ec.AGGREGATIONS)
 def test_every_mode_is_one_global_objective_under_the_faithful_regimes_and_its_pitfalls_part_at_the_loss(mode):
     case = RL_CASES[mode]
-    faithful = [*case.regimes[1:], "sample_by_sample"]
+    faithful = FAITHFUL[1:]
     outcomes = {o.regime: o for o in ec.check(case, [*faithful, *PITFALLS], locate=True).outcomes}
     for spec in faithful:
         assert outcomes[spec].verdict is Verdict.EQUIVALENT, outcomes[spec].describe()
