@@ -26,6 +26,7 @@ NOT_WHERE_THE_FIX_ACTS = {
     "megatron_lm_2121": "located at forward; the fix acts at loss",
     "open_unlearning_178": "unsaid: the block ran inside a reentrant checkpoint's forward, which keeps no graph of its "
                            "modules to read back; the fix acts at backward",
+    "megatron_bridge_5963": "unsaid, as open_unlearning_178's: a block recomputed reentrant; the fix acts at backward",
 }
 
 

@@ -28,6 +28,42 @@ class FrozenEmbeddingLM(nn.Module):
         return self.head(hidden + self.block(hidden))
 
 
+class Slot(nn.Module):
+    """One adapter slot's low-rank factors (drawn small and nonzero, as LoRALinear's)."""
+
+    def __init__(self, features: int, out: int, rank: int = 2) -> None:
+        super().__init__()
+        self.lora_a = nn.Parameter(torch.randn(rank, features) * 0.3)
+        self.lora_b = nn.Parameter(torch.randn(out, rank) * 0.1)
+
+
+class MultiLoRALinear(nn.Module):
+    """A frozen linear layer with its adapters in slots (``adapters.<slot>.``, as Multi-LoRA lays them out), one
+    slot trained here: ``base(x) + 2 * (x @ A^T) @ B^T``."""
+
+    def __init__(self, features: int, out: int) -> None:
+        super().__init__()
+        self.base = nn.Linear(features, out).requires_grad_(False)
+        self.adapters = nn.ModuleList([Slot(features, out)])
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        slot = self.adapters[0]
+        return self.base(inputs) + 2.0 * (inputs @ slot.lora_a.T) @ slot.lora_b.T
+
+
+class FrozenEmbeddingMultiLoRALM(FrozenEmbeddingLM):
+    """FrozenEmbeddingLM with its adapters in Multi-LoRA slots."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(MultiLoRALinear(DIM, HIDDEN), nn.Tanh(), MultiLoRALinear(HIDDEN, DIM))
+        self.head = MultiLoRALinear(DIM, VOCAB)
+
+
+frozen_embedding_slots = ec.register_case(dataclasses.replace(
+    lora_tied, name="field_multi_lora_frozen_embedding", model=FrozenEmbeddingMultiLoRALM, split=None, regimes=(),
+    expect_mismatch={}, description="Multi-LoRA slots on the block and output layer of an LM, its embedding frozen"))
+
 frozen_embedding = ec.register_case(dataclasses.replace(
     lora_tied, name="field_lora_frozen_embedding", model=FrozenEmbeddingLM, split=None, regimes=(),
     expect_mismatch={}, description="LoRA on the block and the output layer of an LM whose embedding is frozen"))

@@ -1,4 +1,4 @@
-"""locuslab/open-unlearning#178: LoRA layers under reentrant gradient checkpointing never trained: their lora_B stayed 0.
+"""locuslab/open-unlearning#178: LoRA layers under reentrant gradient checkpointing never trained (lora_B stayed 0).
 
 The trainer enabled gradient checkpointing on a PEFT model without ``model.enable_input_require_grads()``. Reentrant
 checkpointing back-propagates into a checkpointed layer only through an input that requires a gradient, and with the
