@@ -115,7 +115,11 @@ def test_clip_scale_must_be_a_positive_number(scale):
     ("clip_on_experts", "fsdp_ep_clip_local_experts:dp=2,ep=2", "fsdp_ep:dp=2,ep=2", 2.0),
     ("clip_on_stages", "pipeline_clip_tied_per_stage:stages=2,microbatches=4", "pipeline:stages=2,microbatches=4",
      2.0),
-], ids=["fsdp_averaged", "hsdp_over_replicas", "ep_local_experts", "fsdp_ep_local_experts", "pp_tied_per_stage"])
+    # three stages: the middle rank holds a Tanh alone, no gradient, and still adds its zero in the norm's dtype
+    ("clip_on_stages", "pipeline_clip_tied_per_stage:stages=3,microbatches=4", "pipeline:stages=3,microbatches=4",
+     2.0),
+], ids=["fsdp_averaged", "hsdp_over_replicas", "ep_local_experts", "fsdp_ep_local_experts", "pp_tied_per_stage",
+        "pp_tied_per_stage_3"])
 def test_a_norm_on_shards_counted_otherwise_is_caught_at_the_gradient_with_the_clips_hint(case, pitfall, twin,
                                                                                           max_norm):
     """FSDP2's, HSDP's, expert parallelism's and a pipeline's own clip counts each logical element once

@@ -313,6 +313,14 @@ def finish_step(optimizer: Optimizer, objective: Objective | None = None, max_no
     optimizer.zero_grad(set_to_none=True)
 
 
+def squared_norm(grads: list[Tensor], like: Tensor) -> Tensor:
+    """The squares of ``grads`` summed, as ranks all-reduce them for a global norm: 0 in ``like``'s dtype and device
+    where a rank holds none, so that every rank's tensor is of one type."""
+    if not grads:
+        return torch.zeros((), dtype=like.dtype, device=like.device)
+    return torch.nn.utils.get_total_norm(grads).to(like.dtype) ** 2
+
+
 def scale_to(optimizer, max_norm: float, total_norm: Tensor) -> None:
     """Every gradient times ``max_norm / (total_norm + 1e-6)`` where that is below 1, as ``clip_grad_norm_`` scales."""
     coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)

@@ -32,7 +32,7 @@ from ..device import DEFAULT_DEVICE
 from ..errors import InvalidArgument
 from ..measure.collectives import attach_mesh_counter
 from ..process.torch_imports import fsdp2, fsdp2_missing, is_dtensor
-from .base import Pitfall, expect_max_norm, finish_step, scale_to
+from .base import Pitfall, expect_max_norm, finish_step, scale_to, squared_norm
 from .ddp import Ddp, Distributed, set_mesh_world_size, whole_from
 
 EXPERTS_CONTRACT = ("a module holding experts (an nn.ModuleList) and mix(hidden, weights), the sum of "
@@ -132,9 +132,10 @@ class ExpertParallel(Distributed):
             owner = self._experts.owner(name)
             if parameter.grad is not None and owner in (None, ep_rank):
                 (dense if owner is None else experts).append(parameter.grad)
-        dense_norm = torch.nn.utils.get_total_norm(dense)
+        like = next(model.parameters())
+        dense_norm = torch.nn.utils.get_total_norm(dense) if dense else torch.zeros((), dtype=like.dtype)
         dense_norm = dense_norm.full_tensor() if is_dtensor(dense_norm) else dense_norm
-        return (dense_norm ** 2 + self.expert_squares(torch.nn.utils.get_total_norm(experts) ** 2)).sqrt()
+        return (dense_norm.to(like.dtype) ** 2 + self.expert_squares(squared_norm(experts, like))).sqrt()
 
     def expert_squares(self, mine: Tensor) -> Tensor:
         """This rank's experts' squared gradient norm summed over the ep group: every expert's once."""

@@ -62,7 +62,7 @@ from ..case import Batch, Case, Objective
 from ..device import BACKENDS, DEFAULT_DEVICE, RankPlacement
 from ..errors import InvalidArgument, expect_int
 from ..measure.collectives import StepTraffic, uncounted
-from .base import CommunicationCounter, Pitfall, Regime, expect_max_norm, finish_step, scale_to
+from .base import CommunicationCounter, Pitfall, Regime, expect_max_norm, finish_step, scale_to, squared_norm
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 TIED_CLIPPED_PER_STAGE = "clipping by a norm that counts a tied weight on every stage (PP)"
@@ -336,7 +336,7 @@ class Pipeline(Regime):
         rank of its first stage alone), summed over the ranks."""
         rank, tied = dist.get_rank(), {id(t.parameter): t.ranks for t in model.tied}
         counted = [p.grad for p in model.held() if p.grad is not None and self.counts(tied.get(id(p)), rank)]
-        squares = torch.nn.utils.get_total_norm(counted) ** 2 if counted else torch.zeros(())
+        squares = squared_norm(counted, next(model.model.parameters()))
         dist.all_reduce(squares)
         return squares.sqrt()
 
