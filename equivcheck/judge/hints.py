@@ -190,20 +190,9 @@ def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch
     tp_rule = _tensor_parallel(reference, candidate, first_grads) if _over_tp(candidate) else ""
     if tp_rule:
         return tp_rule
-    # gradients the backward never reached in the run (zeros) where the reference's carry something
-    starved = sorted(name for name in first_grads if name in candidate.grads[0]
-                     and not bool(candidate.grads[0][name].any()) and bool(reference.grads[0][name].any()))
-    if starved:
-        return Hint(("backward",), f"at step 0 {few(starved)} got no gradient (zeros) where the reference's carry "
-                    "one: the backward never reached them; likely a reentrant checkpoint whose inputs need no "
-                    "gradient (use_reentrant=False, or inputs that require grad), a detach or no_grad around them, "
-                    "or parameters frozen by mistake", between_modules=True)
-    # gradients that match and carry something: a frozen parameter's (no gradient, or zeros) matches whatever the cut
-    exact = sorted(name for name, grad in reference.grads[0].items() if name not in first_grads and bool(grad.any()))
-    if first_grads and exact:
-        return Hint(("backward",), f"at step 0 only some gradients differ ({few(sorted(first_grads))}) while "
-                f"{few(exact)} match: the backward pass was cut upstream; likely a detach between per-token or "
-                "per-chunk backward calls (an RNN hidden state detached = truncated BPTT)", between_modules=True)
+    cut = _cut_backward(reference, candidate, first_grads) if first_grads else ""
+    if cut:
+        return cut
     if first_grads and reference.grad_norms and candidate.grad_norms and _losses_compared(reference, candidate):
         return Hint(("gradient",),
                 "same loss but every gradient differs from step 0, by no one factor, and both runs clip: likely a "
@@ -230,6 +219,25 @@ def _hint(reference: RunResult, candidate: RunResult, mismatches: tuple[Mismatch
                 "differs, or a difference that clipping hid while the gradient norm stayed above max_norm (a "
                 "missing / K clips to the same gradient); likely the RNG stream (dropout), optimizer state, a "
                 "learning-rate schedule, or a scaling bug under clipping")
+    return ""
+
+
+def _cut_backward(reference: RunResult, candidate: RunResult, first_grads: set[str]) -> Hint | str:
+    """The backward cut short at step 0: gradients it never reached in the run (zeros where the reference's carry
+    one), or some gradients parting while others that carry one match (a frozen parameter's zeros match whatever the
+    cut); "" where neither."""
+    starved = sorted(name for name in first_grads if name in candidate.grads[0]
+                     and not bool(candidate.grads[0][name].any()) and bool(reference.grads[0][name].any()))
+    if starved:
+        return Hint(("backward",), f"at step 0 {few(starved)} got no gradient (zeros) where the reference's carry "
+                    "one: the backward never reached them; likely a reentrant checkpoint whose inputs need no "
+                    "gradient (use_reentrant=False, or inputs that require grad), a detach or no_grad around them, "
+                    "or parameters frozen by mistake", between_modules=True)
+    exact = sorted(name for name, grad in reference.grads[0].items() if name not in first_grads and bool(grad.any()))
+    if exact:
+        return Hint(("backward",), f"at step 0 only some gradients differ ({few(sorted(first_grads))}) while "
+                    f"{few(exact)} match: the backward pass was cut upstream; likely a detach between per-token or "
+                    "per-chunk backward calls (an RNN hidden state detached = truncated BPTT)", between_modules=True)
     return ""
 
 

@@ -255,6 +255,9 @@ class DeclaresCollectives:
         return parse_collectives(self.collectives) if self.collectives else None
 
 
+# A class of bug several regimes declare (a loop's, a pipeline's, a mesh's): the loss divided by K again.
+SCALED_TWICE = "loss scaled by 1 / K twice"
+
 # Unit roundoff of each 16-bit type a gradient reduction may run in: half the distance from 1 to the next number.
 UNIT_ROUNDOFF = {"fp16": 2.0**-11, "bf16": 2.0**-8}
 # float16's smallest subnormal: a part smaller than half of it is lost in the cast (bfloat16 has float32's range).

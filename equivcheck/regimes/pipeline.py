@@ -62,7 +62,8 @@ from ..case import Batch, Case, Objective
 from ..device import BACKENDS, DEFAULT_DEVICE, RankPlacement
 from ..errors import InvalidArgument, expect_int
 from ..measure.collectives import StepTraffic, uncounted
-from .base import CommunicationCounter, Pitfall, Regime, expect_max_norm, finish_step, scale_to, squared_norm
+from .base import (SCALED_TWICE, CommunicationCounter, Pitfall, Regime, expect_max_norm, finish_step, scale_to,
+                   squared_norm)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 TIED_CLIPPED_PER_STAGE = "clipping by a norm that counts a tied weight on every stage (PP)"
@@ -365,7 +366,7 @@ class PipelineMeanLoss(Pipeline):
 class PipelineScaledTwice(Pipeline):
     name = "pipeline_scaled_twice"
     summary = "PITFALL: loss_fn = micro-batch sum / global items, left with scale_grads=True: gradients 1/K too small"
-    pitfall = Pitfall("loss scaled by 1 / K twice", twin="pipeline")
+    pitfall = Pitfall(SCALED_TWICE, twin="pipeline")
     scale_grads = True
 
 

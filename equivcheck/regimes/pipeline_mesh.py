@@ -30,7 +30,7 @@ from ..errors import InvalidArgument, expect_int
 from ..measure.collectives import attach_mesh_counter
 from ..process.seeding import DEFAULT_SEED, seeded
 from ..process.torch_imports import fsdp2, fsdp2_missing
-from .base import Pitfall, Regime, finish_step
+from .base import SCALED_TWICE, Pitfall, Regime, finish_step
 from .ddp import Distributed, set_mesh_world_size, shard, whole_from
 from .pipeline import Pipeline, Pipelined, stage_bounds
 from .tensor import _quiet_mesh_warnings, applied_plan, plan_for
@@ -164,7 +164,7 @@ class PipelineFsdpTensorParallelScaledTwice(PipelineFsdpTensorParallel):
     name = "pp_fsdp_tp_scaled_twice"
     summary = ("PITFALL: on the pp x dp x tp mesh, the faithful share of each micro-batch left with the schedule's "
                "scale_grads=True: every gradient divided by the micro-batch count once more")
-    pitfall = Pitfall("loss scaled by 1 / K twice", twin="pp_fsdp_tp")
+    pitfall = Pitfall(SCALED_TWICE, twin="pp_fsdp_tp")
     scale_grads = True
 
 

@@ -20,13 +20,12 @@ from torch import Tensor, nn
 from ..case import Batch, Objective, default_optimizer
 from ..errors import InvalidArgument, expect_number
 from ..process.seeding import DEFAULT_SEED, seeded
-from .base import Chunked, Pitfall, Regime, finish_step, step_hooks
+from .base import SCALED_TWICE, Chunked, Pitfall, Regime, finish_step, step_hooks
 from .loop import accumulate, backward_chunks, global_mean_part, meddling_part
 
 
-# The classes of bug these declare that suites/audit.py lists with its own.
+# The class of bug this module declares that suites/audit.py lists with its own.
 TERMS_PER_MICRO_BATCH = "an added term normalised per micro-batch"
-SCALED_TWICE = "loss scaled by 1 / K twice"
 
 
 # --- the accumulation loop itself -------------------------------------------------------------------

@@ -35,7 +35,8 @@ from ..regimes.experts import (AUX_OVER_DP, AUX_TIMES_WORLD, EXPERTS_AVERAGED, E
                                 EXPERTS_OVER_DP)
 from ..regimes.pipeline import TIED_CLIPPED_PER_STAGE
 from ..regimes.checkpoint import RECOMPUTATION_CUTS_OFF
-from ..regimes.pitfalls import SCALED_TWICE, TERMS_PER_MICRO_BATCH
+from ..regimes.base import SCALED_TWICE
+from ..regimes.pitfalls import TERMS_PER_MICRO_BATCH
 
 MAX_CHUNKS = 8  # micro-batch counts tried: 2 .. 8 (and every divisor of the batch size, for equal micro-batches)
 WORLD_SIZE = 2  # the DDP classes are audited on 2 ranks of the warm pool
