@@ -20,7 +20,7 @@ def variant(**changes):
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("acumulate:chunks=4", "unknown regime 'acumulate'; known regimes: accumulate, checkpoint, checkpoint_without_rng_state, clip_per_micro_batch, cp"),  # test modules may register more
+        ("acumulate:chunks=4", "unknown regime 'acumulate'; known regimes: accumulate, accumulate_divided_twice, checkpoint, checkpoint_reentrant, checkpoint_without_rng_state, clip_per_micro_batch, cp"),  # test modules may register more
         ("accumulate:chunks=0", "chunks=0 is not allowed: expected an integer >= 1"),
         ("accumulate:chunks=-2", "chunks=-2 is not allowed"),
         ("accumulate:chunks=four", "Expected int but got chunks='four' (type=str)"),
