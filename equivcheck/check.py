@@ -374,6 +374,7 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
         reference, precision, False, order, against=None if tolerance is None else Expected(ref, tolerance)))
     witnesses = (lambda orders: [witness_run(order) for order in orders])
     initial = functools.cache(lambda: initial_weights(case, precision, seed, plan.device))
+    shadow_initial = functools.cache(lambda: initial_weights(case, PRECISIONS[shadow], seed, plan.device))
     # where the runs' gradients are at rounding level: the reference's own, or in a 16-bit mode (whose 16-bit products
     # make a zero gradient's noise as large as real small ones) the reference's trained in float32 (witness.py)
     levels = None if not precision.low else functools.cache(
@@ -408,7 +409,8 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
                 if settled is None and rounding.applies(precision, comparison):
                     settled = rounding.settled_as_it_trained(
                         case, comparison, ref, result, seed=seed, shadow_reference=shadow_reference,
-                        shadow_candidate=lambda against: plan.run(spec, shadow, False, against=against))
+                        shadow_candidate=lambda against: plan.run(spec, shadow, False, against=against),
+                        shadow_initial=shadow_initial)
                 if settled is not None:
                     comparison = settled
                 else:
@@ -434,7 +436,7 @@ def _outcomes(plan: Plan, precision: Precision, measure_memory: bool, ahead: dic
         if rounding.applies(precision, comparison):  # float64 shadows: the maths, or this case's rounding?
             comparison = rounding.judge(
                 case, comparison, ref, result, seed=seed,
-                shadow_reference=shadow_reference,
+                shadow_reference=shadow_reference, shadow_initial=shadow_initial,
                 shadow_candidate=lambda: plan.run(spec, shadow, False))
         if witness.applies(comparison, ref, result, levels):  # what is left may be noise where a true gradient is zero
             comparison = witness.judge(comparison, ref, result, witnesses, initial,

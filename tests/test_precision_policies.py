@@ -11,8 +11,10 @@ import torch
 
 import equivcheck as ec
 from equivcheck import Verdict
+from equivcheck.judge import witness
 from equivcheck.precision import PRECISIONS
 from equivcheck.process import kernels
+from equivcheck.strategies import CaseSpec
 
 from precision_wraps import shard_in_bf16
 from test_team_parallel import DEFAULT_MESH_FITS, train_step, train_step_forgetting_zero_grad
@@ -111,3 +113,41 @@ def test_bf16_master_casts_a_weight_the_models_own_forward_reads_once_for_the_wh
     (outcome,) = report.outcomes
     assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
     assert "torch.bfloat16" in ec.run(TIED, "full_batch", dtype="bf16-master").loss_dtypes
+
+
+def attention_lm(batch_size: int, widths: tuple[int, int], block: int) -> ec.Case:
+    """A drawn attention LM (its key biases' true gradient is zero: softmax ignores a constant added to a row's
+    scores) trained by AdamW without epsilon, which makes a whole update of that gradient's rounding, float64's
+    too."""
+    return CaseSpec(widths=widths, activation="gelu", dtype="float32", batch_size=batch_size, steps=2,
+                    loss="cross_entropy", optimizer="adamw_no_eps", lr=1e-3, heads=4, block=block,
+                    attention_bias=True, tied=True).build()
+
+
+# Pure bf16 accumulates each micro-batch's gradient into a bfloat16 one, rounding at the parts' scale: 9 chunks of 23
+# samples part from the full batch at step 0 by margin 1.04 (a LayerNorm's weight); 2 of 2 samples part at step 1.
+# The float64 shadows part too, but only in the key bias's end weights, which each moved by its own float64 rounding.
+ACCUMULATED_IN_BF16 = [(attention_lm(23, (12, 7), 3), "accumulate:chunks=9", "naive_accumulate:chunks=9"),
+                       (attention_lm(2, (12, 3), 2), "accumulate:chunks=2", "zero_grad_inside:chunks=2")]
+
+
+@pytest.mark.parametrize(("case", "faithful", "pitfall"), ACCUMULATED_IN_BF16, ids=["step0", "step1"])
+def test_pure_bf16_rounding_is_told_where_the_float64_runs_part_only_by_their_own_rounding(case, faithful, pitfall):
+    outcomes = {o.regime: o for o in ec.check(case, [faithful, pitfall], dtype=torch.bfloat16).outcomes}
+    kept = outcomes[faithful]
+    assert kept.verdict is Verdict.EQUIVALENT, kept.describe()
+    assert "the float64 runs match, but for weights float64's own rounding moves (weight of " \
+           "'trunk.attn.in_proj_bias'" in kept.reason, kept.reason
+    assert kept.reason.startswith("ill-conditioned") and "is the runs' own rounding" in kept.reason
+    caught = outcomes[pitfall]  # its twin: a fault that changes a real gradient is the float64 maths' too
+    assert caught.verdict is Verdict.MISMATCH and "the float64 runs differ too" in caught.comparison.note, \
+        caught.describe()
+
+
+def test_without_the_float64_runs_own_rounding_weighed_the_same_accumulation_is_a_false_alarm(monkeypatch):
+    """The guard's own test: where the float64 shadows' key-bias difference is not weighed by their own rounding,
+    the faithful accumulation above is a mismatch (the false alarm bench_false_alarms.py --dtype bf16 counted)."""
+    monkeypatch.setattr(witness, "rounding_alone", lambda *args, **kwargs: None)
+    case, faithful, _ = ACCUMULATED_IN_BF16[0]
+    (outcome,) = ec.check(case, [faithful], dtype=torch.bfloat16).outcomes
+    assert outcome.verdict is Verdict.MISMATCH and "the maths differs" in outcome.comparison.note, outcome.describe()

@@ -220,16 +220,38 @@ def test_drawn_attention_lms_are_equivalent_under_every_faithful_in_process_regi
     faithful()
 
 
-def test_in_float32_the_witness_settles_what_the_float64_shadows_cannot(monkeypatch):
+@pytest.fixture
+def strict_shadows(monkeypatch):
+    """The float64 shadows held to the table alone, their own key bias's rounding not weighed (rounding.maths_alike
+    without the shadows' start): the witness is then what tells rounding, as it is wherever the shadows cannot (a
+    float64 check has none)."""
+    original = rounding.maths_alike
+    monkeypatch.setattr(rounding, "maths_alike", lambda maths, ref64, cand64, initial: original(maths, ref64, cand64,
+                                                                                                 None))
+
+
+def test_in_float32_the_witness_settles_what_the_float64_shadows_cannot(monkeypatch, strict_shadows):
     """The shadows' own key bias is noise-driven too (Adam without epsilon amplifies float64's noise alike), so
-    they say the maths differs; the witness, in float32 itself, tells it is rounding (here without the reference's
-    own judgement first, which settles it before any shadow: the next test)."""
+    held to the table they say the maths differs; the witness, in float32 itself, tells it is rounding (here without
+    the reference's own judgement first, which settles it before any shadow: the next test)."""
     monkeypatch.setattr(witness, "by_the_reference", lambda comparison, *args, **kwargs: comparison)
     case = dataclasses.replace(SPEC, dtype="float32").build()
     (outcome,) = ec.check(case, ["accumulate:chunks=19"]).outcomes
     assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
     assert "'trunk.attn.in_proj_bias'[16:32]: true gradient zero" in outcome.reason
     assert "(before this witness: the float64 runs differ too" in outcome.reason
+
+
+def test_the_float64_shadows_own_key_bias_is_weighed_by_their_own_rounding(monkeypatch):
+    """The same check with the shadows' rule in: they match but for that key bias, which the reference's shadow
+    moved by its own rounding, so the float64 maths is the same and no witness runs."""
+    monkeypatch.setattr(witness, "by_the_reference", lambda comparison, *args, **kwargs: comparison)
+    monkeypatch.setattr(witness, "judge", lambda *args, **kwargs: pytest.fail("a witness ran"))
+    case = dataclasses.replace(SPEC, dtype="float32").build()
+    (outcome,) = ec.check(case, ["accumulate:chunks=19"]).outcomes
+    assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
+    assert "the float64 runs match, but for weights float64's own rounding moves (weight of " \
+           "'trunk.attn.in_proj_bias'[16:32]: true gradient zero" in outcome.reason, outcome.reason
 
 
 # The reference as its own witness (witness.by_the_reference): where every gradient matched and only weights whose
@@ -320,7 +342,7 @@ def one_step_runs():
     return (*runs, table)
 
 
-def test_a_tiny_gradient_s_sign_that_rounding_flips_is_judged_by_the_reference_s_chaos():
+def test_a_tiny_gradient_s_sign_that_rounding_flips_is_judged_by_the_reference_s_chaos(strict_shadows):
     one_step_runs()
     (outcome,) = ec.check(ONE_STEP, ["accumulate:chunks=2"], dtype="bf16-autocast").outcomes
     assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()
@@ -503,7 +525,7 @@ def stirred_case():
     return shown_here(STIRRED_DRAWN, parts_beyond_the_key_bias, "chaos beyond the key bias", "float32")
 
 
-def test_what_a_noise_driven_key_bias_stirs_up_later_is_judged_by_the_reference_s_chaos():
+def test_what_a_noise_driven_key_bias_stirs_up_later_is_judged_by_the_reference_s_chaos(strict_shadows):
     case, regime = stirred_case()
     (outcome,) = ec.check(case, [regime], dtype="float32").outcomes
     assert outcome.verdict is Verdict.EQUIVALENT, outcome.describe()

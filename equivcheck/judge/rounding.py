@@ -32,6 +32,7 @@ from ..case import Case
 from ..diff import Comparison, as_real
 from ..precision import Tolerance
 from .compare import Expected, compare, tolerance_of
+from . import witness
 from .hints import diagnose
 from ..precision import BF16_SHADOW, SCALED_SHADOW, SHADOW, Precision
 from ..result import RunResult
@@ -62,21 +63,24 @@ def shadow_of(precision: Precision) -> str:
 
 def judge(case: Case, comparison: Comparison, reference: RunResult, candidate: RunResult,
           shadow_reference: Callable[[], RunResult], shadow_candidate: Callable[[], RunResult], *,
-          seed: int) -> Comparison:
+          seed: int, shadow_initial: Callable[[], dict[str, Tensor]] | None = None) -> Comparison:
     """``comparison`` (the low-precision one, which failed) judged by float64 shadows of both runs.
 
     Returns an equivalent comparison with a note where the mismatch is rounding, else ``comparison``
-    with a hint and a note that say what the float64 runs showed.
+    with a hint and a note that say what the float64 runs showed. ``shadow_initial``: the weights the shadows start
+    from, where the shadows' own rounding may explain how they differ (:func:`maths_alike`).
     """
     try:
         ref64, cand64 = shadow_reference(), shadow_candidate()
     except Exception as error:  # the low-precision verdict stands; say why it could not be weighed
         return dataclasses.replace(comparison, note=f"the float64 shadow runs failed: {type(error).__name__}: {error}")
-    maths = diagnose(ref64, cand64, compare(ref64, cand64))
-    if not maths.ok:  # the float64 runs' hint names the pitfall without rounding in the way
+    maths = compare(ref64, cand64)
+    alike = maths_alike(maths, ref64, cand64, shadow_initial)
+    if alike is None:  # the float64 runs' hint names the pitfall without rounding in the way
+        maths = diagnose(ref64, cand64, maths)
         note = f"the float64 runs differ too (margin {maths.margin:.3g}): the maths differs"
         return dataclasses.replace(comparison, hint=maths.hint or comparison.hint, note=note)
-    evidence = f"the float64 runs match (margin {maths.margin:.3g})"
+    evidence = alike[0]
     for run, shadow in ((reference, ref64), (candidate, cand64)):
         gap = _start_gap(run, shadow, comparison.tolerance)
         if gap is not None:
@@ -93,7 +97,8 @@ def judge(case: Case, comparison: Comparison, reference: RunResult, candidate: R
 
 def settled_as_it_trained(case: Case, comparison: Comparison, reference: RunResult, candidate: RunResult,
                           shadow_reference: Callable[[], RunResult],
-                          shadow_candidate: Callable[[Expected], RunResult], *, seed: int) -> Comparison | None:
+                          shadow_candidate: Callable[[Expected], RunResult], *, seed: int,
+                          shadow_initial: Callable[[], dict[str, Tensor]] | None = None) -> Comparison | None:
     """:func:`judge` for a candidate compared as it trained, which keeps nothing: its float64 shadow is compared with
     the reference's as it trains too. Where the float64 runs match and start where the low-precision runs did, the
     verdict :func:`judge` gives (equivalent), its margin the float64 runs' (the candidate's own rounding was not kept
@@ -105,17 +110,34 @@ def settled_as_it_trained(case: Case, comparison: Comparison, reference: RunResu
         cand64 = shadow_candidate(Expected(ref64, tolerance_of(ref64)))
     except Exception:  # noqa: BLE001 (judge, on the recorded runs, says why the shadows could not weigh it)
         return None
-    maths = compare(ref64, cand64)
-    if not maths.ok or any(_start_gap(run, shadow, comparison.tolerance) is not None
-                           for run, shadow in ((reference, ref64), (candidate, cand64))):
+    alike = maths_alike(compare(ref64, cand64), ref64, cand64, shadow_initial)
+    if alike is None or any(_start_gap(run, shadow, comparison.tolerance) is not None
+                            for run, shadow in ((reference, ref64), (candidate, cand64))):
         return None
     ref_noise = max((float((as_real(own).double() - as_real(exact).double()).abs().max())
                      for _, own, exact in _quantities(reference, reference, ref64) if own.numel()), default=0.0)
-    note = (f"ill-conditioned: {conditioning(case, seed)}; the float64 runs match (margin {maths.margin:.3g}), "
-            f"compared as they trained, and the {reference.precision} difference (margin {comparison.margin:.3g} "
-            f"against {comparison.tolerance}) is the runs' own rounding: the reference strays from its float64 "
-            f"shadow by up to {ref_noise:.3g}")
-    return Comparison(comparison.tolerance, (), (), comparison.max_abs, comparison.max_rel, maths.margin, note=note)
+    note = (f"ill-conditioned: {conditioning(case, seed)}; {alike[0]}, compared as they trained, and the "
+            f"{reference.precision} difference (margin {comparison.margin:.3g} against {comparison.tolerance}) is the "
+            f"runs' own rounding: the reference strays from its float64 shadow by up to {ref_noise:.3g}")
+    return Comparison(comparison.tolerance, (), (), comparison.max_abs, comparison.max_rel, alike[1], note=note)
+
+
+def maths_alike(maths: Comparison, ref64: RunResult, cand64: RunResult,
+                initial: Callable[[], dict[str, Tensor]] | None) -> tuple[str, float] | None:
+    """Whether the float64 shadows (compared: ``maths``) do the same maths, said with their margin; None where they do not. They do where
+    they match, or (``initial`` given) where they are apart only in end weights whose true gradient is zero and
+    which each moved from where it started by float64's own rounding, amplified (witness.rounding_alone): an
+    attention LM's key bias under Adam without epsilon, whose float64 gradient is noise of 1e-17 that the update
+    makes a whole step of. Every gradient the shadows computed must match: a fault that changes any real gradient
+    is the maths'."""
+    if maths.ok:
+        return f"the float64 runs match (margin {maths.margin:.3g})", maths.margin
+    explained = None if initial is None else witness.rounding_alone(maths, ref64, cand64, initial)
+    if explained is None:
+        return None
+    noises, margin = explained
+    return (f"the float64 runs match, but for weights float64's own rounding moves ({noises})",
+            margin)
 
 
 def _start_gap(run: RunResult, shadow: RunResult, tol: Tolerance) -> str | None:

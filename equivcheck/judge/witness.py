@@ -218,15 +218,29 @@ def by_the_reference(comparison: Comparison, reference: RunResult, candidate: Ru
     float64 memory and the witnesses' runs. A candidate compared as it trained brings its weights beyond the
     tolerance (``Measurement.strayed``), so it is not trained again to read them. ``levels``: as :func:`applies`
     takes it (under autocast, one float32 training, still far cheaper than two float64 ones)."""
+    explained = rounding_alone(comparison, reference, candidate, initial, levels)
+    if explained is None:
+        return comparison
+    noises, margin = explained
+    return Comparison(comparison.tolerance, (), (), comparison.max_abs, comparison.max_rel, margin,
+                      note=f"ill-conditioned: {cause()}: {noises}")
+
+
+def rounding_alone(comparison: Comparison, reference: RunResult, candidate: RunResult,
+                   initial: Callable[[], dict[str, Tensor]],
+                   levels: Callable[[], Mapping[str, Tensor]] | None = None) -> tuple[str, float] | None:
+    """Where the reference's own rounding explains every mismatch of ``comparison`` (:func:`by_the_reference`'s rule):
+    the noise-driven elements, described, and the whole comparison's margin; else None. Float64 shadows judged so
+    (rounding.py) differ by what Adam without epsilon makes of a key bias's rounding-level gradient, which is no
+    difference in the maths."""
     found = _end_weight_noises(comparison, reference, candidate, initial, levels)
     if found is None:
-        return comparison
+        return None
     candidate, noises = found
     if not all(noise is not None and noise.explained for noise in noises):
-        return comparison
-    note = f"ill-conditioned: {cause()}: " + "; ".join(noise.describe() for noise in noises)
+        return None
     margin = max([noise.margin for noise in noises] + [_margin_elsewhere(reference, candidate, comparison)])
-    return Comparison(comparison.tolerance, (), (), comparison.max_abs, comparison.max_rel, margin, note=note)
+    return "; ".join(noise.describe() for noise in noises), margin
 
 
 def _end_weight_noises(comparison: Comparison, reference: RunResult, candidate: RunResult,
