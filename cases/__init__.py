@@ -2,5 +2,5 @@
 
 from . import (  # noqa: F401
     accumulation_loops, adapters, batchnorm, block_stack, clipping, cnn, compiled, ddp_hooks, ddp_traps, dropout, eight_bit, experts, gru_decoder, mlp,
-    muon, resume, rl, seed000_embedding_head, seed003_article, seed004_linear, sequence_parallel, tensor_parallel, tokens,
+    muon, packing, resume, rl, seed000_embedding_head, seed003_article, seed004_linear, sequence_parallel, tensor_parallel, tokens,
 )

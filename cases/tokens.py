@@ -31,7 +31,7 @@ def data():
 
 def token_losses(logits, targets):
     flat = targets.reshape(-1)
-    losses = F.cross_entropy(logits.reshape(-1, VOCAB), flat, reduction="none", ignore_index=IGNORE)
+    losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), flat, reduction="none", ignore_index=IGNORE)
     return losses[flat != IGNORE]
 
 

@@ -4,14 +4,14 @@ faithful twin), ``ddp`` (DistributedDataParallel and DataParallel), ``ddp_hooks`
 hook, judged at its own error bound), ``ddp_join`` (uneven inputs under DDP, with and without join),
 ``ddp_partial`` (seed 000's accumulation over part of the model inside DDP and DataParallel), ``fsdp`` (FSDP2
 fully_shard), ``zero`` (ZeroRedundancyOptimizer), ``pipeline`` (torch.distributed.pipelining stages),
-``tensor`` (tensor parallelism: parallelize_module on a mesh), ``experts`` (expert parallelism, and aux terms normalised wrong across ranks), ``pipeline_mesh`` (pipeline x FSDP2 x
+``tensor`` (tensor parallelism: parallelize_module on a mesh), ``packing`` (documents packed into rows, against them padded), ``experts`` (expert parallelism, and aux terms normalised wrong across ranks), ``pipeline_mesh`` (pipeline x FSDP2 x
 tensor parallelism on a three-dimensional mesh), ``checkpoint`` (activation checkpointing inside
 accumulation), ``sync_batchnorm`` (SyncBatchNorm under DDP, GPUs
 only), ``user_code`` (a team's own step or loop). A regime of your own is one module that calls
 :func:`register_regime` on its class.
 """
 
-from . import (checkpoint, context, ddp, ddp_hooks, experts, pipeline_mesh, ddp_join, ddp_partial, fsdp, local, pipeline, pitfalls, sequence,
+from . import (checkpoint, context, ddp, ddp_hooks, experts, pipeline_mesh, ddp_join, ddp_partial, fsdp, local, packing, pipeline, pitfalls, sequence,
                resume, sync_batchnorm, tensor, user_code, zero)
 from .base import (DEFAULT_REGIMES, REGIMES, Chunked, CommunicationCounter, Pitfall, Regime, chunk_pairs, finish_step,
                    parse_regime, regime_source, register_regime, spec_usage)
@@ -54,6 +54,7 @@ BUILT_IN: tuple[type[Regime], ...] = (
     pipeline_mesh.PipelineFsdpTensorParallelRanksDiffer,
     experts.ExpertParallel, experts.ExpertParallelAveraged, experts.FsdpExpertParallel, experts.FsdpExpertParallelOverReplicas,
     experts.ExpertParallelClipLocal, experts.FsdpExpertParallelClipLocal, pipeline.PipelineClipTiedPerStage, experts.DdpAuxOverWorld, experts.DdpAuxTimesWorld,
+    packing.Packed, packing.PackedPositionsRunOn, packing.PackedLabelAcross, packing.PackedRowMean,
 )
 for _regime in BUILT_IN:
     register_regime(_regime)

@@ -36,6 +36,7 @@ from ..regimes.experts import (AUX_OVER_DP, AUX_TIMES_WORLD, EXPERTS_AVERAGED, E
 from ..regimes.pipeline import TIED_CLIPPED_PER_STAGE
 from ..regimes.checkpoint import RECOMPUTATION_CUTS_OFF
 from ..regimes.base import SCALED_TWICE
+from ..regimes.packing import LABEL_ACROSS, POSITIONS_RUN_ON, ROW_MEAN
 from ..regimes.pitfalls import TERMS_PER_MICRO_BATCH
 
 MAX_CHUNKS = 8  # micro-batch counts tried: 2 .. 8 (and every divisor of the batch size, for equal micro-batches)
@@ -78,7 +79,7 @@ NOT_PROBED = (
     "dropout seeded per rank inside a tensor-parallel group",
     OPTIMIZER_NOT_SAVED, RNG_NOT_RESTORED, POSITION_RESET, SHARD_STATE_LOST, SCALER_NOT_SAVED, SCHEDULER_NOT_SAVED,
     AUX_OVER_DP, AUX_TIMES_WORLD, EXPERTS_AVERAGED, EXPERTS_OVER_DP, EXPERTS_CLIPPED_ON_THEIR_RANK,
-    TIED_CLIPPED_PER_STAGE,
+    TIED_CLIPPED_PER_STAGE, POSITIONS_RUN_ON, LABEL_ACROSS, ROW_MEAN,
 )
 BUG_CLASSES = PROBED + NOT_PROBED
 

@@ -14,6 +14,7 @@ from ...diff import Comparison, Location, TensorDiff
 from ...precision import Tolerance
 from ...result import RunResult
 from ...trace import StepTrace
+from . import documents
 from .told import UNSEEN
 from .records import ancestors, module_of
 from .walk import Walk
@@ -68,11 +69,16 @@ class Replayed:
                 how: str = "") -> Location | None:
         if not ours or not theirs:
             return None
-        walk = Walk(ours[0], theirs, self.comparison, step)
-        found = walk.carried_into() if state_only else walk.first()
         forwards = sum(call.module == "" for call in theirs[0].calls) or None
-        return None if found is None else dataclasses.replace(
-            found, forwards=forwards, matched="; ".join(filter(None, (found.matched, how))))
+        reference, ranks, read = documents.per_document(ours[0], theirs)
+        walk = Walk(reference, ranks, self.comparison, step)
+        found = walk.carried_into() if state_only else walk.first()
+        if found is None:
+            return None
+        fed = documents.fed_apart(reference, ranks) if read == documents.READ_PER_DOCUMENT and (
+            found.phase, found.module) == ("forward", "") else ""
+        return dataclasses.replace(found, forwards=forwards,
+                                   matched="; ".join(filter(None, (fed or found.matched, how, read))))
 
     def _compiled(self, step: int, modules: bool = False) -> bool:
         """Whether the run's replay (with its modules hooked, or its parameters alone) and its eager twin read other

@@ -1,0 +1,99 @@
+"""Packed sequences (issue 67): documents packed several a row, checked against the same documents padded one a row.
+Faithful packing is equivalent, with and without micro-batches of rows; each pitfall is caught and located where its
+bug acts, its records read per document."""
+
+import pytest
+import torch
+
+import equivcheck as ec
+from equivcheck import Verdict
+from equivcheck.errors import InvalidArgument
+from equivcheck.judge.locate import documents as per_document_reading
+from equivcheck.packing import DOCUMENTS, IGNORE, PADDING, POSITIONS, TOKENS, document_mask, document_order, pack, padded
+
+CASE = "packed_documents"
+
+# where each pitfall parts: (phase, module), read per document
+WHERE = {
+    "packed_positions_run_on": ("forward", ""),  # the batch the model was fed: its positions, document by document
+    "packed_label_across": ("loss", ""),
+    "packed_row_mean": ("loss", ""),
+}
+
+
+def small_documents():
+    return [torch.tensor(tokens) for tokens in ([1, 2, 3], [4, 5], [6, 7, 8, 9], [10, 11])]
+
+
+def test_padded_puts_one_document_a_row_and_pack_keeps_each_documents_positions_ids_and_targets():
+    layout, targets = padded(small_documents(), 3)
+    assert layout[:, TOKENS].tolist() == [[1, 2, 0], [4, 0, 0], [6, 7, 8], [10, 0, 0]]
+    assert targets.tolist() == [[2, 3, IGNORE], [5, IGNORE, IGNORE], [7, 8, 9], [11, IGNORE, IGNORE]]
+    packed, packed_targets = pack(layout, targets, 4)
+    assert packed[:, TOKENS].tolist() == [[1, 2, 4, 0], [6, 7, 8, 10]]
+    assert packed[:, POSITIONS].tolist() == [[0, 1, 0, 0], [0, 1, 2, 0]]
+    assert packed[:, DOCUMENTS].tolist() == [[0, 0, 1, PADDING], [2, 2, 2, 3]]
+    assert packed_targets.tolist() == [[2, 3, 5, IGNORE], [7, 8, 9, 11]]
+    # both layouts read per document hold the same tokens in the same order
+    assert layout[:, TOKENS].reshape(-1)[document_order(layout)].tolist() == \
+        packed[:, TOKENS].reshape(-1)[document_order(packed)].tolist()
+
+
+def test_the_document_mask_is_causal_within_each_document_and_a_padding_slot_sees_itself():
+    packed, _ = pack(*padded(small_documents(), 3), 4)
+    mask = document_mask(packed)
+    assert mask[0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]]
+
+
+def test_bad_layouts_and_lengths_are_refused_naming_the_argument():
+    with pytest.raises(InvalidArgument, match=r"documents\[0\] of 9 tokens is not allowed: expected 2 to 4 "
+                                              r"tokens"):
+        padded([torch.arange(9)], 3)
+    layout, targets = padded(small_documents(), 3)
+    with pytest.raises(InvalidArgument, match=r"length=2 is not allowed: expected at least 3"):
+        pack(layout, targets, 2)
+    with pytest.raises(InvalidArgument, match=r"inputs=a tensor of shape \(4, 3\) \(torch.int64\) with targets=a "
+                                              r"tensor of shape \(4, 3\) \(torch.int64\) is not allowed: expected "
+                                              r"a documents layout"):
+        pack(layout[:, 0], targets)
+    with pytest.raises(InvalidArgument, match="length=-1 is not allowed"):
+        ec.check(CASE, ["packed:length=-1"])
+
+
+def test_faithful_packing_is_equivalent_and_each_pitfall_is_caught_where_its_bug_acts():
+    report = ec.check(CASE, ["packed", "packed:chunks=2", "packed:length=12", *WHERE], locate=True)
+    outcomes = {o.regime: o for o in report.outcomes}
+    for faithful in ("packed", "packed:chunks=2", "packed:length=12"):
+        assert outcomes[faithful].verdict is Verdict.EQUIVALENT, outcomes[faithful].describe()
+    for pitfall, (phase, module) in WHERE.items():
+        outcome = outcomes[pitfall]
+        assert outcome.verdict is Verdict.EXPECTED_MISMATCH, outcome.describe()
+        assert outcome.location is not None, outcome.describe()
+        assert (outcome.location.phase, outcome.location.module) == (phase, module), outcome.describe()
+        assert per_document_reading.READ_PER_DOCUMENT in outcome.location.matched, outcome.location
+    assert "document by document, the positions it was fed differ" in \
+        outcomes["packed_positions_run_on"].location.matched
+
+
+def test_an_attention_that_drops_the_document_mask_is_right_padded_and_caught_packed_in_the_attention():
+    outcomes = {o.regime: o for o in ec.check("packed_documents_causal_only", locate=True).outcomes}
+    assert outcomes["accumulate:chunks=3"].verdict is Verdict.EQUIVALENT  # padded rows: causality hides the padding
+    caught = outcomes["packed"]
+    assert caught.verdict is Verdict.EXPECTED_MISMATCH, caught.describe()
+    assert (caught.location.phase, caught.location.module, caught.location.own_code) == ("forward", "attention", True)
+
+
+def test_packed_rows_pack_several_documents_a_row():
+    case = ec.get_case(CASE)
+    batch_inputs, batch_targets = (t[:case.batch_size] for t in case.data())
+    packed, _ = pack(batch_inputs, batch_targets)
+    assert len(packed) < len(batch_inputs)  # fewer rows than documents: packing really happened
+    assert int((packed[:, DOCUMENTS] != PADDING).sum()) == int((batch_inputs[:, DOCUMENTS] != PADDING).sum())
+
+
+def test_without_the_per_document_reading_the_packed_pitfalls_are_not_located_in_their_module(monkeypatch):
+    """The reading's own test: with it taken out, the attention pitfall's records never meet the reference's."""
+    monkeypatch.setattr(per_document_reading, "per_document", lambda reference, ranks: (reference, list(ranks), ""))
+    (outcome,) = ec.check("packed_documents_causal_only", ["packed"], locate=True).outcomes
+    assert outcome.verdict is Verdict.EXPECTED_MISMATCH
+    assert outcome.location is None or outcome.location.module != "attention", outcome.location
