@@ -88,8 +88,8 @@ packed_documents = ec.register_case(ec.Case(
     items=real_tokens,
     batch_size=BATCH_SIZE,
     steps=2,
-    regimes=("full_batch", "packed", "packed:chunks=2", "accumulate:chunks=3", "ddp:world_size=2",
-             *(f"{name}" for name in PITFALLS)),
+    # the matrix's share; tests/test_packing.py runs every packed regime, accumulate and ddp besides
+    regimes=("full_batch", "packed:chunks=2", *PITFALLS),
     expect_mismatch=PITFALLS,
     description="24 documents of 1 to 6 input tokens, padded one a row for the reference and packed several a row "
                 "(positions, document ids and targets kept per document) by the packed regimes",
@@ -99,7 +99,7 @@ packed_documents_causal_only = ec.register_case(dataclasses.replace(
     packed_documents,
     name="packed_documents_causal_only",
     model=causal_only,
-    regimes=("full_batch", "accumulate:chunks=3", "packed"),
+    regimes=("full_batch", "packed"),
     expect_mismatch={"packed": "the attention's mask is causal over the row, not within each document: packed, a "
                                "document attends to the earlier ones of its row"},
     description="negative control: the model's attention drops the document mask, right on padded rows only",

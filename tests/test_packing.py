@@ -61,9 +61,10 @@ def test_bad_layouts_and_lengths_are_refused_naming_the_argument():
 
 
 def test_faithful_packing_is_equivalent_and_each_pitfall_is_caught_where_its_bug_acts():
-    report = ec.check(CASE, ["packed", "packed:chunks=2", "packed:length=12", *WHERE], locate=True)
+    faithful_regimes = ["packed", "packed:chunks=2", "packed:length=12", "accumulate:chunks=3", "ddp:world_size=2"]
+    report = ec.check(CASE, [*faithful_regimes, *WHERE], locate=True)
     outcomes = {o.regime: o for o in report.outcomes}
-    for faithful in ("packed", "packed:chunks=2", "packed:length=12"):
+    for faithful in faithful_regimes:
         assert outcomes[faithful].verdict is Verdict.EQUIVALENT, outcomes[faithful].describe()
     for pitfall, (phase, module) in WHERE.items():
         outcome = outcomes[pitfall]
@@ -76,7 +77,8 @@ def test_faithful_packing_is_equivalent_and_each_pitfall_is_caught_where_its_bug
 
 
 def test_an_attention_that_drops_the_document_mask_is_right_padded_and_caught_packed_in_the_attention():
-    outcomes = {o.regime: o for o in ec.check("packed_documents_causal_only", locate=True).outcomes}
+    outcomes = {o.regime: o for o in ec.check("packed_documents_causal_only", ["accumulate:chunks=3", "packed"],
+                                              locate=True).outcomes}
     assert outcomes["accumulate:chunks=3"].verdict is Verdict.EQUIVALENT  # padded rows: causality hides the padding
     caught = outcomes["packed"]
     assert caught.verdict is Verdict.EXPECTED_MISMATCH, caught.describe()
