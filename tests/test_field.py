@@ -27,6 +27,8 @@ NOT_WHERE_THE_FIX_ACTS = {
     "open_unlearning_178": "unsaid: the block ran inside a reentrant checkpoint's forward, which keeps no graph of its "
                            "modules to read back; the fix acts at backward",
     "megatron_bridge_5963": "unsaid, as open_unlearning_178's: a block recomputed reentrant; the fix acts at backward",
+    "torchtitan_4075": "located at forward, the batch fed: the team's model takes token ids and position_ids apart, no "
+                       "documents layout, so its records are not read per document; the fix acts at loss",
 }
 
 

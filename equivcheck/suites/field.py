@@ -42,7 +42,7 @@ PACKAGE = "equivcheck_cases.field"
 # families: optimizers that need whole matrices under sharding, low-precision policies, norms and clipping across
 # meshes, adapters on frozen bases.
 FAMILIES = ("accumulation", "ddp", "fsdp", "zero", "pipeline", "checkpointing", "evaluation", "tensor", "resume",
-            "compile", "moe", "optimizer", "precision", "clipping", "adapters")
+            "compile", "moe", "optimizer", "precision", "clipping", "adapters", "packing")
 KINDS = ("issue", "pull")
 
 
