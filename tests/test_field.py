@@ -29,6 +29,8 @@ NOT_WHERE_THE_FIX_ACTS = {
     "megatron_bridge_5963": "unsaid, as open_unlearning_178's: a block recomputed reentrant; the fix acts at backward",
     "torchtitan_4075": "located at forward, the batch fed: the team's model takes token ids and position_ids apart, no "
                        "documents layout, so its records are not read per document; the fix acts at loss",
+    "fla_1217": "located at forward, the batch fed, as torchtitan_4075's; the fix acts at loss",
+    "unsloth_zoo_1066": "located at forward, the batch fed, as torchtitan_4075's; the fix acts at loss",
 }
 
 

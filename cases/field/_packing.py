@@ -68,17 +68,18 @@ def packing_case(name: str, gate_on_mask: bool = False) -> ec.Case:
                                "as Hugging Face models do (cases/field/_packing.py)")
 
 
-def stream(layout, targets, *, label_across=False):
+def stream(layout, targets, *, label_across=False, flattened=False):
     """The global batch's documents packed into rows of LENGTH + 1 slots (next fit: a document that does not fit
-    starts the next row), as a packing collator concatenates them: each document whole (its inputs and its last
+    starts the next row; ``flattened``: all in one row, as a varlen ``cu_seqlens`` batch of shape [1, T] holds
+    them), as a packing collator concatenates them: each document whole (its inputs and its last
     token), each token labelled with the next one of its document, a document's last token with IGNORE (or,
     ``label_across``, with the next document's first token: labels shifted over the stream); ``position_ids``
     restarting at each document."""
-    width = LENGTH + 1
     pieces = []
     for row in range(len(layout)):
         real = layout[row, DOCUMENTS] != PADDING
         pieces.append(torch.cat([layout[row, TOKENS][real], targets[row][real][-1:]]))
+    width = sum(len(piece) for piece in pieces) if flattened else LENGTH + 1
     rows, free = [[]], width
     for index, document in enumerate(pieces):
         if len(document) > free:
