@@ -22,6 +22,7 @@ from torch import nn
 import equivcheck as ec
 from equivcheck.suites.catalogue import Entry, add_entry
 
+from . import sequence_parallel as sp
 from .tokens import DIM, PAD, VOCAB, tokens
 
 HIDDEN, RANK, ALPHA = 12, 2, 4.0
@@ -87,3 +88,64 @@ lora_tied = ec.register_case(dataclasses.replace(
 ))
 
 add_entry(Entry("adapters cut off by reentrant recomputation", "lora_tied", "checkpoint_reentrant:chunks=2"))
+
+
+class ParallelLoRALinear(nn.Module):
+    """A frozen linear layer adapted as Megatron's ``LoraParallelLinear`` lays its factors out, each factor a Linear
+    of its own so that a tensor-parallel plan can place it: ``base(x) + (alpha / rank) * lora_b(lora_a(x))``. On a
+    column-parallel base, ``lora_a`` is replicated and ``lora_b`` column-parallel; on a row-parallel base, ``lora_a``
+    is row-parallel and ``lora_b`` replicated. Under sequence parallelism the replicated factor runs on each rank's
+    sequence shard, so its gradient is a sum over the TP group (mcore-bridge pull #173's class when it is not)."""
+
+    def __init__(self, features: int, out: int, rank: int = RANK, alpha: float = ALPHA) -> None:
+        super().__init__()
+        self.base = nn.Linear(features, out).requires_grad_(False)
+        self.lora_a = nn.Linear(features, rank, bias=False)
+        self.lora_b = nn.Linear(rank, out, bias=False)
+        with torch.no_grad():  # drawn small and nonzero, as LoRALinear's
+            self.lora_a.weight.copy_(torch.randn(rank, features) * 0.3)
+            self.lora_b.weight.copy_(torch.randn(out, rank) * 0.1)
+        self.scale = alpha / rank
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.base(inputs) + self.scale * self.lora_b(self.lora_a(inputs))
+
+
+class AdaptedBlock(nn.Module):
+    """``sp_block``'s pre-norm MLP with its base frozen: the norm and both projections frozen, the projections
+    adapted, the per-token head trained."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(sp.FEATURES).requires_grad_(False)
+        self.up = ParallelLoRALinear(sp.FEATURES, sp.HIDDEN)
+        self.act = nn.GELU()
+        self.down = ParallelLoRALinear(sp.HIDDEN, sp.FEATURES)
+        self.head = nn.Linear(sp.FEATURES, sp.CLASSES)
+
+    def forward(self, x):
+        return self.head(x + self.down(self.act(self.up(self.norm(x)))))
+
+
+lora_sp_block = ec.register_case(ec.Case(
+    name="lora_sp_block",
+    model=AdaptedBlock,
+    data=sp.data,
+    loss=sp.loss,
+    items=lambda targets: targets.numel(),
+    batch_size=12,
+    steps=3,
+    # Megatron's layout (LoraParallelLinear): the column-parallel base's lora_a replicated, on sequence shards, and
+    # its lora_b column-parallel; the row-parallel base's lora_a row-parallel, its lora_b replicated on sequence shards.
+    tp_plan={"norm": "sequence", "up.base": "colwise", "up.lora_a": "sequence", "up.lora_b": "colwise",
+             "down.base": "rowwise", "down.lora_a": "rowwise", "down.lora_b": "sequence"},
+    regimes=("full_batch", "accumulate:chunks=3", "ddp:world_size=2", "tp_sp:world_size=2",
+             "tp_sp_norm_unreduced:world_size=2"),
+    expect_mismatch={"tp_sp_norm_unreduced": "the replicated adapter factors (up.lora_a, down.lora_b) run on each "
+                                             "rank's half of the sequence, their gradients never summed over TP"},
+    description="LoRA on a frozen pre-norm MLP block (Megatron's factor layout) with a per-token head on (12, 8, 8); "
+                "tensor + sequence parallel",
+))
+
+add_entry(Entry("sequence parallelism: replicated adapter factors not summed over TP", "lora_sp_block",
+                "tp_sp_norm_unreduced:world_size=2"))

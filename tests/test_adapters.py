@@ -7,7 +7,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import equivcheck as ec
 from equivcheck import Verdict
-from equivcheck_cases.adapters import head_to_save, lora_tied
+from equivcheck_cases.adapters import head_to_save, lora_sp_block, lora_tied
 
 
 def test_the_adapters_and_the_tied_embedding_train_alone_and_every_faithful_regime_is_equivalent():
@@ -66,3 +66,25 @@ def test_a_trainable_copy_of_the_tied_output_layer_is_caught_in_the_embedding():
     (untied,) = ec.check_step(lora_tied, steps_once, world_size=2, wrap=saves_the_head, locate=True).outcomes
     assert untied.verdict is Verdict.MISMATCH and untied.comparison.margin > 100, untied.describe()
     assert "trunk.embed.weight" in {m.name for m in untied.comparison.mismatches if m.kind == "grad"}
+
+
+def test_adapters_under_tensor_and_sequence_parallelism_are_equivalent_and_their_base_stays_frozen():
+    """Megatron's factor layout on a frozen block under tp_sp: the replicated factors (the column-parallel base's
+    lora_a, the row-parallel base's lora_b) run on sequence shards, their gradients summed over TP by DTensor; the
+    frozen norm, which torch's SequenceParallel replicates as trainable, is kept frozen, so nothing else trains."""
+    model = lora_sp_block.model()
+    assert {name for name, p in model.named_parameters() if p.requires_grad} == {
+        "up.lora_a.weight", "up.lora_b.weight", "down.lora_a.weight", "down.lora_b.weight", "head.weight",
+        "head.bias"}
+    outcomes = ec.check(lora_sp_block, lora_sp_block.regimes[1:-1]).outcomes
+    assert all(o.verdict is Verdict.EQUIVALENT for o in outcomes), [o.describe() for o in outcomes]
+
+
+def test_replicated_adapter_factors_not_summed_over_tensor_parallelism_are_caught_where_they_part():
+    """mcore-bridge pull #173's class: each rank's replicated factor trained on its own half of the sequence."""
+    (outcome,) = ec.check(lora_sp_block, ["tp_sp_norm_unreduced:world_size=2"], locate=True).outcomes
+    assert outcome.verdict is Verdict.EXPECTED_MISMATCH and outcome.comparison.margin > 1e3, outcome.describe()
+    first = {m.name for m in outcome.comparison.mismatches if m.kind == "grad" and m.first_step == 0}
+    assert first == {"up.lora_a.weight", "down.lora_b.weight"}  # the rest part only once the replicas drift
+    location = outcome.comparison.location
+    assert (location.step, location.phase, location.module) == (0, "communication", "up.lora_a")

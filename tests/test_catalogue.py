@@ -245,6 +245,7 @@ WHERE_IT_PARTS = {
     ("rl_token_mean", "accumulate_divided_twice:chunks=3"): ("loss", ""),
     # unsaid: the trunk's modules ran inside a reentrant checkpoint's forward, which keeps no graph of them to read
     ("lora_tied", "checkpoint_reentrant:chunks=2"): None,
+    ("lora_sp_block", "tp_sp_norm_unreduced:world_size=2"): ("communication", "up.lora_a"),
     # read per document: the packer's bugs, and an attention whose mask crosses the packed documents
     ("packed_documents", "packed_positions_run_on"): ("forward", ""),
     ("packed_documents", "packed_label_across"): ("loss", ""),

@@ -17,6 +17,8 @@ mean over the sequence) runs unchanged.
 Megatron's way, its weight and bias plain tensors replicated by hand on each rank, on the rank's own sequence shard,
 and the all-reduce of their gradients over the TP group (Megatron's ``_allreduce_layernorm_grads``, the gradient
 finalizer's) missing for it: each rank's norm gradient holds only its own tokens' part, and the replicas drift apart.
+Every ``'sequence'`` module with parameters is run so, a norm or an adapter's replicated factor (modelscope/mcore-bridge
+pull #173: a LoRA factor never flagged for that all-reduce; the ``lora_sp_block`` case).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from ..errors import InvalidArgument
 from ..process.seeding import DEFAULT_SEED, seeded
 from ..process.torch_imports import is_dtensor
 from .base import Pitfall
-from .tensor import DpTpMesh, TensorParallel, localize_heads
+from .tensor import DpTpMesh, TensorParallel, frozen_kept, localize_heads
 
 SEQUENCE_DIM = 1  # activations are (batch, sequence, features)
 
@@ -123,14 +125,15 @@ class TensorSequenceParallel(TensorParallel):
 
         localize_heads(model, plan, self.tp_size)
         plain = self.plain_norms(model, plan)
-        parallelize_module(model, mesh, {name: sequence_plan_style(style) for name, style in plan.items()
-                                         if name not in plain})
-        for name in plain:
-            _megatron_norm(model.get_submodule(name), mesh)
-        for module in model.modules():
-            if isinstance(module, nn.Linear) and not is_dtensor(module.weight):
-                _sequence_first(module)
-        _replicate_the_rest(model, mesh, set(plain))
+        with frozen_kept(model):
+            parallelize_module(model, mesh, {name: sequence_plan_style(style) for name, style in plan.items()
+                                             if name not in plain})
+            for name in plain:
+                _megatron_norm(model.get_submodule(name), mesh)
+            for name, module in model.named_modules():
+                if isinstance(module, nn.Linear) and not is_dtensor(module.weight) and name not in plain:
+                    _sequence_first(module)
+            _replicate_the_rest(model, mesh, set(plain))
         # The input, whole on every rank, cut on the sequence where it enters; the output gathered whole for the loss.
         parallelize_module(model, mesh, PrepareModuleInput(input_layouts=(Replicate(),),
                                                            desired_input_layouts=(Shard(SEQUENCE_DIM),),

@@ -131,7 +131,19 @@ def applied_plan(model: nn.Module, mesh, plan: dict[str, str], tp_size: int) -> 
     from torch.distributed.tensor.parallel import parallelize_module
 
     localize_heads(model, plan, tp_size)
-    return parallelize_module(model, mesh, {name: parallel_style(style) for name, style in plan.items()})
+    with frozen_kept(model):
+        return parallelize_module(model, mesh, {name: parallel_style(style) for name, style in plan.items()})
+
+
+@contextlib.contextmanager
+def frozen_kept(model: nn.Module) -> Iterator[None]:
+    """The parameters frozen before a plan is applied frozen after it: torch's ``SequenceParallel`` registers every
+    parameter it replicates as trainable (measured, torch 2.13), which would train a frozen norm of an adapted model."""
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
+    yield
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
 
 
 def _expect_divisible(case: Case, name: str, module: nn.Module, style: str, world_size: int) -> None:
