@@ -24,7 +24,8 @@ such models.
 
 Draws N in-process configurations (a case from ``equivcheck.strategies.cases()`` and a faithful
 in-process regime), N more on attention LMs (``attention_cases()``: causal masks, padding, tied heads, key
-biases, Adam without epsilon) in process and on DDP, and N DDP ones (world size 2 or 3, every faithful distributed regime), checks each
+biases, Adam without epsilon; RL objectives aggregated as the trainers do, LoRA adapters on a frozen MLP, packed
+documents, whose LMs take the ``packed`` regime and its pitfalls besides) in process and on DDP, and N DDP ones (world size 2 or 3, every faithful distributed regime), checks each
 and prints every verdict that is not ``equivalent``: a false alarm, since nothing drawn is a pitfall.
 Then N pitfall regimes on drawn cases: a pitfall is missed where its float64 shadows differ from the
 reference's (it has a real effect) and the verdict in the case's dtype is still ``equivalent``; each miss is tallied
@@ -66,6 +67,8 @@ def _drawable(cls) -> bool:
 IN_PROCESS = ["sample_by_sample", "accumulate", "retained_graph", "detached_partial"]
 PITFALLS = ["naive_accumulate", "zero_grad_inside", "step_per_micro_batch", "sampler_pad", "sampler_drop",
             "scaler_unscale_per_micro_batch", "scaler_step_per_micro_batch"]
+# What a drawn attention LM on packed documents takes besides: the packed regimes, and the packing pitfalls.
+PACKED, PACKED_PITFALLS = ["packed"], ["packed_row_mean", "packed_label_across", "packed_positions_run_on"]
 DISTRIBUTED = sorted(n for n, cls in REGIMES.items() if cls.distributed and not cls.pitfall and not cls.trap
                      and not cls.fits_some_cases and n != "data_parallel" and _drawable(cls))
 
@@ -129,10 +132,13 @@ def draws(strategy: st.SearchStrategy, count: int, draw_seed: int) -> list:
 
 
 @st.composite
-def configurations(draw, names: list[str], min_world_size: int = 1, max_world_size: int = 4, attention: bool = False):
-    """A drawn case (an MLP, or with ``attention`` a causal attention LM) and a regime of ``names`` it can take."""
+def configurations(draw, names: list[str], min_world_size: int = 1, max_world_size: int = 4, attention: bool = False,
+                   packed_names: tuple[str, ...] = ()):
+    """A drawn case (an MLP, or with ``attention`` a causal attention LM) and a regime of ``names`` it can take, or of
+    ``packed_names`` where the LM's documents are packed."""
     spec = draw(attention_specs() if attention else case_specs())
-    names = [n for n in names if not (spec.tied and REGIMES[n].needs_split)]  # a tied head has no trunk of its own
+    names = [n for n in [*names, *(packed_names if spec.packed else ())]
+             if not (spec.tied and REGIMES[n].needs_split)]  # a tied head has no trunk of its own
     regime = draw(regime_specs(spec.batch_size, names=names, min_world_size=min(min_world_size, spec.batch_size),
                                max_world_size=max_world_size))
     return spec, regime
@@ -201,7 +207,8 @@ def tensor_configurations(draw, regimes: list[str]):
     their Linears, so the derived plan is colwise, rowwise per pair), half causal attention LMs whose attention has
     projections of its own (an even number of heads: the plan keeps half on each rank) beside its MLP."""
     if draw(st.booleans()):
-        spec = draw(attention_specs(heads=st.sampled_from([2, 4]), split_attention=st.just(True)))
+        spec = draw(attention_specs(heads=st.sampled_from([2, 4]), split_attention=st.just(True),
+                                    aggregations=st.just(""), adapters=st.just(False), packed=st.just(False)))
     else:
         spec = draw(case_specs())
         hidden = spec.widths[1:-1] or (2,)  # at least one hidden layer: a Linear pair to shard
@@ -331,8 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         results["in_process"] = run(draws(configurations(IN_PROCESS), args.in_process, args.seed), "in-process",
                                     args.dtype)
     if args.attention:
-        results["attention"] = run(draws(configurations(IN_PROCESS, attention=True), args.attention, args.seed),
-                                   "attention in-process", args.dtype)
+        results["attention"] = run(draws(configurations(IN_PROCESS, attention=True, packed_names=PACKED),
+                                         args.attention, args.seed), "attention in-process", args.dtype)
     if args.compiled:
         whole = [n for n in IN_PROCESS if not REGIMES[n].needs_split]  # one that trains the parts compiles nothing
         drawn = draws(st.one_of(configurations(whole), configurations(whole, attention=True)), args.compiled,
@@ -344,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
                                               args.dtype)
     if args.attention_pitfalls:
         results["attention_pitfalls"] = missed_pitfalls(
-            draws(configurations(PITFALLS, attention=True), args.attention_pitfalls, args.seed), "attention LMs",
+            draws(configurations(PITFALLS, attention=True, packed_names=PACKED_PITFALLS), args.attention_pitfalls,
+                  args.seed), "attention LMs",
             args.dtype)
     print(json.dumps(results))
     return 1 if any(r.get("false_alarms") or r.get("missed") for r in results.values()) else 0

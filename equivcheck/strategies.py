@@ -21,7 +21,9 @@ import torch.nn.functional as F
 from hypothesis import strategies as st
 from torch import nn
 
+from .aggregation import MODES as AGGREGATIONS, Aggregated
 from .case import Case
+from .packing import POSITIONS, TOKENS, document_mask, padded
 from .precision import NAMES_OF_DTYPES, PRECISIONS
 from .errors import InvalidArgument, expect_int
 from .regimes import REGIMES, parse_regime
@@ -159,6 +161,12 @@ class CaseSpec:
     attention_bias: bool = True  # the attention's in-projection bias, whose key part has a true gradient of zero
     tied: bool = False  # the LM's head shares the token embedding's weight
     split_attention: bool = False  # q, k, v and output projections of their own (SplitAttention), not fused
+    # The attention LM's 2025-2026 shapes: its objective an RL trainer's (each sequence's token losses weighted by
+    # its advantage, aggregated as the mode says: equivcheck.aggregation; "" the plain token mean), its MLP frozen
+    # and adapted by LoRA, its documents packed (the documents layout, attention within each document).
+    aggregation: str = ""
+    adapters: bool = False
+    packed: bool = False
 
     @property
     def name(self) -> str:
@@ -167,14 +175,22 @@ class CaseSpec:
         parts += [self.norm + "".join(f"g{g}" for g in self.groups)] if self.norm != "none" else []
         parts += [f"vocab{self.vocab}"] if self.vocab else []
         parts += [f"attn{self.heads}h_block{self.block}" + ("_bias" if self.attention_bias else "")
-                  + ("_tied" if self.tied else "") + ("_split" if self.split_attention else "")] if self.heads else []
+                  + ("_tied" if self.tied else "") + ("_split" if self.split_attention else "")
+                  + (f"_{self.aggregation}" if self.aggregation else "") + ("_lora" if self.adapters else "")
+                  + ("_packed" if self.packed else "")] if self.heads else []
         return "_".join(parts + (["batchnorm"] if self.batchnorm else []))
 
     def build(self) -> Case:
         if self.heads:
+            loss, items = partial(_token_losses, self.widths[-1]), _real_tokens
+            if self.aggregation:
+                objective = Aggregated(partial(_weighted_token_losses, self.widths[-1]), _counted, self.aggregation,
+                                       self.block if self.aggregation == "seq-mean-token-sum-norm" else 0)
+                loss, items = objective.loss, objective.units
+            data = _documents if self.packed else _rollouts if self.aggregation else _token_data
             return Case(
-                name=self.name, model=partial(AttentionLM.of, self), data=partial(_token_data, self),
-                loss=partial(_token_losses, self.widths[-1]), items=_real_tokens, batch_size=self.batch_size,
+                name=self.name, model=partial(AttentionLM.of, self), data=partial(data, self),
+                loss=loss, items=items, batch_size=self.batch_size,
                 steps=self.steps, optimizer=partial(_optimizer, self.optimizer, self.lr),
                 split=None if self.tied else AttentionLM.split, dtype=PRECISIONS[self.dtype].dtype,
                 description=f"drawn by equivcheck.strategies.attention_cases: {self}",
@@ -241,9 +257,9 @@ class AttentionLM(nn.Module):
     LayerNorm and a head, tied to the token embedding or not. Split for detached_partial: (trunk, head)."""
 
     def __init__(self, vocab: int, dim: int, heads: int, block: int, bias: bool, tied: bool,
-                 split_attention: bool = False) -> None:
+                 split_attention: bool = False, adapters: bool = False, packed: bool = False) -> None:
         super().__init__()
-        self.trunk = _AttentionTrunk(vocab, dim, heads, block, bias, split_attention)
+        self.trunk = _AttentionTrunk(vocab, dim, heads, block, bias, split_attention or packed, adapters, packed)
         self.head = nn.Linear(dim, vocab, bias=False)
         if tied:
             self.head.weight = self.trunk.tokens.weight
@@ -251,7 +267,7 @@ class AttentionLM(nn.Module):
     @classmethod
     def of(cls, spec: CaseSpec) -> AttentionLM:
         return cls(spec.widths[-1], spec.widths[0], spec.heads, spec.block, spec.attention_bias, spec.tied,
-                   spec.split_attention)
+                   spec.split_attention, spec.adapters, spec.packed)
 
     def forward(self, tokens):
         return self.head(self.trunk(tokens))
@@ -261,24 +277,45 @@ class AttentionLM(nn.Module):
 
 
 class _AttentionTrunk(nn.Module):
-    def __init__(self, vocab: int, dim: int, heads: int, block: int, bias: bool, split: bool) -> None:
+    def __init__(self, vocab: int, dim: int, heads: int, block: int, bias: bool, split: bool, adapters: bool = False,
+                 packed: bool = False) -> None:
         super().__init__()
+        self.packed = packed
         self.tokens, self.positions = nn.Embedding(vocab, dim), nn.Embedding(block, dim)
         self.norm1, self.norm2, self.norm_final = nn.LayerNorm(dim), nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.attn = (SplitAttention(dim, heads, bias) if split else
                      nn.MultiheadAttention(dim, heads, bias=bias, batch_first=True))
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        linear = LoRALinear if adapters else nn.Linear
+        self.mlp = nn.Sequential(linear(dim, 4 * dim), nn.GELU(), linear(4 * dim, dim))
 
     def forward(self, tokens):
-        length = tokens.shape[1]
-        x = self.tokens(tokens) + self.positions(torch.arange(length, device=tokens.device))
-        causal = torch.ones(length, length, dtype=torch.bool, device=tokens.device).triu(1)
+        if self.packed:  # the documents layout: each slot's token and position, attention within its document
+            x = self.tokens(tokens[:, TOKENS]) + self.positions(tokens[:, POSITIONS])
+            blocked = ~document_mask(tokens)[:, None]
+        else:
+            length = tokens.shape[1]
+            x = self.tokens(tokens) + self.positions(torch.arange(length, device=tokens.device))
+            blocked = torch.ones(length, length, dtype=torch.bool, device=tokens.device).triu(1)
         h = self.norm1(x)
         if isinstance(self.attn, SplitAttention):
-            x = x + self.attn(h, causal)
+            x = x + self.attn(h, blocked)
         else:
-            x = x + self.attn(h, h, h, attn_mask=causal, need_weights=False)[0]
+            x = x + self.attn(h, h, h, attn_mask=blocked, need_weights=False)[0]
         return self.norm_final(x + self.mlp(self.norm2(x)))
+
+
+class LoRALinear(nn.Module):
+    """A frozen Linear adapted by rank-2 LoRA, ``base(x) + 2 * (x A^T) B^T``, both factors drawn small and nonzero
+    (LoRA's own zero B would leave A without a gradient at the first step)."""
+
+    def __init__(self, features: int, out: int, rank: int = 2) -> None:
+        super().__init__()
+        self.base = nn.Linear(features, out).requires_grad_(False)
+        self.lora_a = nn.Parameter(torch.randn(rank, features) * 0.3)
+        self.lora_b = nn.Parameter(torch.randn(out, rank) * 0.1)
+
+    def forward(self, x):
+        return self.base(x) + 2.0 * (x @ self.lora_a.T) @ self.lora_b.T
 
 
 class SplitAttention(nn.Module):
@@ -313,6 +350,30 @@ def _token_losses(vocab: int, logits, targets):
     flat = targets.reshape(-1)
     losses = F.cross_entropy(logits.reshape(-1, vocab), flat, reduction="none", ignore_index=IGNORE)
     return losses[flat != IGNORE]  # one loss per real token
+
+
+def _rollouts(spec: CaseSpec):
+    """The padded token data with each sequence's advantage beside every target (float: ``(samples, block, 2)``)."""
+    tokens, targets = _token_data(spec)
+    advantages = torch.randn(len(targets), 1).expand(-1, spec.block)
+    return tokens, torch.stack([targets.to(torch.float64), advantages.to(torch.float64)], dim=-1)
+
+
+def _weighted_token_losses(vocab: int, logits, targets):
+    """``(sequences, tokens)``: each target token's cross-entropy times its sequence's advantage (0 where padded)."""
+    ids = targets[..., 0].long()
+    losses = F.cross_entropy(logits.reshape(-1, vocab), ids.reshape(-1), reduction="none", ignore_index=IGNORE)
+    return losses.view_as(ids) * targets[..., 1]
+
+
+def _counted(targets):
+    return targets[..., 0] != IGNORE
+
+
+def _documents(spec: CaseSpec):
+    """Documents of 2 to ``block + 1`` tokens, one a row (equivcheck.packing's documents layout)."""
+    lengths = torch.randint(2, spec.block + 2, (spec.steps * spec.batch_size,))
+    return padded([torch.randint(1, spec.widths[-1], (int(n),)) for n in lengths], spec.block)
 
 
 def _real_tokens(targets) -> int:
@@ -381,16 +442,22 @@ def attention_specs(
     steps: st.SearchStrategy[int] = st.integers(1, 4),
     optimizers: st.SearchStrategy[str] = st.sampled_from(("sgd", "momentum", "adam", "adamw", *NO_EPS_OPTIMIZERS)),
     split_attention: st.SearchStrategy[bool] = st.just(False),
+    aggregations: st.SearchStrategy[str] = st.sampled_from(("", "", *AGGREGATIONS)),
+    adapters: st.SearchStrategy[bool] = st.booleans(),
+    packed: st.SearchStrategy[bool] = st.booleans(),
 ) -> CaseSpec:
     """The plain values of a drawn attention LM case (see :func:`attention_cases`)."""
     dim = draw(dims)
     optimizer = draw(optimizers)
+    aggregation = draw(aggregations)
+    documents = not aggregation and draw(packed)  # packed documents keep the plain token mean
     return CaseSpec(
         widths=(dim, draw(vocabs)), activation="gelu", dtype=draw(dtypes), batch_size=draw(batch_sizes),
         steps=draw(steps), loss="cross_entropy", optimizer=optimizer,
         lr=draw(st.sampled_from(LEARNING_RATES["adam" if optimizer.startswith("adam") else "sgd"])),
         heads=draw(heads.filter(lambda h: dim % h == 0)), block=draw(blocks), attention_bias=draw(st.booleans()),
-        tied=draw(st.booleans()), split_attention=draw(split_attention),
+        tied=draw(st.booleans()), split_attention=draw(split_attention), aggregation=aggregation,
+        adapters=draw(adapters), packed=documents,
     )
 
 
@@ -401,5 +468,9 @@ def attention_cases(**options) -> st.SearchStrategy[Case]:
     tied to the embedding or not, a dtype, a batch, steps and an optimizer (SGD, with momentum, Adam, AdamW, and
     Adam without epsilon, where the key bias's rounding noise makes whole-size updates); ``split_attention``
     draws :class:`SplitAttention` (projections of their own, which a tensor-parallel plan shards by heads) instead of
-    ``nn.MultiheadAttention``. Options are :func:`attention_specs`'s strategies."""
+    ``nn.MultiheadAttention``. The shapes teams moved to are drawn beside the plain LM: an RL trainer's objective
+    (``aggregations``: each sequence's token losses weighted by its drawn advantage, aggregated by one of
+    ``ec.AGGREGATIONS``), an MLP frozen and adapted by LoRA (``adapters``), documents in the packed layout
+    (``packed``: equivcheck.packing's documents one a row, attention within each; the ``packed`` regimes pack them).
+    Options are :func:`attention_specs`'s strategies."""
     return attention_specs(**options).map(CaseSpec.build)

@@ -31,6 +31,9 @@ NOT_WHERE_THE_FIX_ACTS = {
                        "documents layout, so its records are not read per document; the fix acts at loss",
     "fla_1217": "located at forward, the batch fed, as torchtitan_4075's; the fix acts at loss",
     "unsloth_zoo_1066": "located at forward, the batch fed, as torchtitan_4075's; the fix acts at loss",
+    "megatron_bridge_5900": "located at forward, the model's output: its Megatron form hands its children chunks of the "
+                            "sequence on [sequence, batch] activations, which are not read back against the "
+                            "reference's; the fix acts at forward mix_adapter",
 }
 
 

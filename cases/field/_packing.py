@@ -9,6 +9,10 @@ mask's padding (trailing, so causality hides it); a 4-D mask is used as given. W
 each slot's index in its row. ``gate_on_mask``: packing detected only where no ``attention_mask``
 is passed (huggingface/transformers pull #46634's report). The reference is the same model on the padded documents,
 one a row, fed their padding mask.
+
+``layout_case``: the rows whose bug is in the loss instead feed cases/packing.py's ``DocumentLM`` the documents
+layout itself (``equivcheck.packing.pack``'s rows, each slot's token, position and document id), so that a caught run
+is read per document and its first difference found at the loss, not in the batch fed.
 """
 
 import torch
@@ -17,7 +21,8 @@ from torch import nn
 
 import equivcheck as ec
 from equivcheck.packing import DOCUMENTS, IGNORE, PADDING, POSITIONS, TOKENS
-from equivcheck_cases.packing import BATCH_SIZE, DIM, HEADS, LENGTH, VOCAB, documents, real_tokens, token_losses
+from equivcheck_cases.packing import (BATCH_SIZE, DIM, HEADS, LENGTH, VOCAB, DocumentLM, documents, real_tokens,
+                                     token_losses)
 
 
 def packed_sequence_mask(position_ids):
@@ -66,6 +71,15 @@ def packing_case(name: str, gate_on_mask: bool = False) -> ec.Case:
                    items=real_tokens, forward=padded_forward, batch_size=BATCH_SIZE, steps=2,
                    description="packed_documents' documents under a model that reads position_ids and a 2-D mask "
                                "as Hugging Face models do (cases/field/_packing.py)")
+
+
+def layout_case(name: str, loss=token_losses, items=real_tokens, description: str = "") -> ec.Case:
+    """packed_documents' documents under ``DocumentLM``, which reads the documents layout: a team's step feeds it the
+    layout packed (``equivcheck.packing.pack``), the reference the documents padded one a row. ``loss`` and
+    ``items``: the objective (default: each real target token's cross-entropy, the mean over the global batch's)."""
+    return ec.Case(name=name, model=DocumentLM, data=documents, loss=loss, items=items, batch_size=BATCH_SIZE,
+                   steps=2, description=description or "packed_documents' documents under DocumentLM, which reads "
+                                                       "the documents layout (cases/field/_packing.py)")
 
 
 def stream(layout, targets, *, label_across=False, flattened=False):

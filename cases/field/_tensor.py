@@ -25,8 +25,9 @@ FEATURES, HIDDEN, CLASSES, SEQUENCE = 8, 16, 4, 8
 
 def shard_(module, name, mesh, dim):
     """``module.name`` as a DTensor parameter sharded along ``dim`` over ``mesh`` (a TP layer's local shard)."""
-    full = getattr(module, name).detach()
-    module.register_parameter(name, nn.Parameter(distribute_tensor(full, mesh, [Shard(dim)])))
+    full = getattr(module, name)
+    module.register_parameter(name, nn.Parameter(distribute_tensor(full.detach(), mesh, [Shard(dim)]),
+                                                 requires_grad=full.requires_grad))
 
 
 def local(parameter):

@@ -43,8 +43,8 @@ def sequence_parallel_as_reported(model, mesh):
 
 def finalize_model_grads(model):
     """Megatron's ``_allreduce_layernorm_grads``: under SP, sum the flagged parameters' gradients over TP."""
-    if model.sequence_parallel:
-        grads = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False)]
+    grads = [p.grad for p in model.parameters() if p.requires_grad and getattr(p, "sequence_parallel", False)]
+    if model.sequence_parallel and grads:
         coalesced = _flatten_dense_tensors(grads)
         dist.all_reduce(coalesced, group=model.tp_group)
         for grad, synced in zip(grads, _unflatten_dense_tensors(coalesced, grads)):
