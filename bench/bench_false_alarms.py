@@ -135,9 +135,11 @@ def draws(strategy: st.SearchStrategy, count: int, draw_seed: int) -> list:
 def configurations(draw, names: list[str], min_world_size: int = 1, max_world_size: int = 4, attention: bool = False,
                    packed_names: tuple[str, ...] = ()):
     """A drawn case (an MLP, or with ``attention`` a causal attention LM) and a regime of ``names`` it can take, or of
-    ``packed_names`` where the LM's documents are packed."""
+    ``packed_names`` where the LM's documents are packed (half the packed LMs draw one of those alone: among every
+    regime they would be one draw in a dozen)."""
     spec = draw(attention_specs() if attention else case_specs())
-    names = [n for n in [*names, *(packed_names if spec.packed else ())]
+    packed_only = spec.packed and packed_names and draw(st.booleans())
+    names = [n for n in (packed_names if packed_only else [*names, *(packed_names if spec.packed else ())])
              if not (spec.tied and REGIMES[n].needs_split)]  # a tied head has no trunk of its own
     regime = draw(regime_specs(spec.batch_size, names=names, min_world_size=min(min_world_size, spec.batch_size),
                                max_world_size=max_world_size))
