@@ -8,8 +8,8 @@ another, each keeping its positions, its id and its targets. A model that attend
 (:func:`document_mask`) and embeds each slot's own position computes every document's tokens alike in both, so a
 token-mean loss and every gradient are the padded batch's: packing is faithful exactly where that holds.
 
-The localizer reads a run's records per document (:func:`per_document`): every record whose leading dimensions are
-the run's slots, its real slots in the order of their document and position, which both layouts share.
+The localizer reads a run's records per document (equivcheck.judge.locate.documents): every record whose leading
+dimensions are the run's slots, its real slots in :func:`document_order`, which both layouts share.
 """
 
 from __future__ import annotations
@@ -113,16 +113,6 @@ def document_mask(layout: Tensor) -> Tensor:
     causal = torch.ones(slots, slots, dtype=torch.bool, device=layout.device).tril()
     same = (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] != PADDING)
     return (same & causal) | torch.eye(slots, dtype=torch.bool, device=layout.device)
-
-
-def per_document(record: Tensor | None, layout: Tensor) -> Tensor | None:
-    """``record`` read per document: where its leading dimensions are ``layout``'s slots (rows, length), its real
-    slots in :func:`document_order`, shaped ``(tokens, *rest)``; None where they are not (a record of another shape
-    cannot be told per document)."""
-    rows, length = layout.shape[0], layout.shape[2]
-    if record is None or record.dim() < 2 or tuple(record.shape[:2]) != (rows, length):
-        return None
-    return record.reshape(rows * length, *record.shape[2:])[document_order(layout).to(record.device)]
 
 
 def is_layout(tensor: object) -> bool:

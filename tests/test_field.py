@@ -27,10 +27,6 @@ NOT_WHERE_THE_FIX_ACTS = {
     "open_unlearning_178": "unsaid: the block ran inside a reentrant checkpoint's forward, which keeps no graph of its "
                            "modules to read back; the fix acts at backward",
     "megatron_bridge_5963": "unsaid, as open_unlearning_178's: a block recomputed reentrant; the fix acts at backward",
-    "torchtitan_4075": "located at forward, the batch fed: the team's model takes token ids and position_ids apart, no "
-                       "documents layout, so its records are not read per document; the fix acts at loss",
-    "fla_1217": "located at forward, the batch fed, as torchtitan_4075's; the fix acts at loss",
-    "unsloth_zoo_1066": "located at forward, the batch fed, as torchtitan_4075's; the fix acts at loss",
     "megatron_bridge_5900": "located at forward, the model's output: its Megatron form hands its children chunks of the "
                             "sequence on [sequence, batch] activations, which are not read back against the "
                             "reference's; the fix acts at forward mix_adapter",

@@ -9,7 +9,9 @@ import equivcheck as ec
 from equivcheck import Verdict
 from equivcheck.errors import InvalidArgument
 from equivcheck.judge.locate import documents as per_document_reading
+from equivcheck.judge.locate import position_ids
 from equivcheck.packing import DOCUMENTS, IGNORE, PADDING, POSITIONS, TOKENS, document_mask, document_order, pack, padded
+from equivcheck.trace import ModuleCall, StepTrace
 
 CASE = "packed_documents"
 
@@ -99,3 +101,77 @@ def test_without_the_per_document_reading_the_packed_pitfalls_are_not_located_in
     (outcome,) = ec.check("packed_documents_causal_only", ["packed"], locate=True).outcomes
     assert outcome.verdict is Verdict.EXPECTED_MISMATCH
     assert outcome.location is None or outcome.location.module != "attention", outcome.location
+
+
+# transformers' packing: token ids and position ids apart, no documents layout (cases/field/_packing.py's model)
+
+def _located(module_name: str):
+    import importlib
+    (outcome,) = importlib.import_module(f"equivcheck_cases.field.{module_name}").buggy().outcomes
+    assert outcome.verdict is Verdict.MISMATCH, outcome.describe()
+    return outcome.location
+
+
+@pytest.mark.usefixtures("locating")
+def test_documents_told_by_their_position_ids_are_read_per_document_and_a_label_across_is_located_at_the_loss():
+    """torchtitan#4075's stream: each document fed whole (its last token an input, labelled with the next document's
+    first); the reference padded one a row with a 2-D mask. Read per document, every activation matches and the
+    loss's gradient at the slot only the packed run fed parts."""
+    location = _located("torchtitan_4075")
+    assert (location.phase, location.module) == ("loss", ""), location
+    assert per_document_reading.READ_BY_POSITIONS in location.matched, location
+
+
+@pytest.mark.usefixtures("locating")
+def test_without_the_documents_told_by_position_ids_the_label_across_is_located_at_the_batch_fed(monkeypatch):
+    """The reading's own test: taken out, the packed rows are only rows that do not make up the global batch's."""
+    monkeypatch.setattr(position_ids, "documents", lambda traces: None)
+    location = _located("torchtitan_4075")
+    assert (location.phase, location.tensor) == ("forward", "the batch the model was fed"), location
+
+
+@pytest.mark.usefixtures("locating")
+def test_a_slot_only_one_run_fed_is_read_in_its_gradients_not_left_out(monkeypatch):
+    """Leaving the document's extra slot out of the gradients too hides the very label that parts: the run would be
+    said to part in a parameter's gradient, every record read matching."""
+    documents = position_ids.documents
+
+    def extra_slots_left_out(traces):
+        told = documents(traces)
+        return told if not isinstance(told, position_ids.Told) else position_ids.Told(
+            told.traces, [[(slots, activations, activations) for slots, activations, _ in run] for run in told.readings])
+
+    monkeypatch.setattr(position_ids, "documents", extra_slots_left_out)
+    location = _located("torchtitan_4075")
+    assert location.phase != "loss", location
+
+
+@pytest.mark.usefixtures("locating")
+def test_position_ids_that_do_not_count_per_document_say_why_the_records_are_not_read():
+    """LlamaFactory#7754: a mask [1, 1, 2, 2, 2, 0] fed as positions: no run counts 0, 1, ... per document."""
+    location = _located("llamafactory_7754")
+    assert location.phase == "forward", location
+    assert f"{per_document_reading.NOT_READ}: the candidate's model was fed no position ids" in location.matched
+
+
+def _trace(*forwards):
+    return StepTrace(0, 0, [ModuleCall("", index, [], [], integers=list(fed)) for index, fed in enumerate(forwards)],
+                     [], {}, {}, {}, [])
+
+
+def test_documents_are_matched_in_order_fed_whole_or_not_padding_runs_between():
+    """The reference padded one a row under a mask; the candidate packs them whole (one token more each), each row
+    ending in an unmasked position 0 whose token opens the next document: padding, not that document."""
+    ids, positions = torch.tensor([[3, 4, 0, 0], [0, 5, 0, 0]]), torch.tensor([[0, 1, 0, 0], [0, 1, 0, 0]])
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 0, 0]])
+    packed_ids, packed_positions = torch.tensor([[3, 4, 9, 0], [0, 5, 6, 0]]), torch.tensor([[0, 1, 2, 0], [0, 1, 2, 0]])
+    told = position_ids.documents([_trace((ids, positions, mask)), _trace((packed_ids, packed_positions))])
+    assert isinstance(told, position_ids.Told), told
+    (ours,), (theirs,) = told.readings
+    assert ours[1].tolist() == [0, 1, 4, 5] and theirs[1].tolist() == [0, 1, 4, 5]
+    assert ours[2].tolist() == [0, 1, -1, 4, 5, -1] and theirs[2].tolist() == [0, 1, 2, 4, 5, 6]
+    assert [len(call.integers) for call in told.traces[0].calls] == [2]  # the mask said all it had to say
+    other = torch.tensor([[3, 4, 9, 0], [0, 7, 6, 0]])
+    assert "not the reference's" in position_ids.documents([_trace((ids, positions, mask)),
+                                                            _trace((other, packed_positions))])
+    assert position_ids.documents([_trace((ids, positions, mask)), _trace((ids[1:], positions[1:]))]) is None

@@ -40,7 +40,7 @@ class Packed(Regime):
     summary = "documents packed into rows, each keeping its positions, id and targets; the mean over the global tokens"
     fits_some_cases = True  # a case whose inputs are a documents layout (equivcheck.packing)
     anchorable = True
-    relays_documents = True  # the localizer reads its records per document (packing.per_document)
+    relays_documents = True  # the localizer reads its records per document (judge/locate/documents.py)
     length: int = 0  # the slots of a packed row (0: the padded rows')
     chunks: int = 1  # micro-batches of packed rows, accumulated
 
