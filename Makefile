@@ -96,7 +96,7 @@ test-gpu:
 # The framework recipes against pinned releases, installed after the pinned torch (pip keeps it), and the
 # report and terminal extras (matplotlib, rich), whose plots and tables tests/test_reports.py then draws.
 FRAMEWORKS ?= pytorch-lightning==2.6.6 accelerate==1.15.0 transformers==5.23.0 matplotlib==3.11.2 rich==15.0.0
-FRAMEWORK_TESTS := tests/test_lightning.py tests/test_accelerate.py tests/test_hf_trainer.py tests/test_hf_located.py tests/test_reports.py
+FRAMEWORK_TESTS := tests/test_lightning.py tests/test_accelerate.py tests/test_hf_trainer.py tests/test_hf_located.py tests/test_hf_packed.py tests/test_reports.py
 test-frameworks: install
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check "$(TORCH)" $(FRAMEWORKS)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q $(FRAMEWORK_TESTS)
