@@ -30,6 +30,8 @@ def test_reentrant_recomputation_leaves_the_trunk_without_its_gradients_while_th
     assert "trunk.embed.weight" in parted  # its own use's gradient lost; the head's use's kept
     assert "got no gradient (zeros) where the reference's carry one" in outcome.comparison.hint
     assert "reentrant checkpoint" in outcome.comparison.hint
+    # where it parts is not said from a graph a reentrant checkpoint never kept, and why is said in its place
+    assert outcome.location is None and "recomputed reentrant from token ids" in outcome.reason, outcome.describe()
 
 
 def steps_once(model, optimizer, batch):
@@ -66,6 +68,8 @@ def test_a_trainable_copy_of_the_tied_output_layer_is_caught_in_the_embedding():
     (untied,) = ec.check_step(lora_tied, steps_once, world_size=2, wrap=saves_the_head, locate=True).outcomes
     assert untied.verdict is Verdict.MISMATCH and untied.comparison.margin > 100, untied.describe()
     assert "trunk.embed.weight" in {m.name for m in untied.comparison.mismatches if m.kind == "grad"}
+    location = untied.location  # the embedding's gradient lacks the head's use, what it is handed matching
+    assert (location.step, location.phase, location.module) == (0, "backward", "trunk.embed"), untied.describe()
 
 
 def test_adapters_under_tensor_and_sequence_parallelism_are_equivalent_and_their_base_stays_frozen():
