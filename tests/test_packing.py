@@ -4,6 +4,8 @@ bug acts, its records read per document."""
 
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 import equivcheck as ec
 from equivcheck import Verdict
@@ -12,6 +14,8 @@ from equivcheck.judge.locate import documents as per_document_reading
 from equivcheck.judge.locate import position_ids
 from equivcheck.packing import DOCUMENTS, IGNORE, PADDING, POSITIONS, TOKENS, document_mask, document_order, pack, padded
 from equivcheck.trace import ModuleCall, StepTrace
+from equivcheck_cases.field._packing import stream
+from equivcheck_cases.packing import LENGTH
 
 CASE = "packed_documents"
 
@@ -175,3 +179,27 @@ def test_documents_are_matched_in_order_fed_whole_or_not_padding_runs_between():
     assert "not the reference's" in position_ids.documents([_trace((ids, positions, mask)),
                                                             _trace((other, packed_positions))])
     assert position_ids.documents([_trace((ids, positions, mask)), _trace((ids[1:], positions[1:]))]) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(documents=st.lists(st.integers(2, LENGTH + 1), min_size=1, max_size=12).flatmap(
+    lambda lengths: st.tuples(*(st.lists(st.integers(0, 2), min_size=n, max_size=n) for n in lengths))),
+       masked=st.booleans())
+def test_documents_packed_whole_are_told_by_their_position_ids_token_for_token(documents, masked):
+    """Any documents (of tokens 0 to 2: padding's token 0 opens many), padded one a row (under a mask, or not: then
+    each padding slot is a one-token run of position 0) and packed whole as collators pack them: each document is
+    matched to itself, every input token read in both runs, the packed run's extra slot in its gradients alone."""
+    assume(any(len(document) > 2 for document in documents))  # position ids of 0 alone count nothing
+    layout, targets = padded([torch.tensor(document) for document in documents], LENGTH)
+    mask = (layout[:, DOCUMENTS] != PADDING).long()
+    ids, positions = layout[:, TOKENS], layout[:, POSITIONS]
+    packed_ids, packed_positions, _ = stream(layout, targets)
+    told = position_ids.documents([_trace((ids, positions, mask) if masked else (ids, positions)),
+                                   _trace((packed_ids, packed_positions))])
+    assert isinstance(told, position_ids.Told), told
+    (ours,), (theirs,) = told.readings
+    inputs = sum(len(document) - 1 for document in documents)
+    assert len(ours[1]) == len(theirs[1]) == inputs
+    assert torch.equal(ids.reshape(-1)[ours[1]], packed_ids.reshape(-1)[theirs[1]])
+    assert torch.equal(ids.reshape(-1)[ours[1]], torch.cat([torch.tensor(document[:-1]) for document in documents]))
+    assert int((ours[2] < 0).sum()) == len(documents) and bool((theirs[2] >= 0).all())

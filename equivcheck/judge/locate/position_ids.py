@@ -5,11 +5,11 @@ transformers' packing feeds ``input_ids``, ``position_ids`` that restart at 0 fo
 transformers' masking makes). Here a forward's first integer input is its token ids, a later one of that shape whose
 every row counts so its position ids, one of 0s and 1s its attention mask (0: a padding slot, in no document). Each
 run's documents, in the order its forwards fed them (the candidate's ranks in rank order), are matched in order to the
-reference's by their tokens: the same tokens, or one more (a document fed whole, its last token an input too, as
-packing collators feed it: the slot only one run fed is read in that run's gradients alone, as no gradient in the
-other's, since the other computed no loss there). A one-token run that matches nothing, or whose neighbour matches
-what it would, is padding (unmasked positions of 0). Where the candidate's documents are not the reference's, or it
-fed no position ids, nothing is read and that is said.
+reference's by their tokens, one for one: the same tokens, or one more (a document fed whole, its last token an input
+too, as packing collators feed it: the slot only one run fed is read in that run's gradients alone, as no gradient in
+the other's, since the other computed no loss there). A row's tail of unmasked positions of 0 after its first
+document is padding. Where the candidate's documents are not the reference's, or it fed no position ids, nothing is
+read and that is said.
 """
 
 from __future__ import annotations
@@ -86,32 +86,24 @@ def laid_alike(reference: list[Tensor], ranks: list[list[Tensor]]) -> bool:
 
 def _matched(fed: list[list[Fed]]) -> list[list[tuple[Run, int, int]]] | None:
     """Each run's documents as (run of slots, document id, tokens shared with the other run's), or None where the
-    candidate's documents are not the reference's."""
+    candidate's documents are not the reference's, one for one in the order they were fed."""
     ours = [(0, run) for run in _runs(fed[0])]
     theirs = [(rank, run) for rank, found in enumerate(fed[1:], 1) for run in _runs(found)]
+    if len(ours) != len(theirs):
+        return None
     matched: list[list[tuple[Run, int, int]]] = [[] for _ in fed]
-    mine = other = 0
-    while mine < len(ours) or other < len(theirs):
-        a, b = (ours[mine] if mine < len(ours) else None), (theirs[other] if other < len(theirs) else None)
+    for document, (a, b) in enumerate(zip(ours, theirs)):
         shared = _shared(fed, a, b)
-        if shared and not _padding_before(fed, b, a, theirs[other + 1:other + 2]) and \
-                not _padding_before(fed, a, b, ours[mine + 1:mine + 2]):
-            document = len(matched[0])
-            for rank, run in (a, b):
-                matched[rank].append((run, document, shared))
-            mine, other = mine + 1, other + 1
-        elif b is not None and _length(b) == 1:
-            other += 1
-        elif a is not None and _length(a) == 1:
-            mine += 1
-        else:
+        if not shared:
             return None
+        for rank, run in (a, b):
+            matched[rank].append((run, document, shared))
     return matched
 
 
 def _runs(fed: list[Fed]) -> list[Run]:
-    """The runs of position ids that count on by one, each a document, in the order they were fed; a masked slot (an
-    attention mask's 0) is in none."""
+    """The runs of position ids that count on by one, each a document, in the order they were fed. A masked slot (an
+    attention mask's 0) is in none, nor a row's tail of unmasked positions of 0 after its first run: padding."""
     runs = []
     for forward, (_, positions, mask) in enumerate(fed):
         real = torch.ones_like(positions, dtype=torch.bool) if mask is None else mask.bool()
@@ -119,18 +111,16 @@ def _runs(fed: list[Fed]) -> list[Run]:
             begins = kept.clone()
             begins[1:] &= (counted[1:] != counted[:-1] + 1) | ~kept[:-1]
             marks = [*torch.nonzero(begins | ~kept).reshape(-1).tolist(), len(counted)]
-            runs += [(forward, row, start, end) for start, end in zip(marks, marks[1:]) if kept[start]]
+            found = [(forward, row, start, end) for start, end in zip(marks, marks[1:]) if kept[start]]
+            while len(found) > 1 and not counted[found[-1][2]:].any():
+                found.pop()  # padding: each slot a one-token run of position 0, up to the row's end
+            runs += found
     return runs
 
 
 def _tokens(fed: list[list[Fed]], document: tuple[int, Run]) -> Tensor:
     rank, (forward, row, start, end) = document
     return fed[rank][forward][0][row, start:end]
-
-
-def _length(document: tuple[int, Run]) -> int:
-    _, (_, _, start, end) = document
-    return end - start
 
 
 def _shared(fed: list[list[Fed]], a: tuple[int, Run] | None, b: tuple[int, Run] | None) -> int:
@@ -140,13 +130,6 @@ def _shared(fed: list[list[Fed]], a: tuple[int, Run] | None, b: tuple[int, Run] 
     first, second = _tokens(fed, a), _tokens(fed, b)
     shared = min(len(first), len(second))
     return shared if abs(len(first) - len(second)) <= 1 and torch.equal(first[:shared], second[:shared]) else 0
-
-
-def _padding_before(fed: list[list[Fed]], document: tuple[int, Run] | None, other: tuple[int, Run] | None,
-                    following: list[tuple[int, Run]]) -> bool:
-    """Whether ``document``, one token long, is better read as padding: the run after it shares ``other``'s tokens."""
-    return document is not None and _length(document) == 1 and bool(following) and \
-        _shared(fed, other, following[0]) > 1
 
 
 def _readings(fed: list[list[Fed]], matched: list[list[tuple[Run, int, int]]]
