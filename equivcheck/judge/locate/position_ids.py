@@ -123,10 +123,8 @@ def _tokens(fed: list[list[Fed]], document: tuple[int, Run]) -> Tensor:
     return fed[rank][forward][0][row, start:end]
 
 
-def _shared(fed: list[list[Fed]], a: tuple[int, Run] | None, b: tuple[int, Run] | None) -> int:
+def _shared(fed: list[list[Fed]], a: tuple[int, Run], b: tuple[int, Run]) -> int:
     """How many tokens documents ``a`` and ``b`` share where one is the other, or the other and one token more."""
-    if a is None or b is None:
-        return 0
     first, second = _tokens(fed, a), _tokens(fed, b)
     shared = min(len(first), len(second))
     return shared if abs(len(first) - len(second)) <= 1 and torch.equal(first[:shared], second[:shared]) else 0
