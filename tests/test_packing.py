@@ -2,6 +2,8 @@
 Faithful packing is equivalent, with and without micro-batches of rows; each pitfall is caught and located where its
 bug acts, its records read per document."""
 
+import importlib
+
 import pytest
 import torch
 from hypothesis import assume, given, settings
@@ -110,7 +112,6 @@ def test_without_the_per_document_reading_the_packed_pitfalls_are_not_located_in
 # transformers' packing: token ids and position ids apart, no documents layout (cases/field/_packing.py's model)
 
 def _located(module_name: str):
-    import importlib
     (outcome,) = importlib.import_module(f"equivcheck_cases.field.{module_name}").buggy().outcomes
     assert outcome.verdict is Verdict.MISMATCH, outcome.describe()
     return outcome.location
@@ -163,7 +164,7 @@ def _trace(*forwards):
                      [], {}, {}, {}, [])
 
 
-def test_documents_are_matched_in_order_fed_whole_or_not_padding_runs_between():
+def test_documents_are_matched_in_order_fed_whole_or_not_and_a_rows_tail_of_positions_of_0_is_padding():
     """The reference padded one a row under a mask; the candidate packs them whole (one token more each), each row
     ending in an unmasked position 0 whose token opens the next document: padding, not that document."""
     ids, positions = torch.tensor([[3, 4, 0, 0], [0, 5, 0, 0]]), torch.tensor([[0, 1, 0, 0], [0, 1, 0, 0]])

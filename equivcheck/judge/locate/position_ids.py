@@ -79,9 +79,9 @@ def _counts_per_document(tensor: Tensor) -> bool:
 def laid_alike(reference: list[Tensor], ranks: list[list[Tensor]]) -> bool:
     """Whether every forward of the candidate was fed rows of the reference's (token ids, documents layouts), as they
     are (micro-batches, data shards): its records join as any run's do."""
-    rows = [row for forward in reference for row in forward]
-    return all(any(len(forward) <= len(rows) - start and all(torch.equal(a, b) for a, b in zip(rows[start:], forward))
-                   for start in range(len(rows))) for found in ranks for forward in found)
+    whole = torch.cat(reference)
+    return all(any(torch.equal(whole[start:start + len(fed)], fed) for start in range(len(whole) - len(fed) + 1))
+               for found in ranks for fed in found)
 
 
 def _matched(fed: list[list[Fed]]) -> list[list[tuple[Run, int, int]]] | None:
